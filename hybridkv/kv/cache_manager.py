@@ -1,0 +1,249 @@
+"""The coordinator: every layer group's manager behind one interface the scheduler calls.
+
+A request's life, as the scheduler sees it::
+
+    hit = kv.find_cache_hit(req)                   # longest prefix every group can resume from
+    ok = kv.allocate_slots(req, n_new, hit)        # False: not enough free blocks now -> wait or preempt
+    ... the model computes n_new tokens; req.num_computed_tokens += n_new ...
+    kv.on_tokens_computed(req)                     # publish full blocks, drop blocks out of reach
+    kv.free(req)                                   # finished, aborted or preempted
+
+Works for any number of attention types and groups (Scout: 1 full + 3 chunked groups; Gemma-3: 1 full + 5
+sliding). Admission counts what each group will really hold: ``peak_blocks(n)`` is the most blocks a request of
+``n`` tokens holds at once, so a request that can never fit is refused up front instead of waiting forever
+(vLLM #39734), and one that fits alone always makes progress once others are preempted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from hybridkv.kv.block_hash import BlockHasher
+from hybridkv.kv.block_pool import BlockPool, KVBlock
+from hybridkv.kv.layout import KVLayout
+from hybridkv.kv.managers import FullAttentionManager, SingleTypeManager, manager_for
+
+
+class KVRequest(Protocol):
+    """What the KV cache needs to know about a request (the engine's Sequence satisfies it)."""
+
+    request_id: str
+    all_token_ids: list[int]  # prompt + generated so far
+    num_computed_tokens: int  # tokens whose KV is written
+    block_hashes: list[bytes]  # filled by the cache manager
+    cache_salt: str | None
+    adapter_id: str | int | None
+
+
+@dataclass(slots=True)
+class CacheRequest:
+    """A minimal KVRequest, for tests, benchmarks and tools."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    cache_salt: str | None = None
+    adapter_id: str | int | None = None
+
+
+@dataclass(slots=True)
+class CacheHit:
+    num_tokens: int
+    blocks: list[list[KVBlock]]  # per group, nulls where the group needs nothing
+
+    @staticmethod
+    def none(num_groups: int) -> CacheHit:
+        return CacheHit(0, [[] for _ in range(num_groups)])
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    queries: int = 0  # requests looked up
+    query_tokens: int = 0
+    hits: int = 0  # requests with a non-empty hit
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_blocks: int,
+        enable_prefix_caching: bool = True,
+        hash_algorithm: str = "xxh3_128",
+        max_step_tokens: int = 8192,
+        retention_interval: int | None = None,
+    ) -> None:
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hasher = BlockHasher(self.block_size, hash_algorithm)
+        self.max_step_tokens = max_step_tokens
+        if retention_interval is None:
+            retention_interval = default_retention_interval(layout)
+        # Full groups first: their left-to-right lookup bounds the hit cheaply for the others.
+        self.managers: list[SingleTypeManager] = sorted(
+            (manager_for(g, self.pool, self.block_size, retention_interval) for g in layout.groups),
+            key=lambda m: (not isinstance(m, FullAttentionManager), m.group.group_id),
+        )
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.managers)
+
+    # ---- admission ---------------------------------------------------------------------------------
+    def peak_blocks(self, num_tokens: int) -> int:
+        """Most blocks one request of ``num_tokens`` tokens holds at once, all groups together."""
+        return sum(
+            m.spec.max_live_blocks(num_tokens, self.block_size, self.max_step_tokens) for m in self.managers
+        )
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return self.peak_blocks(num_tokens) <= self.pool.num_usable_blocks
+
+    def max_tokens_that_fit(self, upper: int) -> int:
+        """Longest request (<= upper) whose peak fits the whole pool; binary search, peak is monotone."""
+        lo, hi = 0, upper
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.can_ever_fit(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    # ---- prefix cache ------------------------------------------------------------------------------
+    def _update_hashes(self, req: KVRequest) -> None:
+        self.hasher.extend(req.block_hashes, req.all_token_ids, req.cache_salt, req.adapter_id)
+
+    def find_cache_hit(self, req: KVRequest) -> CacheHit:
+        """Longest prefix that every group can resume from (a fixed point: each group may lower the length).
+
+        At least one token is always left to compute, so the model produces logits for the next token.
+        """
+        if not self.enable_prefix_caching or req.num_computed_tokens:
+            return CacheHit.none(self.num_groups)
+        self._update_hashes(req)
+        max_blocks = max(0, min((len(req.all_token_ids) - 1) // self.block_size, len(req.block_hashes)))
+        hits: list[list[KVBlock]] = [[] for _ in self.managers]
+        length = max_blocks
+        changed = True
+        while changed and length > 0:
+            changed = False
+            for i, m in enumerate(self.managers):
+                hits[i] = m.find_longest_cache_hit(req.block_hashes, length)
+                if len(hits[i]) < length:
+                    length = len(hits[i])
+                    changed = True
+        if length == 0:
+            hits = [[] for _ in self.managers]
+        self.stats.queries += 1
+        self.stats.query_tokens += len(req.all_token_ids)
+        self.stats.hits += length > 0
+        self.stats.hit_tokens += length * self.block_size
+        blocks = [[] for _ in range(self.num_groups)]
+        for m, h in zip(self.managers, hits):
+            blocks[m.group.group_id] = h
+        return CacheHit(length * self.block_size, blocks)
+
+    # ---- allocation --------------------------------------------------------------------------------
+    def blocks_needed(self, req: KVRequest, num_new_tokens: int, hit: CacheHit | None = None) -> int:
+        hit = hit or CacheHit.none(self.num_groups)
+        total = req.num_computed_tokens + hit.num_tokens + num_new_tokens
+        return sum(
+            m.num_blocks_to_allocate(req.request_id, total, hit.blocks[m.group.group_id]) for m in self.managers
+        )
+
+    def allocate_slots(self, req: KVRequest, num_new_tokens: int, hit: CacheHit | None = None) -> bool:
+        """Make room for ``num_new_tokens`` more tokens (after a prefix hit, if given). False if the pool is short.
+
+        On success with a hit the caller adds ``hit.num_tokens`` to ``req.num_computed_tokens``.
+        """
+        for m in self.managers:
+            m.drop_out_of_reach(req.request_id, req.num_computed_tokens)
+        if self.blocks_needed(req, num_new_tokens, hit) > self.pool.num_free_blocks:
+            return False
+        if hit is not None and hit.num_tokens:
+            for m in self.managers:
+                m.add_hit_blocks(req.request_id, hit.blocks[m.group.group_id])
+        total = req.num_computed_tokens + (hit.num_tokens if hit else 0) + num_new_tokens
+        for m in self.managers:
+            m.allocate(req.request_id, total)
+        return True
+
+    def on_tokens_computed(self, req: KVRequest) -> None:
+        """After a step: publish newly full computed blocks, then free what fell out of reach."""
+        if self.enable_prefix_caching:
+            self._update_hashes(req)
+            for m in self.managers:
+                m.cache_full_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
+        for m in self.managers:
+            m.drop_out_of_reach(req.request_id, req.num_computed_tokens)
+
+    def free(self, req: KVRequest) -> None:
+        """Give back every block of a finished, aborted or preempted request.
+
+        Blocks go back tail first and interleaved across groups, so under memory pressure the cache shrinks
+        from the end of the sequence in every group at once and what remains is still a usable prefix.
+        """
+        if self.enable_prefix_caching and self.has_blocks(req.request_id):
+            self._update_hashes(req)
+            for m in self.managers:
+                m.cache_full_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
+        released = [m.release(req.request_id, req.num_computed_tokens) for m in self.managers]
+        keep: list[KVBlock] = []
+        low: list[KVBlock] = []
+        longest = max((len(blocks) for blocks, _ in released), default=0)
+        for j in range(longest):
+            for blocks, retained in released:
+                if j < len(blocks):
+                    (keep if retained[j] else low).append(blocks[j])
+        self.pool.free_blocks(low, evict_first=True)
+        self.pool.free_blocks(keep)
+
+    # ---- views -------------------------------------------------------------------------------------
+    def block_tables(self, req_id: str) -> list[np.ndarray]:
+        """Per group (indexed by group id), the request's block ids; views, not copies."""
+        out: list[np.ndarray] = [np.empty(0, np.int32)] * self.num_groups
+        for m in self.managers:
+            out[m.group.group_id] = m.block_ids(req_id)
+        return out
+
+    def has_blocks(self, req_id: str) -> bool:
+        return req_id in self.managers[0].tables
+
+    def usage_by_kind(self) -> dict[str, float]:
+        """Share of the pool held by each attention type (what ``kv_cache_usage_perc`` reports)."""
+        out: dict[str, float] = {}
+        for m in self.managers:
+            used = self.pool.in_use_by_group.get(m.group.group_id, 0)
+            out[m.spec.kind] = out.get(m.spec.kind, 0.0) + used / self.pool.num_usable_blocks
+        return out
+
+    def blocks_in_use_by_kind(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for m in self.managers:
+            out[m.spec.kind] = out.get(m.spec.kind, 0) + self.pool.in_use_by_group.get(m.group.group_id, 0)
+        return out
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+
+def default_retention_interval(layout: KVLayout) -> int:
+    """Retain a sliding hit point every 4 windows: at most ~25% extra cached sliding blocks per full block."""
+    windows = [g.spec.window for g in layout.groups if hasattr(g.spec, "window")]
+    if not windows:
+        return 0
+    b = layout.block_size
+    return max(4 * max(windows) // b * b, b)

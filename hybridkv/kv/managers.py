@@ -1,0 +1,240 @@
+"""One manager per attention type: the block table of each request for one layer group.
+
+A block table maps logical block i (tokens ``i*B .. i*B+B-1``) to a physical block id. Sliding and chunked
+managers put the null block (id 0) where tokens fell out of reach and hand the real block back to the pool.
+
+Sliding window 4, block 2, after 7 processed tokens (first needed token 4)::
+
+    before: [7, 8, 9, 10]      after: [0, 0, 9, 10]   (blocks 7 and 8 return to the pool)
+
+Chunked, chunk 4, block 2, after 4 processed tokens: ``[7, 8, 9] -> [0, 0, 9]``.
+
+All the per-step work (allocating the tail, caching newly full blocks, dropping blocks that fell out of reach)
+starts where the previous step stopped, so it does not grow with the context length.
+
+Retention. A later request can reuse a sliding prefix ending at token L only if the blocks covering the
+window before L are still cached (full attention needs every block before L). Blocks that fall out of the window
+are therefore freed as *evict-first*, except those that cover the window before a retained hit point:
+
+- the request's end (the next turn of a conversation extends exactly there), and
+- every ``retention_interval`` tokens (sliding only; chunked layers need nothing at a chunk boundary),
+
+so that when memory is short the hit falls back to the last retained point instead of to zero
+(vLLM #48435, SGLang's "cliff" in PR 35515).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from hybridkv.kv.block_pool import BlockPool, KVBlock
+from hybridkv.kv.layout import LayerGroup
+from hybridkv.kv.specs import FullAttentionSpec, SlidingWindowSpec, cdiv
+
+NULL_BLOCK_ID = 0
+
+
+class BlockTable:
+    """Growable int32 array of block ids; ``ids`` is a view the attention backend can read without copying."""
+
+    __slots__ = ("_buf", "_len")
+
+    def __init__(self, capacity: int = 16) -> None:
+        self._buf = np.zeros(max(16, capacity), dtype=np.int32)
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i: int) -> int:
+        return int(self._buf[i])
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self._buf[: self._len]
+
+    def extend(self, block_ids: Sequence[int]) -> None:
+        n = self._len + len(block_ids)
+        if n > len(self._buf):
+            grown = np.zeros(max(n, 2 * len(self._buf)), dtype=np.int32)
+            grown[: self._len] = self._buf[: self._len]
+            self._buf = grown
+        self._buf[self._len : n] = block_ids
+        self._len = n
+
+    def set_null(self, start: int, end: int) -> None:
+        self._buf[start:end] = NULL_BLOCK_ID
+
+
+class SingleTypeManager:
+    """Block tables of one layer group. Subclasses say how far back a type reaches through their spec."""
+
+    def __init__(self, group: LayerGroup, pool: BlockPool, block_size: int, retention_interval: int = 0) -> None:
+        self.group = group
+        self.spec = group.spec
+        self.pool = pool
+        self.block_size = block_size
+        # In blocks; 0 = no periodic retention (only the request's end is retained).
+        self.retention_blocks = retention_interval // block_size if retention_interval else 0
+        self.tables: dict[str, BlockTable] = {}
+        self._num_dropped: dict[str, int] = {}  # leading entries already nulled
+        self._num_cached: dict[str, int] = {}  # leading entries already published to the prefix cache
+
+    # ---- what a type needs -------------------------------------------------------------------------
+    def first_needed_block(self, num_tokens: int) -> int:
+        return self.spec.first_needed_token(num_tokens) // self.block_size
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_blocks: int) -> list[KVBlock]:
+        """Longest cached prefix of at most ``max_blocks`` blocks this type can resume from.
+
+        Scans right to left: a hit ending at block e needs blocks ``first_needed_block(e*B) .. e-1`` cached; the
+        ones before may be null. Window 4, block 2 (needs 2 blocks), cached ``[T,T,F,T,F,F,T,T,F,F,F]`` -> 8 blocks,
+        ``[null]*6 + [b6, b7]``. Each block is looked up at most once.
+        """
+        gid = self.group.group_id
+        found: dict[int, KVBlock | None] = {}
+
+        def cached(i: int) -> KVBlock | None:
+            if i not in found:
+                found[i] = self.pool.lookup((block_hashes[i], gid))
+            return found[i]
+
+        pos = max_blocks - 1  # every index above pos (and below the current end) is known to be cached
+        for end in range(max_blocks, -1, -1):
+            start = self.first_needed_block(end * self.block_size)
+            pos = min(pos, end - 1)
+            while pos >= start and cached(pos) is not None:
+                pos -= 1
+            if pos < start:
+                return [self.pool.null_block] * start + [found[i] for i in range(start, end)]
+        return []
+
+    def _retained(self, index: int, end_block: int | None) -> bool:
+        """Whether block ``index`` covers the window before a retained hit point (see module docstring)."""
+        if end_block is not None and self.first_needed_block(end_block * self.block_size) <= index < end_block:
+            return True
+        r = self.retention_blocks
+        if not r:
+            return False
+        checkpoint = (index // r + 1) * r
+        return self.first_needed_block(checkpoint * self.block_size) <= index
+
+    # ---- per request -------------------------------------------------------------------------------
+    def num_blocks_to_allocate(self, req_id: str, num_tokens: int, hit_blocks: Sequence[KVBlock] = ()) -> int:
+        table = self.tables.get(req_id)
+        have = len(table) if table is not None else len(hit_blocks)
+        revived = sum(1 for b in hit_blocks if b.ref_cnt == 0) if table is None else 0
+        return max(0, cdiv(num_tokens, self.block_size) - have) + revived
+
+    def add_hit_blocks(self, req_id: str, hit_blocks: Sequence[KVBlock]) -> None:
+        assert req_id not in self.tables, f"request {req_id} already has blocks"
+        self.pool.touch(hit_blocks, self.group.group_id)
+        table = BlockTable(len(hit_blocks))
+        table.extend([b.block_id for b in hit_blocks])
+        self.tables[req_id] = table
+        dropped = 0
+        while dropped < len(hit_blocks) and hit_blocks[dropped] is self.pool.null_block:
+            dropped += 1
+        self._num_dropped[req_id] = dropped
+        self._num_cached[req_id] = len(hit_blocks)
+
+    def allocate(self, req_id: str, num_tokens: int) -> None:
+        """Grow the table to hold ``num_tokens`` tokens."""
+        table = self.tables.get(req_id)
+        if table is None:
+            table = self.tables[req_id] = BlockTable()
+            self._num_dropped[req_id] = self._num_cached[req_id] = 0
+        n = cdiv(num_tokens, self.block_size) - len(table)
+        if n > 0:
+            table.extend([b.block_id for b in self.pool.get_new_blocks(n, self.group.group_id)])
+
+    def cache_full_blocks(self, req_id: str, block_hashes: Sequence[bytes], num_computed: int) -> None:
+        """Publish blocks that became full and computed since the last call."""
+        table = self.tables[req_id]
+        start = self._num_cached[req_id]
+        end = min(num_computed // self.block_size, len(block_hashes), len(table))
+        gid = self.group.group_id
+        blocks = self.pool.blocks
+        for i in range(start, end):
+            block_id = table[i]
+            if block_id != NULL_BLOCK_ID:
+                self.pool.cache_block(blocks[block_id], (block_hashes[i], gid))
+        self._num_cached[req_id] = max(start, end)
+
+    def drop_out_of_reach(self, req_id: str, num_computed: int) -> None:
+        """Null and free the blocks no future token of this request can attend to."""
+        table = self.tables.get(req_id)
+        if table is None:
+            return
+        start = self._num_dropped[req_id]
+        end = min(self.first_needed_block(num_computed), len(table))
+        if end <= start:
+            return
+        keep, low = [], []
+        blocks = self.pool.blocks
+        for i in range(end - 1, start - 1, -1):  # tail first: evicted before the blocks in front of it
+            block_id = table[i]
+            if block_id != NULL_BLOCK_ID:
+                (keep if self._retained(i, None) else low).append(blocks[block_id])
+        table.set_null(start, end)
+        self._num_dropped[req_id] = end
+        self.pool.free_blocks(low, evict_first=True)
+        self.pool.free_blocks(keep)
+
+    def release(self, req_id: str, num_computed: int) -> tuple[list[KVBlock], list[bool]]:
+        """Forget a request's table; return its blocks tail first with, for each, whether it should be kept."""
+        table = self.tables.pop(req_id, None)
+        self._num_dropped.pop(req_id, None)
+        self._num_cached.pop(req_id, None)
+        if table is None:
+            return [], []
+        end_block = num_computed // self.block_size
+        blocks = self.pool.blocks
+        ids = table.ids[::-1].tolist()
+        n = len(ids)
+        return [blocks[i] for i in ids], [self._retained(n - 1 - j, end_block) for j in range(n)]
+
+    def block_ids(self, req_id: str) -> np.ndarray:
+        return self.tables[req_id].ids
+
+    def num_live_blocks(self, req_id: str) -> int:
+        table = self.tables.get(req_id)
+        return 0 if table is None else len(table) - self._num_dropped[req_id]
+
+
+class FullAttentionManager(SingleTypeManager):
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_blocks: int) -> list[KVBlock]:
+        """Left to right up to the first miss: a chained hash hit implies its whole prefix is cached."""
+        gid = self.group.group_id
+        hits = []
+        for i in range(max_blocks):
+            block = self.pool.lookup((block_hashes[i], gid))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _retained(self, index: int, end_block: int | None) -> bool:
+        return True
+
+
+class SlidingWindowManager(SingleTypeManager):
+    pass
+
+
+class ChunkedLocalManager(SingleTypeManager):
+    def __init__(self, group: LayerGroup, pool: BlockPool, block_size: int, retention_interval: int = 0) -> None:
+        # A chunk boundary is a free hit point (nothing before it is needed): periodic retention buys nothing.
+        super().__init__(group, pool, block_size, 0)
+
+
+def manager_for(group: LayerGroup, pool: BlockPool, block_size: int, retention_interval: int) -> SingleTypeManager:
+    if isinstance(group.spec, FullAttentionSpec):
+        cls = FullAttentionManager
+    elif isinstance(group.spec, SlidingWindowSpec):
+        cls = SlidingWindowManager
+    else:
+        cls = ChunkedLocalManager
+    return cls(group, pool, block_size, retention_interval)

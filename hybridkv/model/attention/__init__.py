@@ -1,0 +1,3 @@
+from hybridkv.model.attention.base import AttentionBackend
+
+__all__ = ["AttentionBackend"]
