@@ -1,0 +1,130 @@
+"""Continuous batching over the hybrid KV cache: a token budget per step, chunked prefill, preemption.
+
+Every sequence has ``num_computed_tokens`` and ``num_tokens``; a step gives each scheduled sequence some of the
+difference. Decodes and prefill chunks share one budget (``max_num_batched_tokens``), so the memory a step needs
+is bounded by the budget, not by the longest prompt::
+
+    budget 8: running A (decode, 1 token), B (decode, 1), waiting C (prompt 20)
+    step 1: A 1, B 1, C 6     step 2: A 1, B 1, C 6     step 3: A 1, B 1, C 6     step 4: A 1, B 1, C 2 -> C samples
+
+Running sequences go first, oldest first. When the pool cannot hold a running sequence's next tokens, the newest
+running sequence is preempted (its blocks go back; it waits and later recomputes, helped by the prefix cache).
+A waiting sequence is admitted only when its first chunk fits; otherwise it waits (first come, first served).
+A sequence whose peak need exceeds the whole pool is refused when it is added (``can_ever_fit``), so the
+oldest sequence alone always fits and the loop always makes progress.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from hybridkv.engine.sequence import Sequence, SequenceStatus
+from hybridkv.kv.cache_manager import KVCacheManager
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    seq: Sequence
+    context_len: int  # computed before this step
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the known tokens, so the model's output is sampled."""
+        return self.context_len + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if self._allocate_or_preempt(seq, n, out):
+                out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, n))
+                budget -= n
+                i += 1
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _allocate_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Allocate, preempting the newest running sequences until it fits; False if ``seq`` itself went."""
+        while not self.kv.allocate_slots(seq, n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hit = self.kv.find_cache_hit(seq)
+            n = min(seq.num_uncomputed_tokens - hit.num_tokens, budget)
+            if not self.kv.allocate_slots(seq, n, hit):
+                return  # first come, first served: later arrivals do not overtake it
+            if seq.num_computed_tokens == 0 and seq.num_preemptions == 0:
+                seq.num_cached_prompt_tokens = hit.num_tokens
+            seq.num_computed_tokens += hit.num_tokens
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, n))
+            budget -= n
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def on_step_done(self, out: SchedulerOutput) -> None:
+        """Record the computed tokens (before sampled tokens are appended)."""
+        for s in out.scheduled:
+            s.seq.num_computed_tokens = s.context_len + s.num_new_tokens
+            self.kv.on_tokens_computed(s.seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """A finished or aborted sequence leaves the scheduler and gives back every block it held."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        if self.kv.has_blocks(seq.request_id):
+            self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
