@@ -1,0 +1,214 @@
+"""Per-sequence output processing: incremental detokenisation and stop checks.
+
+Per generated token the engine calls ``RequestOutputState.append_token``; it
+detokenises, applies vLLM's stop rules and sets ``finish_reason``.  Streaming
+callers take text with ``take_delta``.
+
+Stop semantics (vLLM's):
+* nothing stops before ``min_tokens`` output tokens except the length limits;
+* EOS (unless ``ignore_eos``) and ``stop_token_ids`` finish with "stop"; the
+  token stays in ``token_ids`` but its text is left out of ``text`` unless
+  ``include_stop_str_in_output``; ``stop_reason`` is the stop token id, or
+  None for EOS;
+* stop strings may span tokens; ``text`` is cut before the earliest match
+  (after it with ``include_stop_str_in_output``); ``stop_reason`` is the string;
+* "length" when ``max_tokens`` outputs exist, or prompt + output reaches
+  ``max_model_len``; a "stop" on the same token wins over "length".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from hybridkv.engine.sampling_params import SamplingParams
+
+Logprobs = list[tuple[int, float]]
+
+# Tokens of context decoded before the unread ones; enough for sentencepiece
+# to see a preceding piece (so leading spaces survive) and for a UTF-8
+# character split over up to 4 byte tokens.
+_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer(Protocol):
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token sequence into text deltas.
+
+    Decodes the window ``ids[prefix_offset:]`` and diffs it against
+    ``ids[prefix_offset:read_offset]``: decoding a whole window, not single
+    tokens, keeps BPE/sentencepiece spacing right, and a decode ending in
+    U+FFFD is an incomplete UTF-8 character, so it is held back until the
+    following tokens complete it.
+    """
+
+    __slots__ = ("_tokenizer", "_ids", "_prefix_offset", "_read_offset", "_skip_special")
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._ids = list(prompt_ids)
+        # Seed the window with the prompt's tail so the first output token is
+        # decoded in context (e.g. keeps its leading space).
+        self._prefix_offset = max(len(self._ids) - _CONTEXT_TOKENS, 0)
+        self._read_offset = len(self._ids)
+        self._skip_special = skip_special_tokens
+
+    def add_token(self, token_id: int) -> str:
+        """Append one token; return the newly completed text (maybe "")."""
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return new_text[len(prefix_text):]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+
+
+@dataclass(slots=True)
+class RequestOutputState:
+    """What the engine keeps per output sequence.
+
+    ``token_ids`` are all generated ids (stop tokens included); ``text`` the
+    detokenised output after stop handling; ``logprobs`` one entry per token
+    (``SamplerOutput`` rows) or None when not requested.
+    """
+
+    params: SamplingParams
+    prompt_len: int
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[Logprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | None
+    stop_reason: int | str | None = None  # stop token id or stop string
+    streamed_chars: int = 0
+
+    @classmethod
+    def create(
+        cls, params: SamplingParams, prompt_ids: Sequence[int], tokenizer: Tokenizer
+    ) -> RequestOutputState:
+        detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        logprobs: list[Logprobs] | None = [] if params.logprobs is not None else None
+        return cls(params, len(prompt_ids), detok, logprobs=logprobs)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append_token(
+        self,
+        token_id: int,
+        logprobs: Logprobs | None = None,
+        *,
+        eos_token_ids: Collection[int] = (),
+        max_model_len: int | None = None,
+    ) -> str | None:
+        """Record one sampled token; return the finish reason, if it finished."""
+        if self.finished:
+            raise RuntimeError(f"sequence already finished ({self.finish_reason})")
+        self.token_ids.append(token_id)
+        if self.logprobs is not None:
+            self.logprobs.append(list(logprobs or ()))
+        hidden = (_stop_token_hit(self, eos_token_ids)
+                  and not self.params.include_stop_str_in_output)
+        delta = "" if hidden else self.detokenizer.add_token(token_id)
+        self.text += delta
+        self.finish_reason = check_stop(
+            self, new_char_count=len(delta), eos_token_ids=eos_token_ids,
+            max_model_len=max_model_len)
+        return self.finish_reason
+
+    def take_delta(self) -> str:
+        """Text not yet streamed.
+
+        While running, the last ``max_stop_len - 1`` chars are held back: they
+        could be the start of a stop string that a later token completes and
+        that would then be cut from ``text``.
+        """
+        end = len(self.text)
+        if not self.finished and not self.params.include_stop_str_in_output:
+            end -= max(self.params.max_stop_len - 1, 0)
+        end = max(end, self.streamed_chars)
+        delta = self.text[self.streamed_chars:end]
+        self.streamed_chars = end
+        return delta
+
+
+def check_stop(
+    state: RequestOutputState,
+    *,
+    new_char_count: int,
+    eos_token_ids: Collection[int] = (),
+    max_model_len: int | None = None,
+) -> str | None:
+    """Finish reason after ``state``'s last token and its ``new_char_count``
+    chars of text were appended, or None to keep going.
+
+    On a stop-string hit this truncates ``state.text``; on any stop it sets
+    ``state.stop_reason``.
+    """
+    params = state.params
+    num_out = len(state.token_ids)
+    if num_out >= params.min_tokens:
+        if _stop_token_hit(state, eos_token_ids):
+            last = state.token_ids[-1]
+            state.stop_reason = last if last in params.stop_token_ids else None
+            return "stop"
+        hit = find_stop_string(state.text, new_char_count, params.stop,
+                               params.include_stop_str_in_output)
+        if hit is not None:
+            state.stop_reason, cut = hit
+            state.text = state.text[:cut]
+            return "stop"
+    if params.max_tokens is not None and num_out >= params.max_tokens:
+        return "length"
+    if max_model_len is not None and state.prompt_len + num_out >= max_model_len:
+        return "length"
+    return None
+
+
+def find_stop_string(
+    text: str, new_char_count: int, stop: Sequence[str], include: bool
+) -> tuple[str, int] | None:
+    """Earliest stop string that ends inside the last ``new_char_count`` chars
+    of ``text``, with the length to cut ``text`` to; None if none.
+
+    Only matches touching new text count: older text was checked already
+    (or was under ``min_tokens``, where vLLM ignores stop strings too).
+    """
+    if new_char_count <= 0:
+        return None
+    best: tuple[str, int] | None = None
+    for s in stop:
+        start = max(0, len(text) - new_char_count - len(s) + 1)
+        idx = text.find(s, start)
+        if idx != -1 and (best is None or idx < best[1]):
+            best = (s, idx)
+    if best is None:
+        return None
+    s, idx = best
+    return s, idx + len(s) if include else idx
+
+
+def _stop_token_hit(state: RequestOutputState, eos_token_ids: Collection[int]) -> bool:
+    params = state.params
+    if len(state.token_ids) < params.min_tokens:
+        return False
+    last = state.token_ids[-1]
+    if last in params.stop_token_ids:
+        return True
+    return not params.ignore_eos and last in eos_token_ids

@@ -1,0 +1,249 @@
+"""Batched token sampler with vLLM's processing order and semantics.
+
+Order per step: penalties (repetition, frequency, presence) -> min_tokens
+masking -> temperature -> top-k -> top-p -> min-p -> sample.  Greedy rows take
+the argmax right after min_tokens masking (later steps cannot change it).
+
+Sampling uses the exponential race: ``argmax(probs / q)`` with
+``q ~ Exponential(1)`` i.i.d. per vocab entry, which picks token ``i`` with
+probability ``probs[i]``.  Each seeded row draws its ``q`` from its own
+generator, so its samples depend only on its seed and its own history, never
+on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hybridkv.engine.sampling_params import SamplingParams
+
+Logprobs = list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """One sampled token per row.
+
+    ``logprobs`` is None when no row asked for them.  Otherwise row ``i`` is
+    ``[]`` if ``params[i].logprobs is None``, else
+    ``[(sampled_id, lp), (top1_id, lp), ..., (topk_id, lp)]`` with
+    ``k = params[i].logprobs``: the sampled token first (it may repeat inside
+    the top-k), then the top-k in descending order.  All values come from
+    ``log_softmax`` of the raw logits, before penalties, temperature or
+    truncation, like vLLM's default ``raw_logprobs`` mode.
+    """
+
+    token_ids: list[int]
+    logprobs: list[Logprobs] | None
+
+
+def make_generator(seed: int | None) -> torch.Generator | None:
+    """A request's private generator; create once per sequence and keep it."""
+    if seed is None:
+        return None
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    return gen
+
+
+class Sampler:
+    """Stateless apart from the generator used for unseeded rows."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        # A private generator keeps unseeded sampling off torch's global RNG,
+        # so unrelated torch code cannot perturb (or be perturbed by) us.
+        self._generator = torch.Generator()
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+        eos_token_ids: Collection[int] = (),
+    ) -> SamplerOutput:
+        """Sample one token per row of ``logits`` ([B, V]); inputs are not modified.
+
+        ``eos_token_ids`` are the model's EOS ids; they (unless the row sets
+        ``ignore_eos``) and the row's ``stop_token_ids`` are masked while the
+        row has fewer than ``min_tokens`` output tokens.
+        """
+        batch = logits.shape[0]
+        assert len(params) == len(prompt_ids) == len(output_ids) == len(generators) == batch
+        logits = logits.to(torch.float32, copy=True)
+        raw_logprobs = _raw_logprobs(logits, params)
+
+        apply_penalties(logits, params, prompt_ids, output_ids)
+        apply_min_tokens(logits, params, output_ids, eos_token_ids)
+
+        greedy = [p.greedy for p in params]
+        tokens = logits.argmax(dim=-1)
+        if not all(greedy):
+            random_tokens = self._sample_random(logits, params, generators, greedy)
+            greedy_mask = torch.tensor(greedy, device=logits.device)
+            tokens = torch.where(greedy_mask, tokens, random_tokens)
+
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, _gather_logprobs(raw_logprobs, params, token_list))
+
+    def _sample_random(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        greedy: list[bool],
+    ) -> torch.Tensor:
+        # Greedy rows go through with temperature 1 (their result is discarded)
+        # so the division never sees ~0.
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
+                             device=logits.device)
+        logits.div_(temps.unsqueeze(1))
+        apply_top_k_top_p(logits, params)
+        apply_min_p(logits, params)
+        probs = torch.softmax(logits, dim=-1)
+        q = self._exponentials(probs.shape, generators, greedy).to(probs.device)
+        return probs.div_(q).argmax(dim=-1)
+
+    def _exponentials(
+        self,
+        shape: torch.Size,
+        generators: Sequence[torch.Generator | None],
+        greedy: list[bool],
+    ) -> torch.Tensor:
+        # Drawn on the CPU with CPU generators whatever the logits' device, so
+        # a seed gives the same noise on every device.
+        q = torch.empty(shape, dtype=torch.float32)
+        # Seeded rows draw exactly one vocab-sized vector per step from their
+        # own generator; unseeded rows share ours in one vectorised draw.
+        shared_rows = [i for i, g in enumerate(generators) if g is None and not greedy[i]]
+        if shared_rows:
+            q[shared_rows] = torch.empty(len(shared_rows), shape[1]).exponential_(
+                generator=self._generator)
+        for i, gen in enumerate(generators):
+            if greedy[i]:
+                q[i] = 1.0  # greedy rows must not advance their generator
+            elif gen is not None:
+                q[i].exponential_(generator=gen)
+        # exponential_ can return exactly 0; 0/0 would be NaN, which argmax prefers.
+        return q.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def _raw_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor | None:
+    if all(p.logprobs is None for p in params):
+        return None
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _gather_logprobs(
+    raw: torch.Tensor | None, params: Sequence[SamplingParams], tokens: list[int]
+) -> list[Logprobs] | None:
+    if raw is None:
+        return None
+    max_k = min(max(p.logprobs or 0 for p in params), raw.shape[1])
+    top_vals, top_ids = raw.topk(max_k, dim=-1)
+    sampled = raw.gather(1, torch.tensor(tokens, device=raw.device).unsqueeze(1)).squeeze(1)
+    top_vals, top_ids, sampled = top_vals.tolist(), top_ids.tolist(), sampled.tolist()
+    rows: list[Logprobs] = []
+    for i, p in enumerate(params):
+        if p.logprobs is None:
+            rows.append([])
+            continue
+        k = p.logprobs
+        rows.append([(tokens[i], sampled[i]), *zip(top_ids[i][:k], top_vals[i][:k])])
+    return rows
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+) -> None:
+    """In place: repetition penalty, then ``- freq * count - presence * seen``."""
+    dev = logits.device
+    rep = torch.tensor([p.repetition_penalty for p in params], device=dev)
+    freq = torch.tensor([p.frequency_penalty for p in params], device=dev)
+    pres = torch.tensor([p.presence_penalty for p in params], device=dev)
+    if bool((rep == 1.0).all() & (freq == 0.0).all() & (pres == 0.0).all()):
+        return
+    vocab = logits.shape[1]
+    out_counts = _token_counts(output_ids, vocab).to(dev)
+    out_mask = out_counts > 0
+    # Repetition penalty (CTRL-style) covers prompt and output; the OpenAI
+    # penalties look at generated tokens only, as in vLLM.
+    seen = (_token_counts(prompt_ids, vocab).to(dev) > 0) | out_mask
+    rep = rep.unsqueeze(1).expand_as(logits)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    torch.where(seen, penalised, logits, out=logits)
+    logits -= freq.unsqueeze(1) * out_counts
+    logits -= pres.unsqueeze(1) * out_mask
+
+
+def _token_counts(ids: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:
+    """[B, V] float counts of each token id per row."""
+    width = max((len(r) for r in ids), default=0)
+    # Padding points at an extra column that is dropped afterwards.
+    padded = torch.full((len(ids), width), vocab, dtype=torch.long)
+    for i, row in enumerate(ids):
+        if row:
+            padded[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+    counts = torch.zeros(len(ids), vocab + 1)
+    counts.scatter_add_(1, padded, torch.ones(padded.shape))
+    return counts[:, :vocab]
+
+
+def apply_min_tokens(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    output_ids: Sequence[Sequence[int]],
+    eos_token_ids: Collection[int],
+) -> None:
+    """In place: forbid the tokens that would stop a row still under min_tokens."""
+    vocab = logits.shape[1]
+    for i, p in enumerate(params):
+        if len(output_ids[i]) >= p.min_tokens:
+            continue
+        blocked = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            blocked.update(eos_token_ids)
+        blocked = [t for t in blocked if 0 <= t < vocab]
+        if blocked:
+            logits[i, blocked] = float("-inf")
+
+
+def apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """In place: set logits outside each row's top-k / top-p set to -inf."""
+    vocab = logits.shape[1]
+    dev = logits.device
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    if bool((top_k == vocab).all() & (top_p >= 1.0).all()):
+        return
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    positions = torch.arange(vocab, device=dev).unsqueeze(0)
+    sorted_logits.masked_fill_(positions >= top_k.unsqueeze(1), float("-inf"))
+    # Top-p runs on the top-k-renormalised distribution; keep a token while the
+    # mass strictly before it is < p, so the smallest covering set survives and
+    # the top token always does.
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_logits.masked_fill_(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    logits.scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """In place: drop tokens with prob < min_p * (the row's max prob)."""
+    min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+    if bool((min_p == 0.0).all()):
+        return
+    probs = torch.softmax(logits, dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+    logits.masked_fill_(probs < threshold, float("-inf"))

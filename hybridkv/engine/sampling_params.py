@@ -1,0 +1,88 @@
+"""Per-request sampling parameters, named and defaulted as in vLLM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Below this a temperature is treated as greedy: dividing logits by ~0 would
+# overflow, and the resulting distribution is argmax anyway.
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to sample one request's continuation(s).
+
+    ``top_k`` accepts both 0 and -1 for "off" (older and newer vLLM) and is
+    normalised to 0.  ``stop`` is normalised to a list and ``stop_token_ids``
+    to a list.  ``max_tokens=None`` means "until the context limit".
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.stop = _normalise_stop(self.stop)
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or ())]
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(self.n >= 1, "n", "must be >= 1", self.n)
+        _check(self.temperature >= 0.0, "temperature", "must be >= 0", self.temperature)
+        _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)
+        _check(self.top_k >= 0, "top_k", "must be -1 or 0 (disabled) or >= 1", self.top_k)
+        _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]", self.min_p)
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+               "must be in [-2, 2]", self.presence_penalty)
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+               "must be in [-2, 2]", self.frequency_penalty)
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0",
+               self.repetition_penalty)
+        if self.max_tokens is not None:
+            _check(self.max_tokens >= 1, "max_tokens", "must be >= 1 or None", self.max_tokens)
+        _check(self.min_tokens >= 0, "min_tokens", "must be >= 0", self.min_tokens)
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens",
+                   f"must be <= max_tokens={self.max_tokens}", self.min_tokens)
+        if self.logprobs is not None:
+            _check(self.logprobs >= 0, "logprobs", "must be >= 0 or None", self.logprobs)
+        # An empty stop string would match at every position and end at once.
+        _check(all(self.stop), "stop", "must not contain an empty string", self.stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def max_stop_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
+
+
+def _normalise_stop(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    return list(stop)
+
+
+def _check(ok: bool, name: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{name} {rule}, got {value!r}")
