@@ -1,0 +1,406 @@
+"""Capacity planner: how long a request, and how many at once, fit in the KV pool, before launching anything.
+
+Answers from a Hugging Face ``config.json`` alone, with the same layout and the same peak formula the cache
+manager uses for admission, so the planned ``max_model_len`` is exactly what ``KVCacheManager.can_ever_fit``
+accepts. ``hybrid=False`` plans a cache that ignores layer types (every layer kept in full): the comparison
+column, and what vLLM reports with its hybrid manager off.
+
+Llama-4 Scout, TP 8, bf16, 89.71 GiB of KV per rank::
+
+    hybrid:    pages of 96 KiB (12 layers), 1 full + 3 chunked groups -> max_model_len 15,628,784
+    no-hybrid: pages of 384 KiB (48 layers), 1 group                   -> max_model_len  3,919,472
+
+Given GPU memory instead of KV memory, the KV budget is
+``gpu_memory * utilization - weights - activation reserve``, all per rank, and the plan says it is an estimate
+(see ``estimate_weights`` and ``activation_reserve``).
+
+Pure Python: nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from hybridkv.kv.layer_specs import kv_heads_per_rank, layer_specs_from_hf_config, text_config
+from hybridkv.kv.layout import KVLayout, plan_layout
+from hybridkv.kv.specs import AttentionSpec, FullAttentionSpec
+
+GIB = 1 << 30
+# Lengths at which concurrency is reported, besides the requested one: 8K, 128K, 1M tokens.
+CONCURRENCY_LENGTHS = (8 * 1024, 128 * 1024, 1024 * 1024)
+_MODEL_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
+# Activation reserve, per rank (see ``activation_reserve``).
+_RUNTIME_OVERHEAD_BYTES = 2 * GIB  # CUDA context, cuBLAS workspaces, NCCL buffers, CUDA graphs
+_SAMPLER_ROWS = 1024  # sequences sampled in one step; the sampler warm-up keeps float32 logits for each
+_SAMPLER_COPIES = 3  # logits, probabilities, sorted copy for top-p/top-k
+_ACTIVATION_SLACK = 2  # allocator fragmentation and temporaries the per-token count misses
+
+
+@dataclass(slots=True)
+class TypeUsage:
+    """One attention type's share of the cache."""
+
+    kind: str  # full | sliding | chunked
+    label: str  # full | sliding(W) | chunked(C)
+    layers: int
+    groups: int
+    bytes_per_token_per_layer: int
+    bytes_per_token: int  # all layers of this type
+    blocks_per_group: int  # most blocks one request of ``CapacityPlan.row_tokens`` keeps in each group
+    padding_bytes_per_page: int
+
+
+@dataclass(slots=True)
+class Concurrency:
+    num_tokens: int
+    blocks_per_request: int  # the request's peak, all groups together (what admission reserves)
+    requests: int  # how many such requests fit in the pool together
+    ratio: float  # usable blocks / blocks per request (vLLM's "maximum concurrency ... x")
+
+
+@dataclass(slots=True)
+class MemoryEstimate:
+    """Per-rank split of GPU memory when KV memory was not given; every number here is an estimate."""
+
+    gpu_memory_bytes: int
+    gpu_memory_utilization: float
+    weights_bytes: int
+    weights_breakdown: dict[str, int]
+    activation_reserve_bytes: int
+    kv_memory_bytes: int
+
+
+@dataclass(slots=True)
+class CapacityPlan:
+    model_type: str
+    hybrid: bool
+    tensor_parallel_size: int
+    kv_cache_dtype: str  # resolved ("auto" -> the model's dtype)
+    block_size: int
+    max_num_batched_tokens: int
+    types: list[TypeUsage]
+    row_tokens: int  # length the per-type ``blocks_per_group`` are given for (requested L, else max_model_len)
+    page_bytes: int
+    num_groups: int
+    num_blocks: int  # the null block included
+    usable_blocks: int
+    kv_memory_bytes: int
+    kv_memory_is_estimate: bool
+    fixed_bytes: int  # length-independent bytes (FP8 scales)
+    padding_bytes: int  # unused bytes per page, all types together; 0 for every model we know
+    pool_tokens: int  # tokens the pool holds when every group holds the same number of blocks
+    max_model_len: int  # longest single request whose peak fits the pool
+    requested_max_model_len: int | None
+    fits: bool  # the requested length fits (True when none was requested and max_model_len > 0)
+    reason: str  # one line with the numbers when it does not fit; "" otherwise
+    physical_limit_tokens: int | None  # KV memory / bytes per token of the full layers; None without full layers
+    max_position_embeddings: int | None
+    concurrency: list[Concurrency]
+    memory: MemoryEstimate | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def plan_capacity(
+    hf_config: dict[str, Any],
+    *,
+    tensor_parallel_size: int = 1,
+    kv_cache_dtype: str = "auto",
+    block_size: int = 16,
+    kv_memory_bytes: int | None = None,
+    gpu_memory_bytes: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+    max_model_len: int | None = None,
+    max_num_batched_tokens: int = 8192,
+    hybrid: bool = True,
+) -> CapacityPlan:
+    """Plan the KV pool of one rank. Raises ValueError only for bad input, never because a length does not fit."""
+    _check_inputs(kv_memory_bytes, gpu_memory_bytes, gpu_memory_utilization, max_model_len, max_num_batched_tokens)
+    cfg = text_config(hf_config)
+    real_specs = layer_specs_from_hf_config(hf_config, tensor_parallel_size, kv_cache_dtype)
+    specs = real_specs if hybrid else [FullAttentionSpec(s.num_kv_heads, s.head_dim, s.dtype) for s in real_specs]
+    layout = plan_layout(specs, block_size)
+
+    memory = None
+    if kv_memory_bytes is None:
+        memory = estimate_memory(
+            hf_config, tensor_parallel_size, gpu_memory_bytes, gpu_memory_utilization, max_num_batched_tokens
+        )
+        kv_memory_bytes = memory.kv_memory_bytes
+    num_blocks = layout.num_blocks(kv_memory_bytes)
+    usable = max(0, num_blocks - 1)  # block 0 is the null block
+    step = max_num_batched_tokens
+    max_pos = cfg.get("max_position_embeddings")
+
+    longest = longest_fitting(layout, usable, step, _search_upper(layout, usable, max_model_len, max_pos))
+    fits = max_model_len <= longest if max_model_len is not None else longest > 0
+    row_tokens = max_model_len if max_model_len is not None else longest
+    plan = CapacityPlan(
+        model_type=str(cfg.get("model_type", "")),
+        hybrid=hybrid,
+        tensor_parallel_size=tensor_parallel_size,
+        kv_cache_dtype=specs[0].dtype,
+        block_size=block_size,
+        max_num_batched_tokens=step,
+        types=_type_usage(layout, row_tokens, step),
+        row_tokens=row_tokens,
+        page_bytes=layout.page_bytes,
+        num_groups=len(layout.groups),
+        num_blocks=num_blocks,
+        usable_blocks=usable,
+        kv_memory_bytes=kv_memory_bytes,
+        kv_memory_is_estimate=memory is not None,
+        fixed_bytes=layout.fixed_bytes,
+        padding_bytes=sum(layout.padding_bytes.values()),
+        pool_tokens=usable // len(layout.groups) * block_size,
+        max_model_len=longest,
+        requested_max_model_len=max_model_len,
+        fits=fits,
+        reason="",
+        physical_limit_tokens=physical_limit(real_specs, kv_memory_bytes),
+        max_position_embeddings=int(max_pos) if max_pos else None,
+        concurrency=[],
+        memory=memory,
+    )
+    lengths = list(CONCURRENCY_LENGTHS)
+    if row_tokens > 0 and row_tokens not in lengths:
+        lengths.append(row_tokens)
+    plan.concurrency = [concurrency_at(layout, usable, step, n) for n in lengths]
+    if not fits:
+        plan.reason = _not_fit_reason(plan, layout)
+    plan.notes = _notes(plan, hf_config, layout)
+    return plan
+
+
+def _check_inputs(
+    kv_memory_bytes: int | None,
+    gpu_memory_bytes: int | None,
+    utilization: float,
+    max_model_len: int | None,
+    max_num_batched_tokens: int,
+) -> None:
+    if (kv_memory_bytes is None) == (gpu_memory_bytes is None):
+        raise ValueError("give exactly one of kv_memory_bytes and gpu_memory_bytes")
+    if kv_memory_bytes is not None and kv_memory_bytes < 0:
+        raise ValueError(f"KV memory must be >= 0 bytes, got {kv_memory_bytes}")
+    if gpu_memory_bytes is not None and gpu_memory_bytes <= 0:
+        raise ValueError(f"GPU memory must be > 0 bytes, got {gpu_memory_bytes}")
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    if max_model_len is not None and max_model_len < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+    if max_num_batched_tokens < 1:
+        raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+
+
+# ---- the peak formula, shared with KVCacheManager.peak_blocks -----------------------------------------------
+def peak_blocks(layout: KVLayout, num_tokens: int, max_step_tokens: int) -> int:
+    """Most blocks one request of ``num_tokens`` holds at once: ``KVCacheManager.peak_blocks`` without a pool."""
+    return sum(g.spec.max_live_blocks(num_tokens, layout.block_size, max_step_tokens) for g in layout.groups)
+
+
+def longest_fitting(layout: KVLayout, usable_blocks: int, max_step_tokens: int, upper: int) -> int:
+    """Longest request (<= upper) whose peak fits ``usable_blocks``; the peak is monotone in the length."""
+    lo, hi = 0, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if peak_blocks(layout, mid, max_step_tokens) <= usable_blocks:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _search_upper(layout: KVLayout, usable: int, requested: int | None, max_pos: Any) -> int:
+    # A full group alone needs cdiv(L, B) blocks, so no length beyond usable * B fits. Without full layers the
+    # peak stops growing and KV never bounds the length: the bound is the trained one, or the length asked for.
+    bound = usable * layout.block_size
+    if any(isinstance(g.spec, FullAttentionSpec) for g in layout.groups):
+        return bound
+    return max(requested or 0, int(max_pos or 0)) or bound
+
+
+def concurrency_at(layout: KVLayout, usable_blocks: int, max_step_tokens: int, num_tokens: int) -> Concurrency:
+    # Each request is counted at its own peak, as admission reserves it; concurrent decodes need less (their
+    # steps are one token), so this is the number the scheduler guarantees, not an upper bound.
+    per_request = peak_blocks(layout, num_tokens, max_step_tokens)
+    return Concurrency(num_tokens, per_request, usable_blocks // per_request, usable_blocks / per_request)
+
+
+def physical_limit(specs: list[AttentionSpec], kv_memory_bytes: int) -> int | None:
+    """Tokens an ideal cache reaches if local layers stored nothing: KV memory / full layers' bytes per token."""
+    full = sum(s.bytes_per_token for s in specs if isinstance(s, FullAttentionSpec))
+    if not full:
+        return None
+    fixed = sum(s.fixed_bytes_per_layer for s in specs)
+    return max(0, kv_memory_bytes - fixed) // full
+
+
+def _type_usage(layout: KVLayout, num_tokens: int, max_step_tokens: int) -> list[TypeUsage]:
+    rows: dict[str, TypeUsage] = {}
+    for g in layout.groups:
+        spec = g.spec
+        row = rows.get(spec.label)
+        if row is None:
+            row = rows[spec.label] = TypeUsage(
+                kind=spec.kind,
+                label=spec.label,
+                layers=0,
+                groups=0,
+                bytes_per_token_per_layer=spec.bytes_per_token,
+                bytes_per_token=0,
+                blocks_per_group=spec.max_live_blocks(num_tokens, layout.block_size, max_step_tokens),
+                padding_bytes_per_page=layout.padding_bytes.get(spec.label, 0),
+            )
+        row.layers += len(g.layer_ids)
+        row.groups += 1
+        row.bytes_per_token += len(g.layer_ids) * spec.bytes_per_token
+    order = {"full": 0, "sliding": 1, "chunked": 2}
+    return sorted(rows.values(), key=lambda r: (order.get(r.kind, 3), r.label))
+
+
+def _not_fit_reason(plan: CapacityPlan, layout: KVLayout) -> str:
+    need = peak_blocks(layout, plan.requested_max_model_len or 0, plan.max_num_batched_tokens)
+    parts = " + ".join(f"{r.label} {r.groups} x {r.blocks_per_group:,}" for r in plan.types)
+    return (
+        f"max_model_len {plan.requested_max_model_len:,} needs {need:,} blocks ({parts}) of {plan.page_bytes:,} B "
+        f"but {plan.kv_memory_bytes / GIB:.2f} GiB holds {plan.usable_blocks:,} usable; "
+        f"the longest that fits is {plan.max_model_len:,}"
+    )
+
+
+def _notes(plan: CapacityPlan, hf_config: dict[str, Any], layout: KVLayout) -> list[str]:
+    notes: list[str] = []
+    max_pos = plan.max_position_embeddings
+    if max_pos and plan.max_model_len > max_pos:
+        notes.append(f"max_model_len exceeds the config's max_position_embeddings {max_pos:,} (the trained bound)")
+    if max_pos and plan.requested_max_model_len and plan.requested_max_model_len > max_pos:
+        notes.append(f"requested length is above max_position_embeddings {max_pos:,}")
+    if not any(isinstance(g.spec, FullAttentionSpec) for g in layout.groups):
+        notes.append("every layer is local: KV memory does not bound the length")
+    if plan.padding_bytes:
+        notes.append(f"{plan.padding_bytes:,} B of every page are padding: {layout.padding_bytes}")
+    if plan.memory is not None:
+        notes.append("KV memory is an estimate: GPU memory x utilization - estimated weights - activation reserve")
+        if text_config(hf_config).get("quantization_config") or hf_config.get("quantization_config"):
+            notes.append("the checkpoint is quantized; the weights estimate assumes unquantized weights")
+    return notes
+
+
+# ---- GPU memory -> KV memory -------------------------------------------------------------------------------
+def estimate_memory(
+    hf_config: dict[str, Any],
+    tensor_parallel_size: int,
+    gpu_memory_bytes: int | None,
+    utilization: float,
+    max_num_batched_tokens: int,
+) -> MemoryEstimate:
+    breakdown = estimate_weights(hf_config, tensor_parallel_size)
+    weights = sum(breakdown.values())
+    reserve = activation_reserve(hf_config, tensor_parallel_size, max_num_batched_tokens)
+    budget = int((gpu_memory_bytes or 0) * utilization)
+    kv = max(0, budget - weights - reserve)
+    return MemoryEstimate(gpu_memory_bytes or 0, utilization, weights, breakdown, reserve, kv)
+
+
+def model_dtype_bytes(hf_config: dict[str, Any]) -> int:
+    cfg = text_config(hf_config)
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or hf_config.get("torch_dtype") or "bfloat16"
+    return _MODEL_DTYPE_BYTES.get(str(dtype).removeprefix("torch."), 2)
+
+
+def estimate_weights(hf_config: dict[str, Any], tensor_parallel_size: int = 1) -> dict[str, int]:
+    """Bytes of weights on one tensor-parallel rank, by part, in the model dtype.
+
+    Sharded over TP: embeddings and LM head (vocab-parallel), attention projections (KV heads replicated when
+    there are fewer than ranks), MLPs and experts. Replicated: norms and routers.
+    """
+    cfg = text_config(hf_config)
+    tp = tensor_parallel_size
+    dtype = model_dtype_bytes(hf_config)
+    n_layers = int(cfg["num_hidden_layers"])
+    hidden = int(cfg["hidden_size"])
+    vocab = int(cfg.get("vocab_size", 0))
+    embed = vocab * hidden // tp
+    tied = cfg.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False))
+    moe_ids = _moe_layer_ids(cfg, n_layers)
+    dense = _dense_mlp_params(cfg) * (n_layers - len(moe_ids)) // tp
+    experts, routers = _moe_params(cfg)
+    return {
+        "embedding": embed * dtype,
+        "lm_head": 0 if tied else embed * dtype,
+        "attention": _attention_params_per_rank(cfg, tp) * n_layers * dtype,
+        "mlp": dense * dtype,
+        "moe": (experts * len(moe_ids) // tp + routers * len(moe_ids)) * dtype,
+        "norms": (2 * n_layers + 1) * hidden * dtype,
+    }
+
+
+def _attention_params_per_rank(cfg: dict[str, Any], tp: int) -> int:
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    q_heads = -(-heads // tp)
+    kv = kv_heads_per_rank(kv_heads, tp)
+    return hidden * head_dim * (2 * q_heads + 2 * kv)  # q and o, k and v
+
+
+def _moe_layer_ids(cfg: dict[str, Any], n_layers: int) -> list[int]:
+    experts = _num_experts(cfg)
+    if not experts:
+        return []
+    if cfg.get("moe_layers") is not None:
+        return [i for i in cfg["moe_layers"] if i < n_layers]
+    step = int(cfg.get("interleave_moe_layer_step") or cfg.get("decoder_sparse_step") or 1)
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    return [i for i in range(first_dense, n_layers) if (i + 1) % step == 0]
+
+
+def _num_experts(cfg: dict[str, Any]) -> int:
+    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
+
+
+def _dense_mlp_params(cfg: dict[str, Any]) -> int:
+    # Llama-4 names its dense MLP size intermediate_size_mlp (intermediate_size is the expert size there).
+    inter = int(cfg.get("intermediate_size_mlp") or cfg.get("intermediate_size") or 4 * int(cfg["hidden_size"]))
+    return 3 * int(cfg["hidden_size"]) * inter  # gate, up, down
+
+
+def _moe_params(cfg: dict[str, Any]) -> tuple[int, int]:
+    """(experts + shared experts, router) parameters of one MoE layer."""
+    hidden = int(cfg["hidden_size"])
+    n = _num_experts(cfg)
+    inter = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0)
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) or int(cfg.get("n_shared_experts") or 0) * inter
+    if str(cfg.get("model_type", "")).startswith("llama4"):
+        shared = inter  # one shared expert the size of a routed one
+    return 3 * hidden * (n * inter + shared), hidden * n
+
+
+def activation_reserve(hf_config: dict[str, Any], tensor_parallel_size: int, max_num_batched_tokens: int) -> int:
+    """Per-rank bytes kept free for everything but weights and KV. Defined as the sum of:
+
+    - a fixed 2 GiB runtime overhead: CUDA context, cuBLAS workspaces, NCCL buffers, CUDA graphs;
+    - one step of activations: ``max_num_batched_tokens`` x (4 hidden-size buffers + q/k/v of this rank + 3
+      MLP-intermediate buffers of this rank) in the model dtype, doubled for fragmentation and temporaries;
+    - the sampler: 1,024 rows of float32 logits over the whole vocabulary, 3 copies (logits, probs, sorted).
+
+    Deliberately on the safe side: Scout at 0.95 utilization OOMed in sampler warm-up (ANCHORS).
+    """
+    cfg = text_config(hf_config)
+    tp = tensor_parallel_size
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    qkv = head_dim * (-(-heads // tp) + 2 * kv_heads_per_rank(int(cfg.get("num_key_value_heads") or heads), tp))
+    inter = max(int(cfg.get(k) or 0) for k in ("intermediate_size", "intermediate_size_mlp", "moe_intermediate_size"))
+    per_token = (4 * hidden + qkv + 3 * (-(-inter // tp))) * model_dtype_bytes(hf_config)
+    step = max_num_batched_tokens * per_token * _ACTIVATION_SLACK
+    sampler = _SAMPLER_ROWS * int(cfg.get("vocab_size", 0)) * 4 * _SAMPLER_COPIES
+    return _RUNTIME_OVERHEAD_BYTES + step + sampler
+
+
+def plan_to_dict(plan: CapacityPlan) -> dict[str, Any]:
+    """Plain JSON-ready dict."""
+    return asdict(plan)

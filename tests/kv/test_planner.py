@@ -1,0 +1,256 @@
+"""Capacity planner: Scout numbers against vLLM's, agreement with the cache manager's admission, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hybridkv.kv.cache_manager import KVCacheManager
+from hybridkv.kv.layer_specs import layer_specs_from_hf_config
+from hybridkv.kv.layout import plan_layout
+from hybridkv.kv.planner import (
+    GIB,
+    estimate_weights,
+    peak_blocks,
+    plan_capacity,
+    plan_to_dict,
+)
+from hybridkv.kv.specs import FullAttentionSpec, cdiv
+
+REPO = Path(__file__).parents[2]
+DATA = REPO / "tests" / "data" / "scout-text-config.json"
+SHARED = REPO / ".." / "shared" / "scout-text-config.json"  # CI clones shared/ beside the repo
+
+SCOUT_KV = int(89.71 * GIB)
+VLLM_NO_HYBRID_POOL = 3_919_664  # vLLM, hybrid manager off, 89.71 GiB/GPU (ANCHORS)
+VLLM_FP8_POOL = 7_838_976  # vLLM, FP8 e4m3 KV (ANCHORS)
+SCOUT_WEIGHTS_PER_RANK = 27.8 * GIB  # measured (ANCHORS)
+
+
+@pytest.fixture(scope="module")
+def scout() -> dict:
+    return json.loads(DATA.read_text())
+
+
+def gemma3_like(**overrides) -> dict:
+    cfg = {
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 18,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "hidden_size": 640,
+        "intermediate_size": 2048,
+        "vocab_size": 262_144,
+        "max_position_embeddings": 32_768,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+    }
+    return cfg | overrides
+
+
+def scout_plan(scout: dict, **kw):
+    kw.setdefault("kv_memory_bytes", SCOUT_KV)
+    return plan_capacity(scout, tensor_parallel_size=8, **kw)
+
+
+def test_test_data_matches_shared_config():
+    if not SHARED.is_file():
+        pytest.skip("shared/ is not beside the repo")
+    assert json.loads(DATA.read_text()) == json.loads(SHARED.read_text())
+
+
+# ---- Scout ---------------------------------------------------------------------------------------------------
+def test_scout_no_hybrid_pool_matches_vllm(scout):
+    plan = scout_plan(scout, hybrid=False)
+    assert plan.num_groups == 1 and plan.types[0].layers == 48
+    assert plan.pool_tokens == pytest.approx(VLLM_NO_HYBRID_POOL, rel=1e-3)
+    assert plan.max_model_len == plan.pool_tokens  # one group, every block usable by one request
+
+
+def test_scout_fp8_no_hybrid_pool_matches_vllm(scout):
+    plan = scout_plan(scout, hybrid=False, kv_cache_dtype="fp8_e4m3")
+    assert plan.pool_tokens == pytest.approx(VLLM_FP8_POOL, rel=1e-3)
+
+
+@pytest.mark.parametrize("dtype, per_layer", [("bfloat16", 512), ("auto", 512), ("fp8_e4m3", 256)])
+def test_scout_hybrid_reaches_physical_limit(scout, dtype, per_layer):
+    plan = scout_plan(scout, kv_cache_dtype=dtype)
+    ideal = SCOUT_KV // (12 * per_layer)
+    assert 0.995 * ideal <= plan.max_model_len <= ideal
+    assert plan.physical_limit_tokens <= ideal
+    assert plan.max_model_len <= plan.physical_limit_tokens
+    full, chunked = plan.types
+    assert (full.label, full.layers, full.groups, full.bytes_per_token_per_layer) == ("full", 12, 1, per_layer)
+    assert (chunked.label, chunked.layers, chunked.groups) == ("chunked(8192)", 36, 3)
+    assert full.bytes_per_token == 12 * per_layer and chunked.bytes_per_token == 36 * per_layer
+    assert plan.padding_bytes == 0 and plan.fits
+
+
+def test_scout_fp8_halves_bytes_and_keeps_fixed_scales(scout):
+    bf16, fp8 = scout_plan(scout), scout_plan(scout, kv_cache_dtype="fp8_e4m3")
+    assert fp8.page_bytes * 2 == bf16.page_bytes
+    assert fp8.fixed_bytes == 48 * 8 and bf16.fixed_bytes == 0  # one float32 scale for K and V per layer
+    assert abs(fp8.usable_blocks - 2 * bf16.usable_blocks) <= 2
+    # The chunked groups keep the same block count, so only the full group's share doubles.
+    assert fp8.max_model_len == (fp8.usable_blocks - 3 * 1024) * 16
+
+
+def test_scout_chunked_groups_keep_one_chunk_plus_a_step(scout):
+    plan = scout_plan(scout)
+    chunked = plan.types[1]
+    # chunk 8,192 is block-aligned: chunk - 1 + step tokens span cdiv(8191 + 8192, 16) blocks.
+    assert chunked.blocks_per_group == cdiv(8191 + 8192, 16)
+    assert plan.types[0].blocks_per_group == cdiv(plan.max_model_len, 16)
+
+
+def test_requested_length_that_does_not_fit(scout):
+    fitting = scout_plan(scout).max_model_len
+    plan = scout_plan(scout, max_model_len=20_000_000)  # never raises for this
+    assert not plan.fits
+    assert plan.max_model_len == fitting
+    assert "20,000,000" in plan.reason and f"{fitting:,}" in plan.reason and "\n" not in plan.reason
+    assert plan.row_tokens == 20_000_000
+    assert plan.concurrency[-1].num_tokens == 20_000_000 and plan.concurrency[-1].requests == 0
+
+
+def test_requested_length_that_fits(scout):
+    plan = scout_plan(scout, max_model_len=10_000_000)
+    assert plan.fits and plan.reason == ""
+    assert plan.max_model_len >= 10_000_000
+    last = plan.concurrency[-1]
+    assert last.num_tokens == 10_000_000 and last.requests == 1
+    assert any("max_position_embeddings 10,485,760" in n for n in plan.notes)
+
+
+def test_longest_fitting_is_tight(scout):
+    plan = scout_plan(scout, kv_memory_bytes=4 * GIB)
+    layout = plan_layout(layer_specs_from_hf_config(scout, 8), 16)
+    assert peak_blocks(layout, plan.max_model_len, 8192) <= plan.usable_blocks
+    assert peak_blocks(layout, plan.max_model_len + 1, 8192) > plan.usable_blocks
+
+
+def test_concurrency(scout):
+    hybrid, flat = scout_plan(scout), scout_plan(scout, hybrid=False)
+    assert [c.num_tokens for c in hybrid.concurrency][:3] == [8192, 131072, 1048576]
+    for c in hybrid.concurrency:
+        assert c.requests == hybrid.usable_blocks // c.blocks_per_request
+    # At 8K local layers keep everything anyway; beyond a chunk the hybrid cache fits ~3.9x as many at 1M.
+    assert hybrid.concurrency[0].requests == flat.concurrency[0].requests
+    assert hybrid.concurrency[2].requests > 3 * flat.concurrency[2].requests
+
+
+def test_physical_limit_is_a_model_property(scout):
+    assert scout_plan(scout).physical_limit_tokens == scout_plan(scout, hybrid=False).physical_limit_tokens
+    assert scout_plan(scout).physical_limit_tokens == SCOUT_KV // 6144
+
+
+# ---- agreement with the cache manager -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "config, tp, memory, block, step, hybrid",
+    [
+        ("scout", 8, SCOUT_KV, 16, 8192, True),
+        ("scout", 8, 3 * GIB, 32, 2048, True),
+        ("scout", 8, 3 * GIB, 16, 8192, False),
+        ("gemma", 1, GIB // 4, 16, 8192, True),
+        ("gemma", 1, GIB // 4, 64, 1000, True),
+        ("gemma", 1, GIB // 4, 16, 8192, False),
+    ],
+)
+def test_max_model_len_equals_cache_manager(scout, config, tp, memory, block, step, hybrid):
+    cfg = scout if config == "scout" else gemma3_like()
+    plan = plan_capacity(
+        cfg, tensor_parallel_size=tp, kv_memory_bytes=memory, block_size=block,
+        max_num_batched_tokens=step, hybrid=hybrid,
+    )
+    specs = layer_specs_from_hf_config(cfg, tp)
+    if not hybrid:
+        specs = [FullAttentionSpec(s.num_kv_heads, s.head_dim, s.dtype) for s in specs]
+    layout = plan_layout(specs, block)
+    manager = KVCacheManager(layout, layout.num_blocks(memory), enable_prefix_caching=False, max_step_tokens=step)
+    assert manager.pool.num_usable_blocks == plan.usable_blocks
+    assert manager.max_tokens_that_fit(plan.usable_blocks * block) == plan.max_model_len
+    for n in (1, block, 8191, 8192, 100_000, plan.max_model_len):
+        assert manager.peak_blocks(n) == peak_blocks(layout, n, step)
+    assert manager.can_ever_fit(plan.max_model_len) and not manager.can_ever_fit(plan.max_model_len + 1)
+
+
+# ---- sliding window (Gemma-3-like) ---------------------------------------------------------------------------
+@pytest.mark.parametrize("block", [1, 16, 64, 256, 1024])
+@pytest.mark.parametrize("step", [1, 512, 8192])
+def test_gemma3_sliding_rows_keep_a_window_plus_a_step(block, step):
+    plan = plan_capacity(
+        gemma3_like(), kv_memory_bytes=GIB, block_size=block, max_num_batched_tokens=step, max_model_len=32_768
+    )
+    full, sliding = plan.types
+    assert (full.label, full.layers, full.groups) == ("full", 3, 1)
+    assert (sliding.label, sliding.layers, sliding.groups) == ("sliding(512)", 15, 5)
+    assert sliding.bytes_per_token_per_layer == 2 * 256 * 2
+    assert sliding.blocks_per_group <= cdiv(512 - 1 + step, block) + 1
+    assert full.blocks_per_group == cdiv(32_768, block)
+
+
+def test_all_sliding_model_is_not_bounded_by_kv():
+    cfg = gemma3_like(sliding_window_pattern=None, model_type="mistral")
+    plan = plan_capacity(cfg, kv_memory_bytes=GIB)
+    assert plan.physical_limit_tokens is None
+    assert plan.max_model_len == 32_768 and plan.fits
+    assert any("every layer is local" in n for n in plan.notes)
+
+
+# ---- GPU memory -> KV memory ---------------------------------------------------------------------------------
+def test_scout_weights_estimate_within_15_percent(scout):
+    weights = sum(estimate_weights(scout, 8).values())
+    assert weights == pytest.approx(SCOUT_WEIGHTS_PER_RANK, rel=0.15)
+
+
+def test_weights_count_lm_head_unless_tied(scout):
+    untied = estimate_weights(scout, 8)
+    tied = estimate_weights(scout | {"tie_word_embeddings": True}, 8)
+    assert untied["lm_head"] == untied["embedding"] > 0 and tied["lm_head"] == 0
+    # Llama-4: experts use intermediate_size, the dense MLP intermediate_size_mlp; every layer is MoE here.
+    assert untied["mlp"] == 0
+    half_moe = estimate_weights(scout | {"moe_layers": list(range(1, 48, 2))}, 8)
+    assert half_moe["mlp"] == 24 * 3 * 5120 * 16384 // 8 * 2
+    assert half_moe["moe"] == untied["moe"] // 2
+
+
+def test_gpu_memory_mode_is_an_estimate(scout):
+    plan = scout_plan(scout, kv_memory_bytes=None, gpu_memory_bytes=139 * GIB, gpu_memory_utilization=0.9)
+    m = plan.memory
+    assert plan.kv_memory_is_estimate and m is not None
+    assert m.kv_memory_bytes == int(139 * GIB * 0.9) - m.weights_bytes - m.activation_reserve_bytes
+    assert plan.kv_memory_bytes == m.kv_memory_bytes
+    assert any("estimate" in n for n in plan.notes)
+    assert 0 < m.activation_reserve_bytes < 10 * GIB
+
+
+def test_gpu_too_small_gives_zero_not_an_error(scout):
+    plan = scout_plan(scout, kv_memory_bytes=None, gpu_memory_bytes=16 * GIB, max_model_len=8192)
+    assert plan.kv_memory_bytes == 0 and plan.max_model_len == 0 and not plan.fits and plan.reason
+
+
+# ---- bad input ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"kv_cache_dtype": "fp8_e5m2"}, "fp8_e5m2"),
+        ({"block_size": 24}, "power of two"),
+        ({"gpu_memory_bytes": 80 * GIB}, "exactly one"),
+        ({"kv_memory_bytes": None}, "exactly one"),
+        ({"max_model_len": 0}, "max_model_len"),
+        ({"gpu_memory_utilization": 1.5}, "utilization"),
+    ],
+)
+def test_bad_input_raises_value_error(scout, kw, match):
+    with pytest.raises(ValueError, match=match):
+        scout_plan(scout, **kw)
+
+
+def test_plan_is_json_ready(scout):
+    out = json.loads(json.dumps(plan_to_dict(scout_plan(scout))))
+    assert out["max_model_len"] > 0 and out["types"][0]["label"] == "full"

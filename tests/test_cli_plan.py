@@ -1,0 +1,104 @@
+"""``hybridkv plan``: the table, --json, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridkv.cli import main
+
+REPO = Path(__file__).parents[1]
+SCOUT = REPO / "tests" / "data" / "scout-text-config.json"
+SCOUT_ARGS = ["plan", "--model", str(SCOUT), "--tensor-parallel-size", "8", "--kv-memory-gib", "89.71"]
+
+
+def run(capsys, *extra: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        sys.exit(main([*SCOUT_ARGS, *extra]))
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def test_table(capsys):
+    code, out, err = run(capsys)
+    assert code == 0 and err == ""
+    assert "chunked(8192)" in out and "full" in out
+    row = next(line for line in out.splitlines() if line.startswith("max_model_len "))
+    hybrid, flat = row.split()[1:]
+    assert int(hybrid.replace(",", "")) > 15_600_000
+    assert int(flat.replace(",", "")) == pytest.approx(3_919_664, rel=1e-3)
+    assert "concurrency @ 1M" in out and "concurrency @ 128K" in out
+
+
+def test_model_dir_and_no_hybrid(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(SCOUT.read_text())
+    with pytest.raises(SystemExit) as exit_info:
+        sys.exit(main(["plan", "--model", str(tmp_path), "--tensor-parallel-size", "8", "--kv-memory-gib", "89.71",
+                       "--no-hybrid", "--json"]))
+    out = json.loads(capsys.readouterr().out)
+    assert exit_info.value.code == 0
+    assert out["hybrid"] is False and out["comparison"]["hybrid"] is True
+    assert out["max_model_len"] < out["comparison"]["max_model_len"]
+
+
+def test_json(capsys):
+    code, out, _ = run(capsys, "--json", "--kv-cache-dtype", "fp8_e4m3", "--max-model-len", "40000000")
+    plan = json.loads(out)
+    assert code == 0
+    assert plan["kv_cache_dtype"] == "fp8_e4m3"
+    assert plan["fits"] is False and plan["max_model_len"] > 31_000_000 and plan["reason"]
+
+
+def test_gpu_memory_estimate(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        sys.exit(main(["plan", "--model", str(SCOUT), "--tensor-parallel-size", "8", "--gpu-memory-gib", "139",
+                       "--gpu-memory-utilization", "0.9"]))
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "(estimate)" in out and "weights" in out
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--kv-cache-dtype", "fp8_e5m2"], "fp8_e5m2"),
+        (["--block-size", "24"], "power of two"),
+        (["--tensor-parallel-size", "3"], "tensor_parallel_size 3"),
+        (["--max-model-len", "0"], "max_model_len"),
+        (["--gpu-memory-gib", "80"], "not allowed with"),
+        (["--block-size", "x"], "invalid int value"),
+    ],
+)
+def test_bad_input_one_line_exit_2(capsys, args, needle):
+    code, out, err = run(capsys, *args)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and needle in err and "Traceback" not in err
+
+
+def test_missing_memory_and_missing_file(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        sys.exit(main(["plan", "--model", str(SCOUT)]))
+    assert exit_info.value.code == 2 and "--kv-memory-gib" in capsys.readouterr().err
+    assert main(["plan", "--model", "/no/such/model", "--kv-memory-gib", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "/no/such/model" in err
+
+
+def test_subprocess_bad_json_no_traceback(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    proc = subprocess.run(
+        [sys.executable, "-m", "hybridkv.cli", "plan", "--model", str(bad), "--kv-memory-gib", "1"],
+        capture_output=True, text=True, cwd=REPO,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "not valid JSON" in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "bench"])
+def test_other_subcommands_are_stubs(capsys, command):
+    assert main([command]) == 2
+    assert "not yet available" in capsys.readouterr().err
