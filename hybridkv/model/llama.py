@@ -1,0 +1,226 @@
+"""Llama-2/3 (and Mistral/Qwen2 layouts) and Llama-4 text decoders in plain torch.
+
+All sequences of a step are flattened into one token dimension T; ``positions`` are each token's absolute
+position within its own sequence. Attention itself (masks, caches, which tokens belong together) is the
+backend's business: each layer hands it q, k, v after position encoding (see ``attention/base.py``).
+
+Llama-4 differs from Llama-3 in ways that are easy to get wrong (checked against transformers 5.x):
+
+- RoPE rotates interleaved pairs (dims 2i, 2i+1: the complex-number form of Meta's code), not the two halves
+  of the head as Llama-3's ``rotate_half`` does.
+- RoPE layers (``no_rope_layers[i] == 1``) are the chunked-attention layers; the others are NoPE full-attention
+  layers.
+- QK-norm, on RoPE layers only and after RoPE, is ``x * rsqrt(mean(x^2) + eps)`` with no weight (transformers
+  calls it L2 norm but it is an RMS norm: unit RMS, not unit length).
+- NoPE layers scale q by ``log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1`` (temperature tuning).
+- MoE: sigmoid of the top-k router logits scales the expert's *input*, not its output; a shared expert is
+  always added; non-MoE layers use a dense MLP of ``intermediate_size_mlp``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.model.attention.base import AttentionBackend
+from hybridkv.model.config import ModelConfig, RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return unit_rms(x, self.eps) * self.weight
+
+
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    # float32 statistics so bf16/fp16 models normalise like transformers does.
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_scale(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between blended linearly in 1/wavelen.
+    old_len = rope.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    band = rope.high_freq_factor - rope.low_freq_factor
+    # Scout has low == high factor: no blend band; avoid the 0/0 that transformers hides behind torch.where.
+    smooth = (old_len / wavelen - rope.low_freq_factor) / band if band else torch.zeros_like(inv_freq)
+    blended = (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, blended)
+    return torch.where(wavelen < high_freq_wavelen, inv_freq, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [T, 1, D/2] in float32 (broadcast over heads)."""
+    angles = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    return angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+
+def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama-2/3 layout: dim i pairs with dim i + D/2."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama-4 layout: dim 2i pairs with dim 2i + 1 (a complex multiply by e^{i angle})."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    re, im = pairs[..., 0], pairs[..., 1]
+    return torch.stack((re * cos - im * sin, re * sin + im * cos), dim=-1).flatten(-2).to(x.dtype)
+
+
+def temperature_scales(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
+    """Per-token q multiplier of Llama-4 NoPE layers, shape [T, 1, 1]."""
+    scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+    return scales[:, None, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer_id = layer_id
+        self.use_rope = cfg.uses_rope(layer_id)
+        self.scale = cfg.head_dim**-0.5
+        qkv_bias = cfg.attention_bias or cfg.qkv_bias
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=qkv_bias, dtype=dtype)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=qkv_bias, dtype=dtype)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias, dtype=dtype)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend
+    ) -> torch.Tensor:
+        d = self.cfg.head_dim
+        q = self.q_proj(x).unflatten(-1, (-1, d))
+        k = self.k_proj(x).unflatten(-1, (-1, d))
+        v = self.v_proj(x).unflatten(-1, (-1, d))
+        q, k = self._position_encode(q, k, positions, rope)
+        out = attn.attend(self.layer_id, q, k, v, self.scale)
+        return self.o_proj(out.flatten(-2))
+
+    def _position_encode(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        if not cfg.is_llama4:
+            return rope_halves(q, *rope), rope_halves(k, *rope)
+        if self.use_rope:
+            q, k = rope_interleaved(q, *rope), rope_interleaved(k, *rope)
+            if cfg.use_qk_norm:
+                q, k = unit_rms(q, cfg.rms_norm_eps), unit_rms(k, cfg.rms_norm_eps)
+        elif cfg.attn_temperature_tuning:
+            q = (q * temperature_scales(positions, cfg.floor_scale, cfg.attn_scale)).to(q.dtype)
+        return q, k
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias, dtype=dtype)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """Expert weights fused as transformers stores them: gate_up [E, H, 2I] (gate first), down [E, I, H]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * intermediate, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden, dtype=dtype))
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = (x @ self.gate_up_proj[e]).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ self.down_proj[e]
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=False, dtype=dtype)
+        self.experts = Experts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size, dtype)
+        self.shared_expert = MLP(cfg.hidden_size, cfg.intermediate_size, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top_logits, top_ids = torch.topk(self.router(x), self.top_k, dim=-1)
+        gates = torch.sigmoid(top_logits.float()).to(x.dtype)
+        routed = torch.zeros_like(x)
+        # Only experts some token picked run, on only the tokens that picked them.
+        for e in top_ids.unique().tolist():
+            rows, slot = (top_ids == e).nonzero(as_tuple=True)
+            gated_in = x[rows] * gates[rows, slot, None]
+            routed.index_add_(0, rows, self.experts.expert(e, gated_in))
+        return self.shared_expert(x) + routed
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, layer_id, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp: nn.Module
+        if cfg.is_moe_layer(layer_id):
+            self.mlp = MoE(cfg, dtype)
+        else:
+            size = cfg.intermediate_size_mlp if cfg.is_llama4 else cfg.intermediate_size
+            self.mlp = MLP(cfg.hidden_size, size, cfg.mlp_bias, dtype)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head. Parameter names follow transformers' with ``model.`` dropped and ``feed_forward`` ->
+    ``mlp`` (see ``loader.hf_to_local_name``)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] for flattened tokens ``input_ids`` [T] at ``positions`` [T]."""
+        rope = rope_cos_sin(rope_inv_freq(self.cfg.rope, self.cfg.head_dim), positions)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, rope, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] for the hidden rows the caller picked (e.g. each sequence's last token)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
