@@ -1,22 +1,17 @@
-"""``hybridkv`` command line: plan | generate | serve | bench.
+"""``hybridkv`` command line: serve | generate | plan | bench.
 
-Each subcommand has its own ``_add_<name>`` parser builder and ``_run_<name>`` function; ``main`` only wires
-them together, so adding one touches nothing else.
-
-    hybridkv plan --model /models/Llama-4-Scout --tensor-parallel-size 8 --kv-memory-gib 89.71
+Each subcommand lives in ``hybridkv/commands/<name>.py`` with an ``add_parser(subparsers)`` that sets ``run``;
+heavy imports (torch, the server) happen inside ``run``, so ``hybridkv plan`` stays light.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from typing import Callable, NoReturn, Sequence
+from typing import NoReturn, Sequence
 
-from hybridkv.kv.layer_specs import load_hf_config
-from hybridkv.kv.planner import CONCURRENCY_LENGTHS, CapacityPlan, plan_capacity, plan_to_dict
+from hybridkv.commands import bench, generate, plan, serve
 
-GIB = 1 << 30
 EXIT_USAGE = 2
 
 
@@ -27,194 +22,11 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-# ---- plan ---------------------------------------------------------------------------------------------------
-def _add_plan(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "plan",
-        help="how long a request and how many at once fit in the KV cache, before launching",
-        description="Plan the KV cache of one tensor-parallel rank from a model's config.json.",
-    )
-    p.add_argument("--model", required=True, metavar="PATH", help="model directory or config.json")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N")
-    p.add_argument(
-        "--kv-cache-dtype", default="auto", metavar="DTYPE", help="auto | bfloat16 | float16 | fp8_e4m3 (auto)"
-    )
-    p.add_argument("--block-size", type=int, default=16, metavar="B", help="tokens per block, a power of two")
-    mem = p.add_mutually_exclusive_group(required=True)
-    mem.add_argument("--kv-memory-gib", type=float, metavar="G", help="KV cache memory per rank")
-    mem.add_argument("--gpu-memory-gib", type=float, metavar="G", help="GPU memory per rank (KV is estimated)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="U")
-    p.add_argument("--max-model-len", type=int, metavar="L", help="length to check; default: the longest that fits")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N")
-    p.add_argument("--no-hybrid", action="store_true", help="plan a cache that keeps every layer in full")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.set_defaults(run=_run_plan)
-
-
-def _run_plan(args: argparse.Namespace) -> int:
-    try:
-        config = load_hf_config(args.model)
-        kw = _plan_kwargs(args)
-        plan = plan_capacity(config, hybrid=not args.no_hybrid, **kw)
-        other = plan_capacity(config, hybrid=args.no_hybrid, **kw)
-    except json.JSONDecodeError as e:
-        return _fail(f"{args.model}: not valid JSON ({e.msg}, line {e.lineno})")
-    except (OSError, ValueError) as e:
-        return _fail(str(e))
-    except KeyError as e:
-        return _fail(f"{args.model}: config lacks {e.args[0]!r}")
-    if args.json:
-        out = plan_to_dict(plan)
-        out["comparison"] = plan_to_dict(other)
-        print(json.dumps(out, indent=2))
-    else:
-        hybrid, flat = (plan, other) if plan.hybrid else (other, plan)
-        print(format_plan(plan, hybrid, flat))
-    return 0
-
-
-def _plan_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    for name in ("kv_memory_gib", "gpu_memory_gib"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
-    return dict(
-        tensor_parallel_size=args.tensor_parallel_size,
-        kv_cache_dtype=args.kv_cache_dtype,
-        block_size=args.block_size,
-        kv_memory_bytes=None if args.kv_memory_gib is None else int(args.kv_memory_gib * GIB),
-        gpu_memory_bytes=None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GIB),
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
-
-
-def format_plan(plan: CapacityPlan, hybrid: CapacityPlan, flat: CapacityPlan) -> str:
-    """The human table: ``plan``'s per-type rows, then hybrid and no-hybrid side by side."""
-    kv = f"{plan.kv_memory_bytes / GIB:.2f} GiB" + (" (estimate)" if plan.kv_memory_is_estimate else "")
-    head = (
-        f"{plan.model_type or 'model'}: {sum(r.layers for r in plan.types)} layers, TP {plan.tensor_parallel_size}, "
-        f"KV {plan.kv_cache_dtype}, block {plan.block_size}, step {plan.max_num_batched_tokens:,} tokens, "
-        f"KV memory {kv} per rank"
-    )
-    lines = [head, "", _types_table(plan), "", _compare_table(hybrid, flat)]
-    if plan.memory is not None:
-        m = plan.memory
-        lines += [
-            "",
-            f"estimate: {m.gpu_memory_bytes / GIB:.2f} GiB x {m.gpu_memory_utilization}"
-            f" - weights {m.weights_bytes / GIB:.2f} GiB - reserve {m.activation_reserve_bytes / GIB:.2f} GiB"
-            f" = KV {m.kv_memory_bytes / GIB:.2f} GiB per rank",
-        ]
-    if plan.reason:
-        lines += ["", f"does not fit: {plan.reason}"]
-    lines += [f"note: {n}" for n in plan.notes]
-    return "\n".join(lines)
-
-
-def _types_table(plan: CapacityPlan) -> str:
-    rows = [
-        [r.label, r.layers, r.groups, r.bytes_per_token_per_layer, r.bytes_per_token, r.blocks_per_group]
-        for r in plan.types
-    ]
-    total_layers = sum(r.layers for r in plan.types)
-    total_bytes = sum(r.bytes_per_token for r in plan.types)
-    total_blocks = sum(r.groups * r.blocks_per_group for r in plan.types)
-    rows.append(["total", total_layers, plan.num_groups, "", total_bytes, total_blocks])
-    mode = "hybrid" if plan.hybrid else "no-hybrid"
-    at = f"blocks/group @ {plan.row_tokens:,}"
-    headers = [f"attention ({mode})", "layers", "groups", "B/tok/layer", "B/tok", at]
-    return _table(headers, rows)
-
-
-def _compare_table(hybrid: CapacityPlan, flat: CapacityPlan) -> str:
-    def pair(label: str, get: Callable[[CapacityPlan], object]) -> list:
-        return [label, get(hybrid), get(flat)]
-
-    rows = [
-        pair("page bytes", lambda p: p.page_bytes),
-        pair("groups", lambda p: p.num_groups),
-        pair("blocks (usable)", lambda p: p.usable_blocks),
-        pair("padding B/page", lambda p: p.padding_bytes),
-        pair("pool tokens", lambda p: p.pool_tokens),
-        pair("max_model_len", lambda p: p.max_model_len),
-        pair("physical limit (full layers)", lambda p: p.physical_limit_tokens or "none"),
-        pair("max_model_len / physical", _share_of_physical),
-    ]
-    lengths = [c.num_tokens for c in hybrid.concurrency if c.num_tokens in CONCURRENCY_LENGTHS]
-    if hybrid.requested_max_model_len is not None:
-        n = hybrid.requested_max_model_len
-        rows.append(pair(f"fits {n:,}", lambda p: "yes" if p.fits else "no"))
-        lengths += [n] * (n not in lengths)
-    for n in lengths:
-        rows.append(pair(f"concurrency @ {_short(n)}", lambda p: _ratio(_concurrency(p, n))))
-    if hybrid.max_position_embeddings:
-        rows.append(pair("max_position_embeddings", lambda p: p.max_position_embeddings))
-    return _table(["", "hybrid", "no-hybrid"], rows)
-
-
-def _concurrency(plan: CapacityPlan, num_tokens: int) -> float:
-    return next(c.ratio for c in plan.concurrency if c.num_tokens == num_tokens)
-
-
-def _share_of_physical(plan: CapacityPlan) -> str:
-    limit = plan.physical_limit_tokens
-    return f"{100 * plan.max_model_len / limit:.1f}%" if limit else "-"
-
-
-def _ratio(x: float) -> str:
-    return f"{x:,.2f}x"
-
-
-def _short(n: int) -> str:
-    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
-        if n % size == 0:
-            return f"{n // size}{unit}"
-    return f"{n:,}"
-
-
-def _table(headers: list[str], rows: list[list]) -> str:
-    cells = [headers] + [[f"{v:,}" if isinstance(v, int) else str(v) for v in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-
-    def line(row: list[str]) -> str:
-        # Labels left, numbers right-aligned so digits line up.
-        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths)))
-
-    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
-
-
-def _fail(message: str) -> int:
-    print(f"hybridkv plan: error: {message}", file=sys.stderr)
-    return EXIT_USAGE
-
-
-# ---- not yet available --------------------------------------------------------------------------------------
-def _add_stub(name: str, help_text: str) -> Callable[[argparse._SubParsersAction], None]:
-    def add(sub: argparse._SubParsersAction) -> None:
-        p = sub.add_parser(name, help=help_text)
-        p.set_defaults(run=lambda args: _not_available(name))
-
-    return add
-
-
-def _not_available(name: str) -> int:
-    print(f"hybridkv {name}: not yet available", file=sys.stderr)
-    return EXIT_USAGE
-
-
-_add_serve = _add_stub("serve", "OpenAI-compatible server (not yet available)")
-_add_generate = _add_stub("generate", "offline generation (not yet available)")
-_add_bench = _add_stub("bench", "benchmarks (not yet available)")
-
-
-# ---- entry point --------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hybridkv", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for add in (_add_serve, _add_generate, _add_plan, _add_bench):
-        add(sub)
+    for command in (serve, generate, plan, bench):
+        command.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,181 @@
+"""Read a llama-architecture GGUF checkpoint as HF-named tensors and an HF-style config dict.
+
+The output is meant to be indistinguishable from what transformers' ``LlamaForCausalLM.state_dict()``
+and ``config.json`` hold for the same checkpoint, so the weight loader needs no GGUF special cases.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+SUPPORTED_ARCHITECTURE = "llama"
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+# llama.cpp stores Llama-3 rope frequency factors as a tensor; HF recomputes them from the config,
+# so the tensor has no place in the state dict.
+_SKIPPED_TENSORS = frozenset({"rope_freqs.weight"})
+
+_LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def gguf_metadata(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    """A metadata value as plain Python (str, int, float, bool or list), or ``default`` if absent."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+@dataclass(slots=True)
+class GGUFCheckpoint:
+    """A memory-mapped GGUF file; tensors are dequantized lazily by :meth:`named_tensors`."""
+
+    path: Path
+    reader: gguf.GGUFReader
+    hf_config: dict
+    dtype: torch.dtype
+
+    def named_tensors(self, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, tensor)`` pairs, the same set ``LlamaForCausalLM.state_dict()`` holds.
+
+        A tied checkpoint yields ``lm_head.weight`` as the very tensor of ``model.embed_tokens.weight``.
+        """
+        tensors = tqdm(
+            self.reader.tensors, desc=f"Reading {self.path.name}", unit="tensor", disable=not progress
+        )
+        embedding = None
+        for tensor in tensors:
+            if tensor.name in _SKIPPED_TENSORS:
+                continue
+            name = hf_tensor_name(tensor.name)
+            value = self._to_torch(tensor)
+            if name == "model.embed_tokens.weight":
+                embedding = value
+            yield name, value
+        if self.hf_config["tie_word_embeddings"]:
+            yield "lm_head.weight", embedding
+
+    def _to_torch(self, tensor: gguf.ReaderTensor) -> torch.Tensor:
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        # Unquantized tensors come back as views of the read-only memory map.
+        if not array.flags.writeable:
+            array = np.array(array)
+        value = torch.from_numpy(array).to(self.dtype)
+        return self._unpermute(tensor.name, value)
+
+    def _unpermute(self, gguf_name: str, value: torch.Tensor) -> torch.Tensor:
+        config = self.hf_config
+        if ".attn_q." in gguf_name:
+            return unpermute_rows(value, config["num_attention_heads"])
+        if ".attn_k." in gguf_name:
+            return unpermute_rows(value, config["num_key_value_heads"])
+        return value
+
+
+def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation.
+
+    llama.cpp's converter reorders each head's rows from HF's half-split rotary layout
+    (first half, second half) to GPT-J's interleaved pairs; this restores HF's order.
+    """
+    half_head = weight.shape[0] // num_heads // 2
+    split = weight.reshape(num_heads, half_head, 2, *weight.shape[1:])
+    return split.transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _LAYER_TENSOR_RE.fullmatch(gguf_name)
+    if match is None or match[2] not in _LAYER_TENSORS:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in a llama model")
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}"
+
+
+def read_gguf(path: str | PathLike, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
+    """Open a llama GGUF file; raises ValueError naming the architecture if it is not llama."""
+    path = Path(path)
+    reader = gguf.GGUFReader(path)
+    architecture = gguf_metadata(reader, "general.architecture")
+    if architecture != SUPPORTED_ARCHITECTURE:
+        raise ValueError(
+            f"{path}: GGUF architecture {architecture!r} is not supported; "
+            f"only {SUPPORTED_ARCHITECTURE!r} checkpoints can be read"
+        )
+    return GGUFCheckpoint(path=path, reader=reader, hf_config=hf_config(reader, dtype), dtype=dtype)
+
+
+def hf_config(reader: gguf.GGUFReader, dtype: torch.dtype = torch.float32) -> dict:
+    """The ``config.json`` transformers would write for this llama GGUF."""
+    arch = gguf_metadata(reader, "general.architecture")
+
+    def key(name: str, default: Any = None) -> Any:
+        return gguf_metadata(reader, f"{arch}.{name}", default)
+
+    hidden_size = key("embedding_length")
+    num_heads = key("attention.head_count")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        # Older files lack llama.vocab_size; the vocabulary then is the token list.
+        "vocab_size": key("vocab_size") or (len(tokens.data) if tokens is not None else None),
+        "hidden_size": hidden_size,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": key("attention.head_count_kv", num_heads),
+        "head_dim": key("attention.key_length") or key("rope.dimension_count") or hidden_size // num_heads,
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": key("rope.freq_base", 10000.0),
+        "rope_scaling": _rope_scaling(reader, arch),
+        "max_position_embeddings": key("context_length"),
+        "hidden_act": "silu",
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "mlp_bias": "blk.0.ffn_up.bias" in tensor_names,
+        # llama.cpp writes the output projection only when it differs from the embedding.
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": gguf_metadata(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": gguf_metadata(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": gguf_metadata(reader, "tokenizer.ggml.padding_token_id"),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    return config
+
+
+def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict | None:
+    kind = gguf_metadata(reader, f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    scaling = {"rope_type": kind, "factor": gguf_metadata(reader, f"{arch}.rope.scaling.factor", 1.0)}
+    original = gguf_metadata(reader, f"{arch}.rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = original
+    return scaling
