@@ -33,7 +33,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
-    state: Any = None  # per-sequence output/sampling state owned by the engine
+    state: Any = None  # output state (text, stop checks) owned by the engine
+    generator: Any = None  # torch.Generator of a seeded request
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

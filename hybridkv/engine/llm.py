@@ -1,0 +1,124 @@
+"""The offline API, shaped like vLLM's: ``LLM(...).generate(prompts, sampling_params)`` and ``.chat(...)``."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from hybridkv.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.model.checkpoint import LoadedModel
+
+Prompt = str | dict[str, Any]
+Message = dict[str, str]
+
+
+class LLM:
+    """
+    >>> llm = LLM()                                             # doctest: +SKIP
+    >>> llm.generate("Hi", SamplingParams(temperature=0))[0].outputs[0].text  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        kv_cache_memory_bytes: int | None = None,
+        kv_cache_dtype: str = "auto",
+        seed: int = 0,
+        device: str = "cpu",
+        loaded: LoadedModel | None = None,
+    ) -> None:
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            kv_cache_dtype=kv_cache_dtype,
+            seed=seed,
+            device=device,
+        )
+        self.engine = LLMEngine(config, loaded)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of ``prompts``. A prompt is text or ``{"prompt_token_ids": [...]}``."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = _broadcast(sampling_params or SamplingParams(), len(prompts))
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, _prompt_value(prompt), p)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:  # a bad prompt rejects the batch without leaving the others queued
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        prompts = [
+            {"prompt_token_ids": tok.encode(tok.apply_chat_template(list(c), add_generation_prompt), False)}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while wanted - finished.keys():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        finished[out.request_id] = out
+                        bar.update()
+        return [finished[i] for i in ids]
+
+
+def _prompt_value(prompt: Prompt) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    if isinstance(prompt, dict) and "prompt" in prompt:
+        return prompt["prompt"]
+    raise ValueError("a prompt is a string or a dict with 'prompt_token_ids' (or 'prompt')")
+
+
+def _broadcast(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params

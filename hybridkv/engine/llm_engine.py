@@ -1,0 +1,281 @@
+"""The engine: requests in, one scheduled forward pass per ``step()``, outputs out.
+
+``LLM.generate`` -> ``LLMEngine.add_request`` -> ``step()``: ``Scheduler.schedule`` -> ``ModelRunner.run``
+(model forward, ``TorchPagedAttention`` over the hybrid cache) -> ``Sampler`` -> output processing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridkv.engine.model_runner import ModelRunner
+from hybridkv.engine.output_processing import Logprobs, RequestOutputState
+from hybridkv.engine.sampler import Sampler, make_generator
+from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.engine.scheduler import Scheduler, SchedulerOutput
+from hybridkv.engine.sequence import Sequence
+from hybridkv.kv.cache_manager import KVCacheManager
+from hybridkv.kv.layer_specs import layer_specs_from_hf_config
+from hybridkv.kv.layout import plan_layout
+from hybridkv.model.attention.torch_paged import TorchPagedAttention
+from hybridkv.model.checkpoint import LoadedModel, load_checkpoint
+
+log = logging.getLogger("hybridkv")
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None
+    dtype: str = "auto"  # float32 on CPU; the checkpoint's dtype on GPU
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "xxh3_128"
+    max_model_len: int | None = None  # None: the model's context, clamped to what the KV budget holds
+    clamp_max_model_len: bool = False  # an explicit max_model_len that does not fit: clamp (serve) or raise
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    kv_cache_memory_bytes: int | None = None  # None: 2 GiB on CPU
+    kv_cache_dtype: str = "auto"
+    seed: int = 0
+    device: str = "cpu"
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[Logprobs] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    # Text new since this sequence's previous output; the end is held back while it could start a stop string.
+    delta_text: str = ""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.state.finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        dtype = _resolve_dtype(config.dtype, config.device)
+        self.loaded = loaded or load_checkpoint(config.model, dtype)
+        self.model = self.loaded.model.to(device=config.device, dtype=dtype).eval()
+        self.tokenizer = self.loaded.tokenizer
+        hf_config = self.loaded.hf_config
+        kv_dtype = config.kv_cache_dtype
+        if kv_dtype == "auto":
+            kv_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+        self.layer_specs = layer_specs_from_hf_config(hf_config, 1, kv_dtype)
+        self.layout = plan_layout(self.layer_specs, config.block_size)
+        kv_bytes = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+        num_blocks = self.layout.num_blocks(kv_bytes)
+        if num_blocks < 2:
+            raise ValueError(
+                f"kv_cache_memory_bytes={kv_bytes} holds {num_blocks} blocks of {self.layout.page_bytes} bytes; "
+                "at least 2 are needed"
+            )
+        self.kv = KVCacheManager(
+            self.layout,
+            num_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            hash_algorithm=config.prefix_caching_hash_algo,
+            max_step_tokens=config.max_num_batched_tokens,
+        )
+        self.max_model_len = self._resolve_max_model_len(hf_config)
+        self.backend = TorchPagedAttention(self.layout, num_blocks, kv_dtype, config.device)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv, self.backend)
+        self.sampler = Sampler(config.seed)
+        self.eos_token_ids = list(self.tokenizer.eos_token_ids)
+        self._requests: dict[str, _Request] = {}
+        self._arrivals = itertools.count()
+
+    def _resolve_max_model_len(self, hf_config: dict) -> int:
+        cfg = hf_config.get("text_config") or hf_config
+        model_len = int(cfg.get("max_position_embeddings") or 2048)
+        fits = self.kv.max_tokens_that_fit(model_len)
+        asked = self.config.max_model_len
+        if asked is not None:
+            if asked > fits and self.config.clamp_max_model_len:
+                log.warning(
+                    "max_model_len %d does not fit: %d blocks of %d tokens (%d bytes each) hold at most %d tokens "
+                    "for one request; clamping to %d",
+                    asked, self.kv.pool.num_usable_blocks, self.block_size, self.layout.page_bytes, fits, fits,
+                )
+                return fits
+            if asked > fits:
+                raise ValueError(
+                    f"max_model_len {asked} does not fit the KV cache: {self.kv.pool.num_usable_blocks} blocks of "
+                    f"{self.block_size} tokens hold at most {fits} tokens for one request; lower max_model_len "
+                    "or raise kv_cache_memory_bytes"
+                )
+            return asked
+        if fits < model_len:
+            log.warning("max_model_len clamped from %d (model) to %d (what the KV cache holds)", model_len, fits)
+        return fits
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Validate and queue a request; raises ValueError naming the problem and the limit."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self._validate_prompt(ids)
+        max_tokens = self.max_model_len - len(ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        if not self.kv.can_ever_fit(len(ids) + max_tokens):
+            raise ValueError(
+                f"request needs {len(ids) + max_tokens} tokens of KV cache ({self.kv.peak_blocks(len(ids) + max_tokens)}"
+                f" blocks at its peak) but the whole cache holds {self.kv.pool.num_usable_blocks} blocks"
+            )
+        req = _Request(request_id, text, ids, params)
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            seq = Sequence(f"{request_id}:{i}", ids, max_tokens, next(self._arrivals), cache_salt=cache_salt)
+            seq.state = RequestOutputState.create(params, ids, self.tokenizer)
+            seq.generator = make_generator(seed)
+            req.seqs.append(seq)
+            self.scheduler.add(seq)
+        self._requests[request_id] = req
+
+    def _validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt is {len(ids)} tokens long but max_model_len is {self.max_model_len}: "
+                "prompt plus at least one generated token must fit"
+            )
+        vocab = self.model.cfg.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is; every block it held goes back. False if unknown or finished."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.state.finished:
+                seq.state.finish_reason = "abort"
+            self.scheduler.finish(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass; return the outputs of requests that advanced (finished ones for the last time)."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            if self.scheduler.has_unfinished:
+                raise RuntimeError("the scheduler could not schedule any request: KV cache accounting is broken")
+            return []
+        logits = self.runner.run(out)
+        self.scheduler.on_step_done(out)
+        touched = self._sample(out, logits)
+        outputs = []
+        for req in touched:
+            outputs.append(self._request_output(req))
+            if req.finished:
+                del self._requests[req.request_id]
+        return outputs
+
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[_Request]:
+        seqs = [s.seq for s in out.scheduled if s.samples]
+        if not seqs:
+            return []
+        result = self.sampler(
+            logits,
+            [s.state.params for s in seqs],
+            [s.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs],
+            [s.generator for s in seqs],
+            self.eos_token_ids,
+        )
+        touched: dict[str, _Request] = {}
+        for i, (seq, token) in enumerate(zip(seqs, result.token_ids)):
+            seq.append_token(token)
+            lp = result.logprobs[i] if result.logprobs is not None else None
+            finish = seq.state.append_token(
+                token, lp, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len
+            )
+            if finish is not None:
+                self.scheduler.finish(seq)
+            req_id = seq.request_id.rsplit(":", 1)[0]
+            touched[req_id] = self._requests[req_id]
+        return list(touched.values())
+
+    def _request_output(self, req: _Request) -> RequestOutput:
+        outputs = []
+        for i, seq in enumerate(req.seqs):
+            st = seq.state
+            cumulative = None
+            if st.logprobs is not None:
+                cumulative = sum(row[0][1] for row in st.logprobs if row)
+            outputs.append(
+                CompletionOutput(
+                    i,
+                    st.text,
+                    list(st.token_ids),
+                    cumulative,
+                    st.logprobs,
+                    st.finish_reason,
+                    st.stop_reason,
+                    st.take_delta(),
+                )
+            )
+        cached = min(s.num_cached_prompt_tokens for s in req.seqs)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, req.finished, cached)
+
+
+def _resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        # CPUs compute float32 fastest and exactly; GPUs take the checkpoint's dtype (see the GPU path).
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    if dtype not in _TORCH_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
+    return _TORCH_DTYPES[dtype]

