@@ -29,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-from hybridkv.kv.block_pool import BlockPool, KVBlock
+from hybridkv.kv.block_pool import BlockHashKey, BlockPool, KVBlock
 from hybridkv.kv.layout import LayerGroup
 from hybridkv.kv.specs import FullAttentionSpec, SlidingWindowSpec, cdiv
 
@@ -81,6 +81,9 @@ class SingleTypeManager:
         self.tables: dict[str, BlockTable] = {}
         self._num_dropped: dict[str, int] = {}  # leading entries already nulled
         self._num_cached: dict[str, int] = {}  # leading entries already published to the prefix cache
+        # Cached blocks dropped while the request ran but kept for a retained hit point: index -> (block, key).
+        # ``release`` puts them back in sequence order so eviction still goes tail first (see ``release``).
+        self._kept_dropped: dict[str, dict[int, tuple[KVBlock, BlockHashKey]]] = {}
 
     # ---- what a type needs -------------------------------------------------------------------------
     def first_needed_block(self, num_tokens: int) -> int:
@@ -177,24 +180,45 @@ class SingleTypeManager:
         for i in range(end - 1, start - 1, -1):  # tail first: evicted before the blocks in front of it
             block_id = table[i]
             if block_id != NULL_BLOCK_ID:
-                (keep if self._retained(i, None) else low).append(blocks[block_id])
+                block = blocks[block_id]
+                if self._retained(i, None):
+                    keep.append(block)
+                    if block.hash_key is not None:
+                        self._kept_dropped.setdefault(req_id, {})[i] = (block, block.hash_key)
+                else:
+                    low.append(block)
         table.set_null(start, end)
         self._num_dropped[req_id] = end
         self.pool.free_blocks(low, evict_first=True)
         self.pool.free_blocks(keep)
 
     def release(self, req_id: str, num_computed: int) -> tuple[list[KVBlock], list[bool]]:
-        """Forget a request's table; return its blocks tail first with, for each, whether it should be kept."""
+        """Forget a request's table; return its blocks tail first with, for each, whether it should be kept.
+
+        Retained blocks dropped earlier (checkpoint windows) sit in the LRU queue ahead of everything freed now,
+        so memory pressure would evict them first and the hit would fall from the request's end straight to 0.
+        Those still free and cached under the same key are taken back here and returned at their place in the
+        sequence: the caller frees them again with the rest, tail first.
+        """
         table = self.tables.pop(req_id, None)
         self._num_dropped.pop(req_id, None)
         self._num_cached.pop(req_id, None)
+        kept = self._kept_dropped.pop(req_id, None)
         if table is None:
             return [], []
         end_block = num_computed // self.block_size
         blocks = self.pool.blocks
         ids = table.ids[::-1].tolist()
         n = len(ids)
-        return [blocks[i] for i in ids], [self._retained(n - 1 - j, end_block) for j in range(n)]
+        out = [blocks[i] for i in ids]
+        if kept:
+            revived = []
+            for index, (block, key) in kept.items():
+                if block.ref_cnt == 0 and block.hash_key == key and out[n - 1 - index] is self.pool.null_block:
+                    out[n - 1 - index] = block
+                    revived.append(block)
+            self.pool.touch(revived, self.group.group_id)
+        return out, [self._retained(n - 1 - j, end_block) for j in range(n)]
 
     def block_ids(self, req_id: str) -> np.ndarray:
         return self.tables[req_id].ids
