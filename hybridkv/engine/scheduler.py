@@ -96,6 +96,7 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens - hit.num_tokens, budget)
             if not self.kv.allocate_slots(seq, n, hit):
                 return  # first come, first served: later arrivals do not overtake it
+            self.kv.record_hit(seq, hit)
             if seq.num_computed_tokens == 0 and seq.num_preemptions == 0:
                 seq.num_cached_prompt_tokens = hit.num_tokens
             seq.num_computed_tokens += hit.num_tokens

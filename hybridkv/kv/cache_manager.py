@@ -147,14 +147,19 @@ class KVCacheManager:
                     changed = True
         if length == 0:
             hits = [[] for _ in self.managers]
-        self.stats.queries += 1
-        self.stats.query_tokens += len(req.all_token_ids)
-        self.stats.hits += length > 0
-        self.stats.hit_tokens += length * self.block_size
         blocks = [[] for _ in range(self.num_groups)]
         for m, h in zip(self.managers, hits):
             blocks[m.group.group_id] = h
         return CacheHit(length * self.block_size, blocks)
+
+    def record_hit(self, req: KVRequest, hit: CacheHit) -> None:
+        """Count a lookup in the metrics once the request is admitted (a request that waits is looked up again)."""
+        if not self.enable_prefix_caching:
+            return
+        self.stats.queries += 1
+        self.stats.query_tokens += len(req.all_token_ids)
+        self.stats.hits += hit.num_tokens > 0
+        self.stats.hit_tokens += hit.num_tokens
 
     # ---- allocation --------------------------------------------------------------------------------
     def blocks_needed(self, req: KVRequest, num_new_tokens: int, hit: CacheHit | None = None) -> int:

@@ -93,3 +93,15 @@ def test_second_request_with_same_prompt_is_served_from_prefix_cache():
     assert again.num_cached_prompt_tokens == 36
     assert steps[0].scheduled[0].num_new_tokens == 4
     assert again.output_token_ids == first.output_token_ids
+    # a lookup counts in the metrics once per admission, not once per scheduling attempt
+    assert kv.stats.queries == 2 and kv.stats.hit_tokens == 36
+
+
+def test_a_waiting_request_is_counted_once_in_prefix_cache_metrics():
+    kv, sched = make(num_blocks=40, budget=64, block_size=4)
+    hog = Sequence("hog", list(range(30)), max_tokens=20, arrival=0)
+    big = Sequence("big", list(range(50, 80)), max_tokens=4, arrival=1)
+    steps = run(sched, [hog, big])
+    first_big = next(i for i, out in enumerate(steps) if any(s.seq is big for s in out.scheduled))
+    assert first_big > 1  # big was looked up and refused for at least two steps before it got in
+    assert kv.stats.queries == 2

@@ -35,6 +35,8 @@ def run(kv, req, step=None, use_hit=True):
     n = len(req.all_token_ids)
     first = min(n - (hit.num_tokens if hit else 0), step or n)
     assert kv.allocate_slots(req, first, hit)
+    if hit is not None:
+        kv.record_hit(req, hit)
     req.num_computed_tokens += (hit.num_tokens if hit else 0) + first
     kv.on_tokens_computed(req)
     while req.num_computed_tokens < n:
