@@ -1,16 +1,40 @@
-"""``hybridkv serve``: not yet available."""
+"""``hybridkv serve``: the OpenAI-compatible HTTP server (vLLM's ``vllm serve``).
+
+    hybridkv serve                       # SmolLM2-135M-Instruct on 0.0.0.0:8000
+    hybridkv serve MODEL --port 8001 --served-model-name my-model --max-model-len 4096
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+
+from hybridkv.engine.args import add_engine_args, engine_config_from_args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible server (not yet available)")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(p, model_positional=True)
+    p.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces, like vLLM)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    print("hybridkv serve: not yet available", file=sys.stderr)
-    return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    try:
+        config = engine_config_from_args(args)
+        config.clamp_max_model_len = True  # a server starts with what fits, and says why
+        from hybridkv.server.app import build_app  # torch and the model load only here
+
+        app = build_app(config, served_model_name=args.served_model_name)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"hybridkv serve: error: {e}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,396 @@
+"""The OpenAI-compatible HTTP API: ``build_app(engine_config or engine)`` returns a FastAPI app.
+
+Routes: ``/health``, ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (both streaming over SSE),
+``/metrics``. Bad input is a 4xx with OpenAI's error body; a client that goes away aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hybridkv.engine.llm_engine import CompletionOutput, EngineConfig, LLMEngine, RequestOutput
+from hybridkv.engine.output_processing import Logprobs
+from hybridkv.model.tokenizer import Tokenizer
+from hybridkv.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from hybridkv.server.metrics import ServerMetrics
+from hybridkv.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprob,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    ResponseMessage,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
+
+log = logging.getLogger("hybridkv.server")
+
+DISCONNECT_POLL_S = 0.2
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+                404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+                422: "UnprocessableEntityError", 499: "ClientDisconnectedError", 500: "InternalServerError",
+                503: "ServiceUnavailableError"}
+_FIELD_PREFIX = re.compile(r"^(\w+)(?::| must| requires)")
+# pydantic names the member of a union it tried (``str``, ``list[int]``, ``TextPart``) inside error locations
+_UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|[A-Z]\w*|[\w-]+\[.*\])$")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    @classmethod
+    def bad_request(cls, error: Exception) -> APIError:
+        message = str(error)
+        match = _FIELD_PREFIX.match(message)
+        return cls(400, message, match.group(1) if match else None)
+
+
+@dataclass(slots=True)
+class ServerState:
+    engine: AsyncEngine
+    model_name: str
+    metrics: ServerMetrics
+    tokenizer: Tokenizer = field(repr=False)
+    _token_strings: dict[int, str] = field(default_factory=dict, repr=False)
+
+    def token_str(self, token_id: int) -> str:
+        text = self._token_strings.get(token_id)
+        if text is None:
+            text = self._token_strings[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+def build_app(engine: LLMEngine | EngineConfig, served_model_name: str | None = None) -> FastAPI:
+    """The app around an engine (built here from a config); the engine thread runs while the app is up."""
+    if isinstance(engine, EngineConfig):
+        engine = LLMEngine(engine)
+    name = served_model_name or engine.loaded.name
+    metrics = ServerMetrics(name)
+    async_engine = AsyncEngine(engine, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(async_engine.shutdown)
+
+    app = FastAPI(title="hybridkv", lifespan=lifespan)
+    app.state.server = ServerState(async_engine, name, metrics, engine.tokenizer)
+    _add_error_handlers(app)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/metrics", render_metrics, methods=["GET"])
+    app.add_api_route("/v1/completions", create_completion, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"])
+    return app
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+# ---- errors ------------------------------------------------------------------------------------------------
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    error_type = _ERROR_TYPES.get(status, "APIError")
+    body = ErrorResponse(error=ErrorInfo(message=message, type=error_type, param=param, code=status))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param)
+
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:  # uvicorn logs the traceback
+        return error_response(500, f"internal server error ({type(exc).__name__})")
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """One readable line from pydantic's errors, naming each bad field; and the first field's path."""
+    parts: list[str] = []
+    param = None
+    for err in errors:
+        loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _UNION_TAG.match(str(p))]
+        if not loc:
+            parts.append(f"request body: {err.get('msg')}")
+            continue
+        path = ".".join(loc)
+        param = param or path
+        value = err.get("input")
+        got = f" (got {value!r})" if isinstance(value, (str, int, float, bool)) and err["type"] != "missing" else ""
+        line = f"{path}: {err.get('msg')}{got}"
+        if line not in parts:
+            parts.append(line)
+    return "; ".join(parts[:4]) or "invalid request", param
+
+
+async def _parse_body(request: Request, model: type[BaseModel]):
+    """JSON whatever the content type says (``curl -d`` sends form-encoded), validated into ``model``."""
+    raw = await request.body()
+    if not raw.strip():
+        raise APIError(400, "the request body is empty: a JSON object is expected")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise APIError(400, f"malformed JSON in the request body: {error}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise APIError(400, *validation_message(error.errors())) from None
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"The model `{model}` does not exist. Served: `{state.model_name}`.", "model")
+
+
+async def _submit(state: ServerState, request_id: str, prompt, params, cache_salt) -> RequestStream:
+    try:
+        return await state.engine.add_request(request_id, prompt, params, cache_salt)
+    except ValueError as error:
+        raise APIError.bad_request(error) from None
+    except EngineDeadError as error:
+        raise APIError(503, str(error)) from None
+
+
+# ---- simple routes -----------------------------------------------------------------------------------------
+async def health(request: Request) -> Response:
+    if not _state(request).engine.is_alive:
+        return error_response(503, "the engine is not running")
+    return Response(status_code=200)
+
+
+async def list_models(request: Request) -> ModelList:
+    state = _state(request)
+    engine = state.engine.engine
+    return ModelList(data=[ModelCard(id=state.model_name, root=engine.loaded.name, max_model_len=engine.max_model_len)])
+
+
+async def render_metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+# ---- completions -------------------------------------------------------------------------------------------
+async def create_completion(request: Request) -> Response:
+    body = await _parse_body(request, CompletionRequest)
+    state = _state(request)
+    _check_model(state, body.model)
+    try:
+        prompt, params = body.single_prompt(), body.sampling_params()
+    except ValueError as error:
+        raise APIError.bad_request(error) from None
+    request_id = random_id("cmpl")
+    stream = await _submit(state, request_id, prompt, params, body.cache_salt)
+    response = CompletionResponse(id=request_id, model=state.model_name, choices=[])
+    if body.stream:
+        chunks = _completion_chunks(state, stream, response, body.include_usage)
+        return _sse(chunks, stream)
+    final = await _final_output(stream, request)
+    response.choices = [_completion_choice(state, o, o.text, o.logprobs) for o in final.outputs]
+    response.usage = _usage(final)
+    return JSONResponse(response.model_dump())
+
+
+def _completion_choice(state: ServerState, o: CompletionOutput, text: str, rows: list[Logprobs] | None):
+    logprobs = None if rows is None else _completion_logprobs(state, rows)
+    return CompletionChoice(index=o.index, text=text, logprobs=logprobs, finish_reason=o.finish_reason,
+                            stop_reason=o.stop_reason)
+
+
+def _completion_logprobs(state: ServerState, rows: list[Logprobs]) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    offset = 0
+    for row in rows:
+        sampled_id, sampled_lp = row[0]
+        token = state.token_str(sampled_id)
+        top = {state.token_str(t): lp for t, lp in row[1:]}
+        top.setdefault(token, sampled_lp)
+        out.tokens.append(token)
+        out.token_logprobs.append(sampled_lp)
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out
+
+
+async def _completion_chunks(
+    state: ServerState, stream: RequestStream, template: CompletionResponse, include_usage: bool
+) -> AsyncIterator[str]:
+    deltas = ChoiceDeltas()
+    async for out in stream:
+        for o, rows in deltas.new(out):
+            choice = _completion_choice(state, o, o.delta_text, rows)
+            yield _event(template.model_copy(update={"choices": [choice]}))
+    if include_usage:
+        yield _event(template.model_copy(update={"choices": [], "usage": _usage(out)}))
+
+
+# ---- chat completions --------------------------------------------------------------------------------------
+async def create_chat_completion(request: Request) -> Response:
+    body = await _parse_body(request, ChatCompletionRequest)
+    state = _state(request)
+    _check_model(state, body.model)
+    tokenizer = state.tokenizer
+    try:
+        params = body.sampling_params()
+        text = tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt)
+    except ValueError as error:
+        raise APIError.bad_request(error) from None
+    prompt = tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
+    request_id = random_id("chatcmpl")
+    stream = await _submit(state, request_id, prompt, params, body.cache_salt)
+    if body.stream:
+        template = ChatCompletionChunk(id=request_id, model=state.model_name, choices=[])
+        return _sse(_chat_chunks(state, stream, template, params.n, body.include_usage), stream)
+    final = await _final_output(stream, request)
+    choices = [
+        ChatChoice(index=o.index, message=ResponseMessage(content=o.text), logprobs=_chat_logprobs(state, o.logprobs),
+                   finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+        for o in final.outputs
+    ]
+    response = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=_usage(final))
+    return JSONResponse(response.model_dump())
+
+
+def _chat_logprobs(state: ServerState, rows: list[Logprobs] | None) -> ChatLogprobs | None:
+    if rows is None:
+        return None
+    return ChatLogprobs(content=[
+        ChatLogprob(**_top(state, *row[0]).model_dump(), top_logprobs=[_top(state, t, lp) for t, lp in row[1:]])
+        for row in rows
+    ])
+
+
+def _top(state: ServerState, token_id: int, logprob: float) -> TopLogprob:
+    token = state.token_str(token_id)
+    return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
+
+
+async def _chat_chunks(
+    state: ServerState, stream: RequestStream, template: ChatCompletionChunk, n: int, include_usage: bool
+) -> AsyncIterator[str]:
+    for i in range(n):
+        choice = ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+        yield _event(template.model_copy(update={"choices": [choice]}))
+    deltas = ChoiceDeltas()
+    async for out in stream:
+        for o, rows in deltas.new(out):
+            choice = ChatChunkChoice(index=o.index, delta=DeltaMessage(content=o.delta_text),
+                                     logprobs=_chat_logprobs(state, rows), finish_reason=o.finish_reason,
+                                     stop_reason=o.stop_reason)
+            yield _event(template.model_copy(update={"choices": [choice]}))
+    if include_usage:
+        yield _event(template.model_copy(update={"choices": [], "usage": _usage(out)}))
+
+
+# ---- shared plumbing ---------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class ChoiceDeltas:
+    """Which part of each choice a stream has sent: token counts, and the choices already finished."""
+
+    sent_tokens: dict[int, int] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
+
+    def new(self, out: RequestOutput) -> Iterator[tuple[CompletionOutput, list[Logprobs] | None]]:
+        """Each choice with something new (text, its finish, or tokens when logprobs are on), with its new rows."""
+        for o in out.outputs:
+            if o.index in self.finished:
+                continue
+            start, end = self.sent_tokens.get(o.index, 0), len(o.token_ids)
+            if not (o.delta_text or o.finish_reason or (o.logprobs is not None and end > start)):
+                continue
+            self.sent_tokens[o.index] = end
+            if o.finish_reason:
+                self.finished.add(o.index)
+            yield o, None if o.logprobs is None else o.logprobs[start:end]
+
+
+def _sse(events: AsyncIterator[str], stream: RequestStream) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+            yield "data: [DONE]\n\n"
+        except EngineDeadError as error:
+            yield _event(ErrorResponse(error=ErrorInfo(message=str(error), type="InternalServerError", code=500)))
+        finally:  # the client went away (cancellation) or we are done: either way free the request
+            stream.abort()
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def _event(model) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+async def _final_output(stream: RequestStream, request: Request) -> RequestOutput:
+    """The request's last output; aborts it if the client disconnects first."""
+    task = asyncio.ensure_future(_last(stream))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return _result(task)
+            if await request.is_disconnected():
+                raise APIError(499, "client disconnected")
+    finally:
+        task.cancel()
+        stream.abort()
+
+
+def _result(task: asyncio.Future) -> RequestOutput:
+    try:
+        return task.result()
+    except EngineDeadError as error:
+        raise APIError(503, str(error)) from None
+
+
+async def _last(stream: RequestStream) -> RequestOutput:
+    last = None
+    async for out in stream:
+        last = out
+    return last
+
+
+def _usage(out: RequestOutput) -> UsageInfo:
+    prompt = len(out.prompt_token_ids)
+    completion = sum(len(o.token_ids) for o in out.outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+

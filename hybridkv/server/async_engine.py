@@ -1,0 +1,232 @@
+"""The engine on one background thread, fed from asyncio.
+
+Event loop -> engine: ``add_request`` / ``abort`` append to lists guarded by a ``threading.Condition`` and
+notify it. Engine thread: takes everything queued, adds and aborts, runs one ``step()`` and hands each
+``RequestOutput`` to its request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``; with nothing to do it
+sleeps on the condition (waking only to write the periodic log line). All requests in flight share the
+engine's continuous batch, however many clients send them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from hybridkv.engine.llm_engine import LLMEngine, RequestOutput
+from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.server.metrics import ServerMetrics
+
+log = logging.getLogger("hybridkv.server")
+
+_ACCEPTED = object()  # first item on a request's queue when the engine took it
+
+
+class EngineDeadError(RuntimeError):
+    """The engine failed a step or shut down while the request was in flight."""
+
+
+@dataclass(slots=True)
+class _Channel:
+    """The engine thread's handle on one request: where its outputs go, and its timing."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival: float = field(default_factory=time.monotonic)
+    last_token_at: float | None = None
+    tokens_seen: int = 0
+
+    def put(self, item: object) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+@dataclass(slots=True)
+class _Submission:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    channel: _Channel
+
+
+class RequestStream:
+    """Outputs of one accepted request, as an async iterator; ``abort()`` stops it (idempotent)."""
+
+    def __init__(self, request_id: str, queue: asyncio.Queue, owner: AsyncEngine) -> None:
+        self.request_id = request_id
+        self._queue = queue
+        self._owner = owner
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._owner.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._cond = threading.Condition()
+        self._new: list[_Submission] = []
+        self._aborts: list[str] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._channels: dict[str, _Channel] = {}  # engine thread only
+
+    # ---- lifecycle (event loop) ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- requests (event loop) ----------------------------------------------------------------------------
+    async def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> RequestStream:
+        """Queue a request and wait until the engine took it; raises the engine's ValueError if it refused."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        channel = _Channel(asyncio.get_running_loop(), asyncio.Queue())
+        self._submit(_Submission(request_id, prompt, params, cache_salt, channel))
+        try:
+            first = await channel.queue.get()
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        if isinstance(first, BaseException):
+            raise first
+        return RequestStream(request_id, channel.queue, self)
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    def _submit(self, submission: _Submission) -> None:
+        with self._cond:
+            self._new.append(submission)
+            self._cond.notify()
+
+    # ---- the engine thread --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._run_once():
+                pass
+        except Exception:  # noqa: BLE001 - the thread must report, not vanish
+            log.exception("engine thread failed")
+        finally:
+            self._fail_all(EngineDeadError("the engine stopped"))
+
+    def _run_once(self) -> bool:
+        work = self._take_work()
+        if work is None:
+            return False
+        new, aborts = work
+        for submission in new:  # adds first: an abort may name a request submitted in the same batch
+            self._add(submission)
+        for request_id in aborts:
+            self._abort(request_id)
+        if self.engine.has_unfinished_requests():
+            self._step()
+        else:
+            self.metrics.update_engine_state(self.engine)
+        self.metrics.maybe_log()
+        return True
+
+    def _take_work(self) -> tuple[list[_Submission], list[str]] | None:
+        """Block until there is something to do (or a log line is due); None when shutting down."""
+        with self._cond:
+            while not (self._new or self._aborts or self._stopping or self.engine.has_unfinished_requests()):
+                if not self._cond.wait(self.metrics.seconds_to_next_log()):
+                    break  # time for the log line
+            if self._stopping:
+                return None
+            new, self._new = self._new, []
+            aborts, self._aborts = self._aborts, []
+        return new, aborts
+
+    def _add(self, sub: _Submission) -> None:
+        try:
+            self.engine.add_request(sub.request_id, sub.prompt, sub.params, sub.cache_salt)
+        except ValueError as error:
+            sub.channel.put(error)
+            return
+        self._channels[sub.request_id] = sub.channel
+        sub.channel.put(_ACCEPTED)
+
+    def _abort(self, request_id: str) -> None:
+        if self._channels.pop(request_id, None) is not None:
+            self.engine.abort_request(request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:  # noqa: BLE001 - fail the requests in flight, keep serving
+            log.exception("engine step failed; aborting %d requests", len(self._channels))
+            self._fail_all(EngineDeadError("the engine failed while running this request"))
+            self.metrics.update_engine_state(self.engine)
+            return
+        self.metrics.update_engine_state(self.engine)  # before the outputs: a client that sees one sees this too
+        now = time.monotonic()
+        for out in outputs:
+            channel = self._channels.get(out.request_id)
+            if channel is None:
+                continue
+            self._record(channel, out, now)
+            channel.put(out)
+            if out.finished:
+                del self._channels[out.request_id]
+
+    def _record(self, channel: _Channel, out: RequestOutput, now: float) -> None:
+        total = sum(len(o.token_ids) for o in out.outputs)
+        new = total - channel.tokens_seen
+        if new > 0:
+            if channel.last_token_at is None:
+                self.metrics.on_first_token(now - channel.arrival, len(out.prompt_token_ids))
+                self.metrics.on_tokens(new, None)
+            else:
+                self.metrics.on_tokens(new, now - channel.last_token_at)
+            channel.last_token_at = now
+            channel.tokens_seen = total
+        if out.finished:
+            self.metrics.on_finished(now - channel.arrival)
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id, channel in list(self._channels.items()):
+            self.engine.abort_request(request_id)
+            channel.put(error)
+        self._channels.clear()
+        with self._cond:
+            pending, self._new = self._new, []
+        for sub in pending:
+            sub.channel.put(error)
