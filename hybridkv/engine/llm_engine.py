@@ -120,28 +120,30 @@ class LLMEngine:
         self._arrivals = itertools.count()
 
     def _resolve_max_model_len(self, hf_config: dict) -> int:
+        """The model's context (``max_position_embeddings``) or the asked length, within what the KV cache holds.
+
+        Too long for the model or the cache: raise naming the limit, or clamp and log it (``clamp_max_model_len``).
+        """
         cfg = hf_config.get("text_config") or hf_config
         model_len = int(cfg.get("max_position_embeddings") or 2048)
-        fits = self.kv.max_tokens_that_fit(model_len)
         asked = self.config.max_model_len
-        if asked is not None:
-            if asked > fits and self.config.clamp_max_model_len:
-                log.warning(
-                    "max_model_len %d does not fit: %d blocks of %d tokens (%d bytes each) hold at most %d tokens "
-                    "for one request; clamping to %d",
-                    asked, self.kv.pool.num_usable_blocks, self.block_size, self.layout.page_bytes, fits, fits,
-                )
-                return fits
-            if asked > fits:
-                raise ValueError(
-                    f"max_model_len {asked} does not fit the KV cache: {self.kv.pool.num_usable_blocks} blocks of "
-                    f"{self.block_size} tokens hold at most {fits} tokens for one request; lower max_model_len "
-                    "or raise kv_cache_memory_bytes"
-                )
-            return asked
-        if fits < model_len:
-            log.warning("max_model_len clamped from %d (model) to %d (what the KV cache holds)", model_len, fits)
-        return fits
+        wanted = model_len if asked is None else asked
+        limits = []
+        if wanted > model_len:
+            limits.append((model_len, f"the model's context (max_position_embeddings) is {model_len}"))
+        cache_fits = self.kv.max_tokens_that_fit(wanted)
+        if cache_fits < wanted:
+            limits.append((cache_fits, (
+                f"the KV cache ({self.kv.pool.num_usable_blocks} blocks of {self.block_size} tokens, "
+                f"{self.layout.page_bytes} bytes each) holds at most {cache_fits} tokens for one request"
+            )))
+        if not limits:
+            return wanted
+        length, why = min(limits)
+        if asked is not None and not self.config.clamp_max_model_len:
+            raise ValueError(f"max_model_len {asked} is too long: {why}; lower it or raise kv_cache_memory_bytes")
+        log.warning("max_model_len %d clamped to %d: %s", wanted, length, why)
+        return length
 
     @property
     def block_size(self) -> int:

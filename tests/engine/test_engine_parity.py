@@ -110,7 +110,7 @@ def test_bad_requests_are_refused_with_both_numbers_and_leave_no_state(tiny_mode
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_usable_blocks
     # a max_model_len the KV budget cannot hold is refused at start-up, naming what fits
-    with pytest.raises(ValueError, match="does not fit the KV cache"):
+    with pytest.raises(ValueError, match="too long: the KV cache"):
         LLM(model=path, block_size=4, max_model_len=512, kv_cache_memory_bytes=20 * 4 * 3 * 2 * 2 * 8 * 4)
     # a good request still works afterwards
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, greedy(3), use_tqdm=False)[0]
@@ -122,3 +122,13 @@ def test_max_tokens_none_stops_at_the_context_limit(tiny_model):
     out = llm.generate({"prompt_token_ids": [5] * 30}, SamplingParams(temperature=0, max_tokens=None,
                                                                       ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 10 and out.outputs[0].finish_reason == "length"
+
+
+def test_max_model_len_beyond_the_model_context_names_the_context_or_is_clamped(tiny_model):
+    path = str(tiny_model("llama3").path)
+    with pytest.raises(ValueError, match=r"max_model_len 1000 is too long: the model's context .* is 512"):
+        LLM(model=path, max_model_len=1000)
+    from hybridkv.engine.llm_engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=path, max_model_len=1000, clamp_max_model_len=True))
+    assert engine.max_model_len == 512
