@@ -1,6 +1,7 @@
 """``hybridkv plan``: how long a request and how many at once fit in the KV cache, before launching.
 
     hybridkv plan --model /models/Llama-4-Scout --tensor-parallel-size 8 --kv-memory-gib 89.71
+    hybridkv plan --model gemma-3-270m --kv-memory-gib 1 --max-model-len 32768    # a known (GGUF) model name
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="how long a request and how many at once fit in the KV cache, before launching",
         description="Plan the KV cache of one tensor-parallel rank from a model's config.json.",
     )
-    p.add_argument("--model", required=True, metavar="PATH", help="model directory or config.json")
+    p.add_argument(
+        "--model", required=True, metavar="PATH",
+        help="model directory, config.json, .gguf file or known model name",
+    )
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N")
     p.add_argument(
         "--kv-cache-dtype", default="auto", metavar="DTYPE", help="auto | bfloat16 | float16 | fp8_e4m3 (auto)"
@@ -42,7 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _run_plan(args: argparse.Namespace) -> int:
     try:
-        config = load_hf_config(args.model)
+        config = _load_config(args.model)
         kw = _plan_kwargs(args)
         plan = plan_capacity(config, hybrid=not args.no_hybrid, **kw)
         other = plan_capacity(config, hybrid=args.no_hybrid, **kw)
@@ -60,6 +64,18 @@ def _run_plan(args: argparse.Namespace) -> int:
         hybrid, flat = (plan, other) if plan.hybrid else (other, plan)
         print(format_plan(plan, hybrid, flat))
     return 0
+
+
+def _load_config(model: str) -> dict:
+    """config.json of a directory or file; for a known model name or a .gguf file, the HF-style config its
+    GGUF metadata gives (reading metadata only; this imports torch, so only then)."""
+    from hybridkv.model.registry import KNOWN_MODELS
+
+    if model in KNOWN_MODELS or model.endswith(".gguf"):
+        from hybridkv.model.registry import model_hf_config
+
+        return model_hf_config(model)
+    return load_hf_config(model)
 
 
 def _plan_kwargs(args: argparse.Namespace) -> dict[str, object]:

