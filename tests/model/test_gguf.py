@@ -206,9 +206,9 @@ def test_untied_checkpoint_and_unpermuted_qk(tmp_path):
 
 
 def test_other_architecture_is_rejected(tmp_path):
-    path = tmp_path / "gemma.gguf"
-    _write_gguf(path, "gemma3", {"token_embd.weight": np.zeros((10, 8), dtype=np.float32)})
-    with pytest.raises(ValueError, match="gemma3"):
+    path = tmp_path / "qwen3.gguf"
+    _write_gguf(path, "qwen3", {"token_embd.weight": np.zeros((10, 8), dtype=np.float32)})
+    with pytest.raises(ValueError, match="qwen3"):
         read_gguf(path)
 
 
