@@ -21,15 +21,8 @@ import numpy as np
 import torch
 
 from hybridkv.kv.layout import KVLayout
+from hybridkv.model.attention.kv_cache import PagedKVCache
 from hybridkv.kv.specs import AttentionSpec, ChunkedLocalSpec, SlidingWindowSpec
-
-_TORCH_KV_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp8_e4m3": torch.float8_e4m3fn,
-}
-
 
 @dataclass(slots=True)
 class StepSequence:
@@ -69,19 +62,8 @@ class TorchPagedAttention:
     ) -> None:
         self.layout = layout
         self.block_size = layout.block_size
-        self.kv_dtype = _TORCH_KV_DTYPES[kv_dtype]
-        elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        # zeros (not empty): untouched pages are never resident, and no read can see garbage
-        self.cache = torch.zeros(num_blocks, layout.page_bytes // elem, dtype=self.kv_dtype, device=device)
-        self._layers: dict[int, tuple[int, torch.Tensor, AttentionSpec]] = {}
-        for group in layout.groups:
-            spec = group.spec
-            used = len(group.layer_ids) * 2 * self.block_size * spec.num_kv_heads * spec.head_dim
-            view = self.cache[:, :used].view(
-                num_blocks, len(group.layer_ids), 2, self.block_size, spec.num_kv_heads, spec.head_dim
-            )
-            for slot, layer_id in enumerate(group.layer_ids):
-                self._layers[layer_id] = (group.group_id, view[:, slot], spec)
+        self.cache = PagedKVCache(layout, num_blocks, kv_dtype, device)
+        self.kv_dtype = self.cache.dtype
         self._step: list[_GroupStep] = []
         self._seq_query_lens: list[int] = []
         self._seq_q_positions: list[torch.Tensor] = []
@@ -90,7 +72,11 @@ class TorchPagedAttention:
     def begin_step(self, seqs: list[StepSequence]) -> None:
         bs = self.block_size
         self._seq_query_lens = [s.query_len for s in seqs]
-        self._seq_q_positions = [torch.arange(s.context_len, s.context_len + s.query_len) for s in seqs]
+        dev = self.cache.buffer.device
+        on_dev = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731
+        self._seq_q_positions = [
+            torch.arange(s.context_len, s.context_len + s.query_len, device=dev) for s in seqs
+        ]
         self._step = []
         for group in self.layout.groups:
             write_b, write_o, read_b, read_o, key_pos = [], [], [], [], []
@@ -100,13 +86,13 @@ class TorchPagedAttention:
                 write_b.append(table[new // bs])
                 write_o.append(new % bs)
                 keys = np.arange(_key_range(group.spec, s.context_len), s.context_len + s.query_len)
-                read_b.append(torch.from_numpy(table[keys // bs].astype(np.int64)))
-                read_o.append(torch.from_numpy(keys % bs))
-                key_pos.append(torch.from_numpy(keys))
+                read_b.append(on_dev(table[keys // bs].astype(np.int64)))
+                read_o.append(on_dev(keys % bs))
+                key_pos.append(on_dev(keys))
             self._step.append(
                 _GroupStep(
-                    torch.from_numpy(np.concatenate(write_b).astype(np.int64)),
-                    torch.from_numpy(np.concatenate(write_o)),
+                    on_dev(np.concatenate(write_b).astype(np.int64)),
+                    on_dev(np.concatenate(write_o)),
                     read_b,
                     read_o,
                     key_pos,
@@ -114,8 +100,8 @@ class TorchPagedAttention:
             )
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        group_id, cache, spec = self._layers[layer_id]
-        step = self._step[group_id]
+        layer = self.cache.layers[layer_id]
+        cache, spec, step = layer.view, layer.spec, self._step[layer.group_id]
         cache[step.write_blocks, 0, step.write_offsets] = self._to_cache(k)
         cache[step.write_blocks, 1, step.write_offsets] = self._to_cache(v)
         out = torch.empty_like(q)

@@ -1,0 +1,1 @@
+"""Triton GPU kernels (imported only on CUDA machines; the CPU path needs no Triton)."""

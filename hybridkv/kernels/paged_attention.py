@@ -1,0 +1,196 @@
+"""Triton kernels over the paged hybrid KV cache: KV write (optionally FP8), and one attention kernel for prefill
+and decode, varlen, with the KV length split across programs (flash-decoding) when few queries must fill the GPU.
+
+Each program owns a tile of queries of one sequence and one KV head; the query heads sharing that KV head are
+stacked into the tile's rows (Scout: 5 query heads per KV head -> 12 tokens x 5 heads in 64 rows), so prefill
+wastes few rows and decode still feeds tensor cores.
+Keys are visited only inside the layer type's reach: a chunked layer's tile starting at query position p reads
+keys from ``(p // C) * C``, a sliding one from ``p - W + 1`` — work grows with n·C, not n².
+
+The cache of one layer is addressed as ``base + block * stride_block + token_in_block * stride_tok
++ head * head_dim (+ v_offset for V)``, matching ``hybridkv.kv.layout``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FULL, SLIDING, CHUNKED = 0, 1, 2
+
+
+@triton.jit
+def kv_write_kernel(
+    k_ptr, v_ptr, cache_ptr, slot_block_ptr, slot_offset_ptr, k_scale, v_scale,
+    stride_kt, stride_kh, stride_block, stride_tok, v_offset,
+    H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, QUANT: tl.constexpr,
+):
+    """One program per new token: its K and V rows for every KV head go to their slot."""
+    t = tl.program_id(0).to(tl.int64)
+    block = tl.load(slot_block_ptr + t).to(tl.int64)
+    offset = tl.load(slot_offset_ptr + t).to(tl.int64)
+    h = tl.arange(0, H_PAD)[:, None]
+    d = tl.arange(0, D)[None, :]
+    ok = h < H
+    src = t * stride_kt + h * stride_kh + d
+    dst = cache_ptr + block * stride_block + offset * stride_tok + h * D + d
+    k = tl.load(k_ptr + src, mask=ok).to(tl.float32)
+    v = tl.load(v_ptr + src, mask=ok).to(tl.float32)
+    if QUANT:
+        # e4m3 saturates at 448; beyond it a cast would give NaN
+        k = tl.clamp(k / k_scale, -448.0, 448.0)
+        v = tl.clamp(v / v_scale, -448.0, 448.0)
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=ok)
+    tl.store(dst + v_offset, v.to(cache_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q, q_pos, n, lo, end, cache_ptr, table, d, kv_head,
+    stride_block, stride_tok, v_offset, qk_scale, k_scale, v_scale,
+    KIND: tl.constexpr, REACH: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr,
+):
+    """One BLOCK_N tile of keys into the online softmax (base-2: ``qk_scale`` holds log2(e))."""
+    k_pos = n + tl.arange(0, BLOCK_N)
+    if MASKED:
+        k_ok = (k_pos < end) & (k_pos >= lo)
+        block = tl.load(table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+    else:
+        block = tl.load(table + k_pos // BLOCK_SIZE).to(tl.int64)
+    kv_row = block * stride_block + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_tok + kv_head * D
+    ptrs = cache_ptr + kv_row[:, None] + d[None, :]
+    if MASKED:
+        k = tl.load(ptrs, mask=k_ok[:, None], other=0.0)
+        v = tl.load(ptrs + v_offset, mask=k_ok[:, None], other=0.0)
+    else:
+        k = tl.load(ptrs)
+        v = tl.load(ptrs + v_offset)
+    if k_scale != 1.0:
+        k = (k.to(tl.float32) * k_scale).to(q.dtype)
+        v = (v.to(tl.float32) * v_scale).to(q.dtype)
+    else:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if MASKED:
+        seen = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if KIND == 1:
+            seen = seen & (k_pos[None, :] > q_pos[:, None] - REACH)
+        elif KIND == 2:
+            seen = seen & ((k_pos[None, :] // REACH) == (q_pos[:, None] // REACH))
+        s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _type_lo(pos, KIND: tl.constexpr, REACH: tl.constexpr):
+    """First key position a query at ``pos`` can see."""
+    if KIND == 1:
+        return tl.maximum(pos - REACH + 1, 0)
+    elif KIND == 2:
+        return (pos // REACH) * REACH
+    else:
+        return pos * 0
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr, out_ptr, part_out_ptr, part_lse_ptr, cache_ptr, table_ptr,
+    tile_seq_ptr, tile_q0_ptr, q_loc_ptr, q_len_ptr, ctx_len_ptr,
+    scale, k_scale, v_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
+    stride_block, stride_tok, v_offset,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    KIND: tl.constexpr, REACH: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, TOKENS: tl.constexpr,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(tile_seq_ptr + tile)
+    q0 = tl.load(tile_q0_ptr + tile)
+    q_loc = tl.load(q_loc_ptr + seq)
+    q_len = tl.load(q_len_ptr + seq)
+    ctx = tl.load(ctx_len_ptr + seq)
+
+    # row r holds query token q0 + r // GROUP, head r % GROUP of this KV head: TOKENS * GROUP <= ROWS rows used
+    rows = tl.arange(0, ROWS)
+    tok = q0 + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (tok < q_len) & (rows < TOKENS * GROUP)
+    q_pos = ctx + tok
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + (q_loc + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+
+    # keys this tile can see: [lo, hi). Tiles start on BLOCK_N boundaries, but nothing below lo is read:
+    # those blocks may be dropped (null) or reused by another request.
+    first = ctx + q0
+    last = ctx + tl.minimum(q0 + TOKENS, q_len) - 1
+    hi = last + 1
+    lo = _type_lo(first, KIND, REACH)
+    lo_tile = (lo // BLOCK_N) * BLOCK_N
+    num_tiles = tl.cdiv(hi - lo_tile, BLOCK_N)
+    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    start = lo_tile + split * per_split * BLOCK_N
+    end = tl.minimum(start + per_split * BLOCK_N, hi)
+    # interior tiles: every query of the tile sees every key of the tile, so no mask is computed
+    inner_lo = tl.minimum(tl.maximum(tl.cdiv(_type_lo(last, KIND, REACH), BLOCK_N) * BLOCK_N, start), end)
+    inner_hi = tl.maximum(tl.minimum(start + ((first + 1 - start) // BLOCK_N) * BLOCK_N, end), inner_lo)
+
+    m_i = tl.full([ROWS], -1.0e30, tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D], tl.float32)
+    table = table_ptr + seq.to(tl.int64) * stride_table
+    qk_scale = scale * 1.4426950408889634
+    for n in range(start, inner_lo, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, n, lo, end, cache_ptr, table, d, kv_head,
+                                     stride_block, stride_tok, v_offset, qk_scale, k_scale, v_scale,
+                                     KIND, REACH, BLOCK_SIZE, D, BLOCK_N, PRECISION, True)
+    for n in range(inner_lo, inner_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, n, lo, end, cache_ptr, table, d, kv_head,
+                                     stride_block, stride_tok, v_offset, qk_scale, k_scale, v_scale,
+                                     KIND, REACH, BLOCK_SIZE, D, BLOCK_N, PRECISION, False)
+    for n in range(inner_hi, end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, n, lo, end, cache_ptr, table, d, kv_head,
+                                     stride_block, stride_tok, v_offset, qk_scale, k_scale, v_scale,
+                                     KIND, REACH, BLOCK_SIZE, D, BLOCK_N, PRECISION, True)
+
+    t_idx = (q_loc + tok).to(tl.int64)
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + t_idx[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        # natural-log LSE of this split; -inf where it saw no key
+        lse = tl.where(l_i > 0, (m_i + tl.log2(tl.maximum(l_i, 1e-30))) * 0.6931471805599453, float("-inf"))
+        base = split * stride_ps + t_idx * stride_pt
+        tl.store(part_out_ptr + base[:, None] + head[:, None] * stride_ph + d[None, :], out,
+                 mask=row_ok[:, None])
+        tl.store(part_lse_ptr + split * stride_ls + t_idx * stride_lt + head, lse, mask=row_ok)
+
+
+@triton.jit
+def combine_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, D: tl.constexpr,
+):
+    """One program per (token, query head): softmax-weighted sum of the splits' partial outputs."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, D)
+    lse = tl.load(part_lse_ptr + s * stride_ls + t * stride_lt + h)
+    m = tl.max(lse, 0)
+    w = tl.where(lse > float("-inf"), tl.exp(lse - m), 0.0)
+    parts = tl.load(part_out_ptr + s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :])
+    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))

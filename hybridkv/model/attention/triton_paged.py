@@ -1,0 +1,177 @@
+"""Paged hybrid attention on NVIDIA GPUs through the Triton kernels in ``hybridkv/kernels``.
+
+Same contract as ``TorchPagedAttention`` (its oracle). ``begin_step`` builds the step's metadata once: sequence
+offsets and lengths and the query tiles (shared by every layer), and per layer *group* the block table, the write
+slots and the number of KV splits — so a hybrid model pays for metadata once per attention group, not per layer
+(vLLM's hybrid manager rebuilt it per group and per layer type, costing ~2 ms of decode latency on Llama-4).
+
+FP8 (``fp8_e4m3``): K and V are stored as e4m3 with one scale per layer for K and one for V (1.0 unless given,
+as vLLM without calibration); the kernels dequantize on load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hybridkv.kv.layout import KVLayout
+from hybridkv.kv.specs import ChunkedLocalSpec, SlidingWindowSpec
+from hybridkv.model.attention.kv_cache import PagedKVCache
+from hybridkv.model.attention.torch_paged import StepSequence
+
+
+@dataclass(frozen=True, slots=True)
+class KernelConfig:
+    rows: int  # query rows (tokens x heads of one KV head) per program
+    block_n: int  # keys per inner iteration
+    num_warps: int
+    num_stages: int
+
+
+# Prefill tiles are compute-bound: wide tiles, deep pipelining. Decode is bandwidth-bound: 16 rows (the least a
+# tensor-core dot takes), long key tiles, and the KV range split across programs to fill the GPU.
+PREFILL = KernelConfig(rows=128, block_n=64, num_warps=8, num_stages=3)
+DECODE = KernelConfig(rows=16, block_n=128, num_warps=4, num_stages=3)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(slots=True)
+class _GroupMeta:
+    table: torch.Tensor  # [S, max_blocks] int32
+    slot_block: torch.Tensor  # [T] int32
+    slot_offset: torch.Tensor  # [T] int32
+    num_splits: int
+
+
+class TritonPagedAttention:
+    def __init__(self, layout: KVLayout, num_blocks: int, kv_dtype: str, num_q_heads: int,
+                 device: torch.device | str = "cuda", kv_scales: dict[int, tuple[float, float]] | None = None,
+                 num_sms: int | None = None) -> None:
+        from hybridkv.kernels import paged_attention as kernels  # triton is only needed on GPU
+
+        self.kernels = kernels
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.cache = PagedKVCache(layout, num_blocks, kv_dtype, device)
+        self.device = torch.device(device)
+        self.quantized = kv_dtype.startswith("fp8")
+        self.kv_scales = kv_scales or {}
+        self.num_q_heads = num_q_heads
+        # query heads per KV head: they share the rows of one attention tile
+        self.group = max(num_q_heads // g.spec.num_kv_heads for g in layout.groups)
+        if self.group > DECODE.rows:
+            raise ValueError(f"{self.group} query heads per KV head: more than one tile's {DECODE.rows} rows")
+        if num_sms is None:
+            num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.num_sms = num_sms  # how many programs fill the GPU; decides KV splits
+        self._groups: list[_GroupMeta] = []
+
+    # ---- per step ----------------------------------------------------------------------------------
+    def begin_step(self, seqs: list[StepSequence]) -> None:
+        dev = self.device
+        q_lens = np.array([s.query_len for s in seqs], dtype=np.int32)
+        ctx = np.array([s.context_len for s in seqs], dtype=np.int32)
+        q_loc = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
+        self.config = DECODE if int(q_lens.max()) == 1 else PREFILL
+        self._tokens = self.config.rows // self.group
+        tiles_per_seq = -(-q_lens // self._tokens)
+        tile_seq = np.repeat(np.arange(len(seqs), dtype=np.int32), tiles_per_seq)
+        tile_q0 = np.concatenate([np.arange(n, dtype=np.int32) * self._tokens for n in tiles_per_seq])
+        self._num_tiles = len(tile_seq)
+        self._num_tokens = int(q_lens.sum())
+        as_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)  # noqa: E731
+        self._seq = [as_dev(tile_seq), as_dev(tile_q0), as_dev(q_loc), as_dev(q_lens), as_dev(ctx)]
+        self._groups = [self._group_meta(g, seqs, ctx + q_lens, as_dev) for g in self.layout.groups]
+
+    def _group_meta(self, group, seqs, seq_lens, as_dev) -> _GroupMeta:
+        bs = self.block_size
+        tables = [s.block_tables[group.group_id] for s in seqs]
+        width = max(len(t) for t in tables)
+        table = np.zeros((len(seqs), width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = t
+        new = np.concatenate([np.arange(s.context_len, s.context_len + s.query_len) for s in seqs])
+        owner = np.repeat(np.arange(len(seqs)), [s.query_len for s in seqs])
+        blocks = table[owner, new // bs]
+        reach = int(seq_lens.max())
+        spec = group.spec
+        if isinstance(spec, (SlidingWindowSpec, ChunkedLocalSpec)):
+            reach = min(reach, (spec.window if isinstance(spec, SlidingWindowSpec) else spec.chunk) + 64)
+        return _GroupMeta(as_dev(table), as_dev(blocks), as_dev((new % bs).astype(np.int32)),
+                          self._num_splits(reach, spec.num_kv_heads))
+
+    def _num_splits(self, longest_reach: int, kv_heads: int) -> int:
+        """Split the KV range only when too few programs would run otherwise (decode of few long sequences)."""
+        programs = self._num_tiles * kv_heads
+        block_n = self.config.block_n
+        if programs >= self.num_sms or longest_reach <= 4 * block_n:
+            return 1
+        want = -(-4 * self.num_sms // programs)  # about four programs per SM keep enough loads in flight
+        most = max(1, longest_reach // (4 * block_n))  # each split keeps at least four key tiles
+        return min(_next_pow2(want), 1 << (most.bit_length() - 1), 512)
+
+    # ---- per layer ---------------------------------------------------------------------------------
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        layer, k_scale, v_scale = self.write(layer_id, k, v)
+        return self._attention(q, layer, self._groups[layer.group_id], scale, k_scale, v_scale)
+
+    def write(self, layer_id: int, k: torch.Tensor, v: torch.Tensor):
+        """Store the step's K/V of one layer into its slots (benchmarks also use it alone, to fill a cache)."""
+        layer = self.cache.layers[layer_id]
+        meta = self._groups[layer.group_id]
+        heads, dim = layer.spec.num_kv_heads, layer.spec.head_dim
+        k_scale, v_scale = self.kv_scales.get(layer_id, (1.0, 1.0))
+        k, v = k.contiguous(), v.contiguous()
+        self.kernels.kv_write_kernel[(k.shape[0],)](
+            k, v, self._base(layer), meta.slot_block, meta.slot_offset, k_scale, v_scale,
+            k.stride(0), k.stride(1), self.cache.buffer.stride(0), heads * dim, self.block_size * heads * dim,
+            H=heads, H_PAD=_next_pow2(heads), D=dim, QUANT=self.quantized,
+        )
+        return layer, k_scale, v_scale
+
+    def _base(self, layer) -> torch.Tensor:
+        return self.cache.buffer.view(-1)[layer.elem_offset :]
+
+    def _attention(self, q, layer, meta, scale, k_scale, v_scale) -> torch.Tensor:
+        spec, base = layer.spec, self._base(layer)
+        stride_tok = spec.num_kv_heads * spec.head_dim
+        v_offset = self.block_size * stride_tok
+        group = q.shape[1] // spec.num_kv_heads
+        kind, reach = 0, 0
+        if isinstance(spec, SlidingWindowSpec):
+            kind, reach = 1, spec.window
+        elif isinstance(spec, ChunkedLocalSpec):
+            kind, reach = 2, spec.chunk
+        out = torch.empty_like(q)
+        splits = meta.num_splits
+        if splits > 1:
+            part = torch.empty((splits, q.shape[0], q.shape[1], q.shape[2]), dtype=torch.float32, device=q.device)
+            lse = torch.empty((splits, q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
+        else:
+            part, lse = out, out  # unused
+        self.kernels.paged_attention_kernel[(self._num_tiles, spec.num_kv_heads, splits)](
+            q, out, part, lse, base, meta.table,
+            *self._seq,
+            scale, k_scale, v_scale,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.table.stride(0),
+            self.cache.buffer.stride(0), stride_tok, v_offset,
+            part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0,
+            part.stride(2) if splits > 1 else 0, lse.stride(0) if splits > 1 else 0,
+            lse.stride(1) if splits > 1 else 0,
+            KIND=kind, REACH=max(reach, 1), BLOCK_SIZE=self.block_size, GROUP=group, ROWS=self.config.rows,
+            TOKENS=self._tokens, D=spec.head_dim, BLOCK_N=self.config.block_n, NUM_SPLITS=splits,
+            # float32 models stay exact (token parity with the CPU path); TF32 would round to 10 mantissa bits
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=self.config.num_warps, num_stages=self.config.num_stages,
+        )
+        if splits > 1:
+            self.kernels.combine_splits_kernel[(q.shape[0], q.shape[1])](
+                part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+                out.stride(0), out.stride(1), NUM_SPLITS=splits, D=spec.head_dim,
+            )
+        return out
