@@ -9,7 +9,8 @@ cache is; the peers read contiguous tensors.
   K/V into the paged cache. SDPA's chunked row runs flash on the n/C chunks as a batch (the best a dense kernel
   can do); FlexAttention uses a block mask.
 - decode: one query at context n (split over the KV length). GB/s = K+V bytes read / time, against the
-  device-to-device copy bandwidth measured in the same run (bytes read + written).
+  device-to-device copy bandwidth measured in the same run (bytes read + written). Timed as CUDA-graph replays
+  (KV write + attention + split combine), with the eager time (Python launches included) beside it.
 
 Every output is checked against SDPA (relative error <= 1e-2) before it is timed.
 
@@ -29,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from hybridkv.kv.layout import plan_layout
 from hybridkv.kv.specs import ChunkedLocalSpec, FullAttentionSpec
 from hybridkv.model.attention.torch_paged import StepSequence
-from hybridkv.model.attention.triton_paged import TritonPagedAttention
+from hybridkv.model.attention.triton_paged import DECODE, PREFILL, KernelConfig, TritonPagedAttention
 
 HQ, HKV, D, CHUNK, BLOCK = 5, 1, 128, 8192, 16
 DEV = "cuda"
@@ -57,6 +58,19 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
+def graphed(fn):
+    """``fn`` captured in a CUDA graph: replays time the kernels without Python's launch overhead."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up outside capture (Triton compiles here)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def copy_bandwidth() -> float:
     src = torch.randn(1 << 29, device=DEV, dtype=torch.bfloat16)  # 1 GiB
     dst = torch.empty_like(src)
@@ -75,10 +89,10 @@ def useful_pairs(n: int, chunked: bool) -> int:
     return full * CHUNK * (CHUNK + 1) // 2 + rest * (rest + 1) // 2
 
 
-def make_backend(spec, n: int, max_q: int):
+def make_backend(spec, n: int, max_q: int, **kernel_options):
     layout = plan_layout([spec], BLOCK)
     blocks = n // BLOCK + 2
-    backend = TritonPagedAttention(layout, blocks + 1, "bfloat16", HQ, DEV)
+    backend = TritonPagedAttention(layout, blocks + 1, "bfloat16", HQ, DEV, **kernel_options)
     gen = torch.Generator().manual_seed(0)
     table = (torch.randperm(blocks, generator=gen) + 1).numpy().astype("int32")
     return backend, table
@@ -172,14 +186,56 @@ def decode_row(n: int, chunked: bool, copy_gbs: float) -> list[str]:
                                          vr.repeat_interleave(HQ, 1)).squeeze(0).transpose(0, 1)
     err = rel_err(ours, ref)
     assert err <= 1e-2, f"decode n={n} chunked={chunked}: relative error {err:.2e}"
-    t_ours = bench(lambda: backend.attend(0, q, k_all[n:], v_all[n:], scale))
+    t_eager = bench(lambda: backend.attend(0, q, k_all[n:], v_all[n:], scale))
+    t_ours = bench(graphed(lambda: backend.attend(0, q, k_all[n:], v_all[n:], scale)))
     read = (n + 1 - lo) * HKV * D * 2 * 2
     t_sdpa = bench(lambda: F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), kr.expand(1, HQ, -1, D), vr.expand(1, HQ, -1, D)))
     gbs = read / t_ours / 1e6
     kind = f"chunked({CHUNK})" if chunked else "full"
-    return [f"decode {kind}", f"{n:,}", f"{t_ours * 1000:.1f} us", f"{gbs:.0f} GB/s",
+    return [f"decode {kind}", f"{n:,}", f"{t_ours * 1000:.1f} us (eager {t_eager * 1000:.0f})", f"{gbs:.0f} GB/s",
             f"{read / t_sdpa / 1e6:.0f} GB/s", f"{100 * gbs / copy_gbs:.0f}% of copy", f"{err:.1e}"]
+
+
+def sweep() -> None:
+    """Time a few tile shapes for prefill (32K, full) and decode (1M, full); print one table."""
+    rows = []
+    n = 32768
+    q = torch.randn(n, HQ, D, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(n, HKV, D, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn(n, HKV, D, device=DEV, dtype=torch.bfloat16)
+    ref = sdpa(q, k, v, False)
+    flops = 4 * HQ * D * useful_pairs(n, False)
+    for cfg in [PREFILL, KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 8, 4), KernelConfig(128, 32, 4, 4),
+                KernelConfig(64, 64, 4, 3), KernelConfig(128, 128, 8, 2), KernelConfig(256, 64, 8, 3)]:
+        try:
+            backend, table = make_backend(FullAttentionSpec(HKV, D, "bfloat16"), n, n, prefill=cfg)
+            backend.begin_step([StepSequence(0, n, [table])])
+            err = rel_err(backend.attend(0, q, k, v, D ** -0.5), ref)
+            ms = bench(lambda: backend.attend(0, q, k, v, D ** -0.5))
+            rows.append(["prefill 32K", str(cfg), f"{flops / ms / 1e9:.0f} TFLOP/s", f"{err:.1e}"])
+        except Exception as e:
+            rows.append(["prefill 32K", str(cfg), f"error {type(e).__name__}", ""])
+        print(rows[-1], flush=True)
+    n = 1 << 20
+    spec = FullAttentionSpec(HKV, D, "bfloat16")
+    for cfg in [DECODE, KernelConfig(16, 64, 4, 4), KernelConfig(16, 128, 8, 3), KernelConfig(16, 256, 8, 2),
+                KernelConfig(16, 64, 2, 4)]:
+        for max_splits in (64, 128, 256, 512):
+            backend, table = make_backend(spec, n + 1, 1, decode=cfg, max_splits=max_splits)
+            backend.begin_step([StepSequence(0, n, [table])])
+            backend.write(0, torch.randn(n, HKV, D, device=DEV, dtype=torch.bfloat16),
+                          torch.randn(n, HKV, D, device=DEV, dtype=torch.bfloat16))
+            qd = torch.randn(1, HQ, D, device=DEV, dtype=torch.bfloat16)
+            kd = torch.randn(1, HKV, D, device=DEV, dtype=torch.bfloat16)
+            backend.begin_step([StepSequence(n, 1, [table])])
+            splits = backend._groups[0].num_splits
+            us = bench(graphed(lambda: backend.attend(0, qd, kd, kd, D ** -0.5))) * 1000
+            gbs = (n + 1) * HKV * D * 4 / us / 1e3
+            rows.append(["decode 1M", f"{cfg} splits={splits}", f"{us:.0f} us {gbs:.0f} GB/s", ""])
+            print(rows[-1], flush=True)
+    for r in rows:
+        print(" | ".join(r))
 
 
 def main() -> None:
@@ -187,16 +243,20 @@ def main() -> None:
     ap.add_argument("--lengths", default="8192,32768,131072,1048576")
     ap.add_argument("--decode-lengths", default="131072,1048576,4194304")
     ap.add_argument("--skip-flex", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="time candidate tile shapes instead")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.sweep:
+        sweep()
+        return
     copy_gbs = copy_bandwidth()
     rows = []
     for chunked in (False, True):
-        for n in (int(x) for x in args.lengths.split(",")):
+        for n in (int(x) for x in args.lengths.split(",") if x):
             rows.append(prefill_row(n, chunked, args.skip_flex))
             print(" | ".join(rows[-1]), flush=True)
     for chunked in (False, True):
-        for n in (int(x) for x in args.decode_lengths.split(",")):
+        for n in (int(x) for x in args.decode_lengths.split(",") if x):
             rows.append(decode_row(n, chunked, copy_gbs))
             print(" | ".join(rows[-1]), flush=True)
     name = torch.cuda.get_device_name()

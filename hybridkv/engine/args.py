@@ -26,15 +26,15 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache budget in bytes")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="GPU only")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="reserved: only 1 is supported yet")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (processes) to split the model over")
     p.add_argument("--seed", type=int, default=0)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from hybridkv.engine.llm_engine import EngineConfig  # torch loads only when an engine is built
 
-    if args.tensor_parallel_size != 1:
-        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: only 1 is supported yet")
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}")
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -46,4 +46,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
     )

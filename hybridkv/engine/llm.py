@@ -35,6 +35,7 @@ class LLM:
         seed: int = 0,
         device: str = "cpu",
         loaded: LoadedModel | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -48,9 +49,14 @@ class LLM:
             kv_cache_dtype=kv_cache_dtype,
             seed=seed,
             device=device,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.engine = LLMEngine(config, loaded)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also stop when this LLM is garbage-collected)."""
+        self.engine.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -23,6 +23,7 @@ from hybridkv.kv.layer_specs import layer_specs_from_hf_config
 from hybridkv.kv.layout import plan_layout
 from hybridkv.model.attention.torch_paged import TorchPagedAttention
 from hybridkv.model.checkpoint import LoadedModel, load_checkpoint
+from hybridkv.model.parallel import TPGroup
 
 log = logging.getLogger("hybridkv")
 
@@ -41,10 +42,14 @@ class EngineConfig:
     clamp_max_model_len: bool = False  # an explicit max_model_len that does not fit: clamp (serve) or raise
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    kv_cache_memory_bytes: int | None = None  # None: 2 GiB on CPU
+    kv_cache_memory_bytes: int | None = None  # None: 2 GiB on CPU; on GPU what gpu_memory_utilization leaves
+    gpu_memory_utilization: float = 0.9
+    attention_backend: str = "auto"  # torch (reference) | triton (GPU kernels) | auto: triton on CUDA
     kv_cache_dtype: str = "auto"
     seed: int = 0
     device: str = "cpu"
+    tensor_parallel_size: int = 1  # > 1: one process per rank, this one being rank 0 (see tp_workers.py)
+    distributed_timeout_s: float = 300.0  # a collective that waits this long raises: a rank has hung
 
 
 @dataclass(slots=True)
@@ -87,16 +92,20 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         dtype = _resolve_dtype(config.dtype, config.device)
-        self.loaded = loaded or load_checkpoint(config.model, dtype)
+        tp = TPGroup(0, config.tensor_parallel_size)
+        self.workers = None  # the other tensor-parallel ranks' processes, started last (nothing left to refuse)
+        self.loaded = loaded or _load_rank0(config.model, dtype, tp)
+        if tp.size > 1 and loaded is not None:
+            raise ValueError("tensor_parallel_size > 1 loads each rank's shard itself: pass model, not loaded")
         self.model = self.loaded.model.to(device=config.device, dtype=dtype).eval()
         self.tokenizer = self.loaded.tokenizer
         hf_config = self.loaded.hf_config
         kv_dtype = config.kv_cache_dtype
         if kv_dtype == "auto":
             kv_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-        self.layer_specs = layer_specs_from_hf_config(hf_config, 1, kv_dtype)
+        self.layer_specs = layer_specs_from_hf_config(hf_config, tp.size, kv_dtype)
         self.layout = plan_layout(self.layer_specs, config.block_size)
-        kv_bytes = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+        kv_bytes = config.kv_cache_memory_bytes or self._default_kv_bytes()
         num_blocks = self.layout.num_blocks(kv_bytes)
         if num_blocks < 2:
             raise ValueError(
@@ -111,9 +120,11 @@ class LLMEngine:
             max_step_tokens=config.max_num_batched_tokens,
         )
         self.max_model_len = self._resolve_max_model_len(hf_config)
-        self.backend = TorchPagedAttention(self.layout, num_blocks, kv_dtype, config.device)
+        self.backend = self._make_backend(num_blocks, kv_dtype)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv, self.backend)
+        if tp.size > 1:
+            self.runner = self._start_workers(tp, dtype, kv_dtype, num_blocks)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = list(self.tokenizer.eos_token_ids)
         self._requests: dict[str, _Request] = {}
@@ -144,6 +155,54 @@ class LLMEngine:
             raise ValueError(f"max_model_len {asked} is too long: {why}; lower it or raise kv_cache_memory_bytes")
         log.warning("max_model_len %d clamped to %d: %s", wanted, length, why)
         return length
+
+    def _default_kv_bytes(self) -> int:
+        if not self.config.device.startswith("cuda"):
+            return DEFAULT_CPU_KV_CACHE_BYTES
+        free, total = torch.cuda.mem_get_info(torch.device(self.config.device))
+        # activations of one step (budgeted tokens x a few hidden-sized buffers) and logits, with slack
+        cfg = self.model.cfg
+        reserve = 1 << 30
+        reserve += self.config.max_num_batched_tokens * cfg.hidden_size * 4 * 16
+        reserve += self.config.max_num_seqs * cfg.vocab_size * 4 * 3
+        budget = int(total * self.config.gpu_memory_utilization) - (total - free) - reserve
+        if budget <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization {self.config.gpu_memory_utilization} leaves no room for the KV cache: "
+                f"{(total - free) / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB"
+            )
+        return budget
+
+    def _make_backend(self, num_blocks: int, kv_dtype: str):
+        backend = self.config.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.config.device.startswith("cuda") else "torch"
+        if backend == "torch":
+            return TorchPagedAttention(self.layout, num_blocks, kv_dtype, self.config.device)
+        if backend == "triton":
+            from hybridkv.model.attention.triton_paged import TritonPagedAttention
+
+            return TritonPagedAttention(
+                self.layout, num_blocks, kv_dtype, self.model.cfg.num_heads // self.config.tensor_parallel_size,
+                self.config.device,
+            )
+        raise ValueError(f"unknown attention_backend {backend!r}; choose auto, torch or triton")
+
+    def _start_workers(self, tp: TPGroup, dtype: torch.dtype, kv_dtype: str, num_blocks: int) -> ModelRunner:
+        from hybridkv.engine.tp_workers import TPDriverRunner, TPWorkers, WorkerSpec
+
+        c = self.config
+        spec = WorkerSpec(
+            model=c.model, dtype=dtype, device=c.device, rank=0, size=tp.size, port=0,
+            timeout_s=c.distributed_timeout_s, block_size=c.block_size, kv_dtype=kv_dtype, num_blocks=num_blocks,
+        )
+        self.workers = TPWorkers(spec, tp)
+        return TPDriverRunner(self.model, self.kv, self.backend, self.workers)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (a no-op without them); the engine cannot step afterwards."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     @property
     def block_size(self) -> int:
@@ -272,6 +331,14 @@ class LLMEngine:
             )
         cached = min(s.num_cached_prompt_tokens for s in req.seqs)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, req.finished, cached)
+
+
+def _load_rank0(model: str | None, dtype: torch.dtype, tp: TPGroup) -> LoadedModel:
+    if tp.size == 1:
+        return load_checkpoint(model, dtype)
+    from hybridkv.model.tp_checkpoint import load_rank_checkpoint
+
+    return load_rank_checkpoint(model, dtype, tp)
 
 
 def _resolve_dtype(dtype: str, device: str) -> torch.dtype:

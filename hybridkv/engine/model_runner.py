@@ -1,7 +1,14 @@
-"""Turns a scheduled step into one forward pass: flattened tokens, positions, attention metadata, logits."""
+"""Turns a scheduled step into one forward pass: flattened tokens, positions, attention metadata, logits.
+
+``prepare`` (the driver, which owns the block tables) builds a ``StepInput``; ``execute`` runs it. Under tensor
+parallelism the driver sends the same ``StepInput`` to every worker rank, which runs ``execute`` on its shard.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from hybridkv.engine.scheduler import SchedulerOutput
@@ -9,35 +16,55 @@ from hybridkv.kv.cache_manager import KVCacheManager
 from hybridkv.model.attention.torch_paged import StepSequence, TorchPagedAttention
 
 
+@dataclass(slots=True)
+class StepInput:
+    """Everything a rank needs for one step; positions follow from each sequence's context and query lengths."""
+
+    input_ids: np.ndarray  # [T] int64, every scheduled token of every sequence, flattened
+    seqs: list[StepSequence]  # per sequence: cached tokens, new tokens, block table per layer group
+    sample_rows: np.ndarray  # [N] int64, the token rows whose logits are wanted
+
+    def positions(self) -> np.ndarray:
+        return np.concatenate([np.arange(s.context_len, s.context_len + s.query_len) for s in self.seqs])
+
+
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv: KVCacheManager, backend: TorchPagedAttention) -> None:
+    def __init__(
+        self, model: torch.nn.Module, kv: KVCacheManager | None, backend: TorchPagedAttention
+    ) -> None:
         self.model = model
-        self.kv = kv
+        self.kv = kv  # None on worker ranks: they only execute
         self.backend = backend
         self.device = next(model.parameters()).device
 
-    @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """Compute every scheduled token; return float32 logits ``[num sampling sequences, vocab]``.
 
         Rows follow ``out.scheduled`` order, skipping sequences in the middle of a chunked prefill.
         """
-        input_ids, positions, step, last = [], [], [], []
+        return self.execute(self.prepare(out))
+
+    def prepare(self, out: SchedulerOutput) -> StepInput:
+        input_ids, seqs, last = [], [], []
         offset = 0
         for s in out.scheduled:
             start, end = s.context_len, s.context_len + s.num_new_tokens
             input_ids.extend(s.seq.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            step.append(StepSequence(start, s.num_new_tokens, self.kv.block_tables(s.seq.request_id)))
+            seqs.append(StepSequence(start, s.num_new_tokens, self.kv.block_tables(s.seq.request_id)))
             offset += s.num_new_tokens
             if s.samples:
                 last.append(offset - 1)
-        self.backend.begin_step(step)
+        return StepInput(np.array(input_ids, dtype=np.int64), seqs, np.array(last, dtype=np.int64))
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor | None:
+        """Logits of ``step.sample_rows``; None on tensor-parallel ranks other than 0."""
+        self.backend.begin_step(step.seqs)
         hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
+            torch.from_numpy(step.input_ids).to(self.device),
+            torch.from_numpy(step.positions()).to(self.device),
             self.backend,
         )
-        if not last:
+        if not len(step.sample_rows):
             return hidden.new_empty((0, 0), dtype=torch.float32)
-        return self.model.compute_logits(hidden[torch.tensor(last, device=self.device)])
+        return self.model.compute_logits(hidden[torch.from_numpy(step.sample_rows).to(self.device)])

@@ -23,15 +23,15 @@ FULL, SLIDING, CHUNKED = 0, 1, 2
 def kv_write_kernel(
     k_ptr, v_ptr, cache_ptr, slot_block_ptr, slot_offset_ptr, k_scale, v_scale,
     stride_kt, stride_kh, stride_block, stride_tok, v_offset,
-    H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, QUANT: tl.constexpr,
+    H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, QUANT: tl.constexpr,
 ):
     """One program per new token: its K and V rows for every KV head go to their slot."""
     t = tl.program_id(0).to(tl.int64)
     block = tl.load(slot_block_ptr + t).to(tl.int64)
     offset = tl.load(slot_offset_ptr + t).to(tl.int64)
     h = tl.arange(0, H_PAD)[:, None]
-    d = tl.arange(0, D)[None, :]
-    ok = h < H
+    d = tl.arange(0, D_PAD)[None, :]
+    ok = (h < H) & (d < D)
     src = t * stride_kt + h * stride_kh + d
     dst = cache_ptr + block * stride_block + offset * stride_tok + h * D + d
     k = tl.load(k_ptr + src, mask=ok).to(tl.float32)
@@ -49,7 +49,7 @@ def _attend_tile(
     acc, m_i, l_i, q, q_pos, n, lo, end, cache_ptr, table, d, kv_head,
     stride_block, stride_tok, v_offset, qk_scale, k_scale, v_scale,
     KIND: tl.constexpr, REACH: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr, QUANT: tl.constexpr,
 ):
     """One BLOCK_N tile of keys into the online softmax (base-2: ``qk_scale`` holds log2(e))."""
     k_pos = n + tl.arange(0, BLOCK_N)
@@ -60,18 +60,19 @@ def _attend_tile(
         block = tl.load(table + k_pos // BLOCK_SIZE).to(tl.int64)
     kv_row = block * stride_block + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_tok + kv_head * D
     ptrs = cache_ptr + kv_row[:, None] + d[None, :]
+    d_ok = d[None, :] < D
     if MASKED:
-        k = tl.load(ptrs, mask=k_ok[:, None], other=0.0)
-        v = tl.load(ptrs + v_offset, mask=k_ok[:, None], other=0.0)
+        k_raw = tl.load(ptrs, mask=k_ok[:, None] & d_ok, other=0.0)
+        v_raw = tl.load(ptrs + v_offset, mask=k_ok[:, None] & d_ok, other=0.0)
     else:
-        k = tl.load(ptrs)
-        v = tl.load(ptrs + v_offset)
-    if k_scale != 1.0:
-        k = (k.to(tl.float32) * k_scale).to(q.dtype)
-        v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        k_raw = tl.load(ptrs, mask=d_ok, other=0.0)
+        v_raw = tl.load(ptrs + v_offset, mask=d_ok, other=0.0)
+    if QUANT:
+        k = (k_raw.to(tl.float32) * k_scale).to(q.dtype)
+        v = (v_raw.to(tl.float32) * v_scale).to(q.dtype)
     else:
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
+        k = k_raw.to(q.dtype)
+        v = v_raw.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if MASKED:
         seen = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
@@ -109,7 +110,8 @@ def paged_attention_kernel(
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     KIND: tl.constexpr, REACH: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr, ROWS: tl.constexpr, TOKENS: tl.constexpr,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -126,9 +128,11 @@ def paged_attention_kernel(
     head = kv_head * GROUP + rows % GROUP
     row_ok = (tok < q_len) & (rows < TOKENS * GROUP)
     q_pos = ctx + tok
-    d = tl.arange(0, D)
+    # head dims below 16 or not a power of two are padded with zeros (tensor-core dots need K >= 16)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
     q = tl.load(q_ptr + (q_loc + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     # keys this tile can see: [lo, hi). Tiles start on BLOCK_N boundaries, but nothing below lo is read:
     # those blocks may be dropped (null) or reused by another request.
@@ -147,33 +151,33 @@ def paged_attention_kernel(
 
     m_i = tl.full([ROWS], -1.0e30, tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, D], tl.float32)
+    acc = tl.zeros([ROWS, D_PAD], tl.float32)
     table = table_ptr + seq.to(tl.int64) * stride_table
     qk_scale = scale * 1.4426950408889634
     for n in range(start, inner_lo, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, n, lo, end, cache_ptr, table, d, kv_head,
                                      stride_block, stride_tok, v_offset, qk_scale, k_scale, v_scale,
-                                     KIND, REACH, BLOCK_SIZE, D, BLOCK_N, PRECISION, True)
+                                     KIND, REACH, BLOCK_SIZE, D, BLOCK_N, PRECISION, True, QUANT)
     for n in range(inner_lo, inner_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, n, lo, end, cache_ptr, table, d, kv_head,
                                      stride_block, stride_tok, v_offset, qk_scale, k_scale, v_scale,
-                                     KIND, REACH, BLOCK_SIZE, D, BLOCK_N, PRECISION, False)
+                                     KIND, REACH, BLOCK_SIZE, D, BLOCK_N, PRECISION, False, QUANT)
     for n in range(inner_hi, end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, n, lo, end, cache_ptr, table, d, kv_head,
                                      stride_block, stride_tok, v_offset, qk_scale, k_scale, v_scale,
-                                     KIND, REACH, BLOCK_SIZE, D, BLOCK_N, PRECISION, True)
+                                     KIND, REACH, BLOCK_SIZE, D, BLOCK_N, PRECISION, True, QUANT)
 
     t_idx = (q_loc + tok).to(tl.int64)
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     if NUM_SPLITS == 1:
         tl.store(out_ptr + t_idx[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
         # natural-log LSE of this split; -inf where it saw no key
         lse = tl.where(l_i > 0, (m_i + tl.log2(tl.maximum(l_i, 1e-30))) * 0.6931471805599453, float("-inf"))
         base = split * stride_ps + t_idx * stride_pt
         tl.store(part_out_ptr + base[:, None] + head[:, None] * stride_ph + d[None, :], out,
-                 mask=row_ok[:, None])
+                 mask=row_ok[:, None] & d_ok[None, :])
         tl.store(part_lse_ptr + split * stride_ls + t_idx * stride_lt + head, lse, mask=row_ok)
 
 
@@ -181,16 +185,24 @@ def paged_attention_kernel(
 def combine_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr, D_SLICE: tl.constexpr,
 ):
-    """One program per (token, query head): softmax-weighted sum of the splits' partial outputs."""
+    """One program per (token, query head, slice of the head dim): softmax-weighted sum of the splits' partial
+    outputs, CHUNK splits at a time. Slicing the head dim spreads a long decode's few rows over more programs."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    s = tl.arange(0, NUM_SPLITS)
-    d = tl.arange(0, D)
-    lse = tl.load(part_lse_ptr + s * stride_ls + t * stride_lt + h)
-    m = tl.max(lse, 0)
-    w = tl.where(lse > float("-inf"), tl.exp(lse - m), 0.0)
-    parts = tl.load(part_out_ptr + s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :])
-    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    d = tl.program_id(2) * D_SLICE + tl.arange(0, D_SLICE)
+    d_ok = d < D
+    lse_ptr = part_lse_ptr + t * stride_lt + h
+    m = tl.max(tl.load(lse_ptr + tl.arange(0, NUM_SPLITS) * stride_ls), 0)
+    acc = tl.zeros([D_SLICE], tl.float32)
+    total = 0.0
+    for c in range(0, NUM_SPLITS, CHUNK):
+        s = c + tl.arange(0, CHUNK)
+        lse = tl.load(lse_ptr + s * stride_ls)
+        w = tl.where(lse > float("-inf"), tl.exp(lse - m), 0.0)
+        parts = tl.load(part_out_ptr + s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
+                        mask=d_ok[None, :], other=0.0)
+        acc += tl.sum(parts * w[:, None], 0)
+        total += tl.sum(w, 0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (acc / total).to(out_ptr.dtype.element_ty), mask=d_ok)

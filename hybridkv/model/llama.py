@@ -15,6 +15,11 @@ Llama-4 differs from Llama-3 in ways that are easy to get wrong (checked against
 - NoPE layers scale q by ``log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1`` (temperature tuning).
 - MoE: sigmoid of the top-k router logits scales the expert's *input*, not its output; a shared expert is
   always added; non-MoE layers use a dense MLP of ``intermediate_size_mlp``.
+
+Tensor parallelism (``tp``, see ``parallel.py``): each rank holds its query heads and their KV heads, a slice of
+every MLP's, expert's and the shared expert's intermediate dimension, and a slice of the vocabulary. Norms and
+the router are replicated, so every rank routes every token the same way; QK-norm (per head) and temperature
+tuning (per token) need nothing from other ranks.
 """
 
 from __future__ import annotations
@@ -27,6 +32,13 @@ from torch import nn
 
 from hybridkv.model.attention.base import AttentionBackend
 from hybridkv.model.config import ModelConfig, RopeConfig
+from hybridkv.model.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+)
 
 
 class RMSNorm(nn.Module):
@@ -95,7 +107,7 @@ def temperature_scales(positions: torch.Tensor, floor_scale: float, attn_scale: 
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype | None) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype | None, tp: TPGroup) -> None:
         super().__init__()
         self.cfg = cfg
         self.layer_id = layer_id
@@ -103,10 +115,12 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         qkv_bias = cfg.attention_bias or cfg.qkv_bias
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=qkv_bias, dtype=dtype)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=qkv_bias, dtype=dtype)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias, dtype=dtype)
+        tp.part(cfg.num_heads, "attention heads")
+        h, q_part, kv_part = cfg.hidden_size, (tp.rank, tp.size), tp.kv_head_part(cfg.num_kv_heads)
+        self.q_proj = ColumnParallelLinear(h, q_size, qkv_bias, dtype, q_part)
+        self.k_proj = ColumnParallelLinear(h, kv_size, qkv_bias, dtype, kv_part)
+        self.v_proj = ColumnParallelLinear(h, kv_size, qkv_bias, dtype, kv_part)
+        self.o_proj = RowParallelLinear(q_size, h, cfg.attention_bias, dtype, tp)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend
@@ -135,23 +149,40 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype | None) -> None:
+    def __init__(
+        self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype | None, tp: TPGroup, reduce: bool = True
+    ) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias, dtype=dtype)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias, dtype=dtype)
+        tp.part(intermediate, "MLP intermediate size")
+        self.gate_proj = ColumnParallelLinear(hidden, intermediate, bias, dtype, (tp.rank, tp.size))
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, bias, dtype, (tp.rank, tp.size))
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, dtype, tp, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Experts(nn.Module):
-    """Expert weights fused as transformers stores them: gate_up [E, H, 2I] (gate first), down [E, I, H]."""
+    """Expert weights fused as transformers stores them: gate_up [E, H, 2I] (gate first), down [E, I, H].
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype | None) -> None:
+    Under TP every rank holds every expert, sliced along I (gate and up alike): any expert's partial output is
+    summed like a dense MLP's, and the load stays even however tokens route."""
+
+    def __init__(
+        self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype | None, tp: TPGroup
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * intermediate, dtype=dtype))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden, dtype=dtype))
+        self.intermediate = intermediate
+        self.start, local = tp.part(intermediate, "expert intermediate size")
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * local, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, local, hidden, dtype=dtype))
+
+    def load_shard(self, name: str, source) -> torch.Tensor:
+        lo, hi = self.start, self.start + self.down_proj.shape[1]
+        if name == "down_proj":
+            return source[:, lo:hi]
+        full = self.intermediate
+        return torch.cat((source[:, :, lo:hi], source[:, :, full + lo : full + hi]), dim=-1)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = (x @ self.gate_up_proj[e]).chunk(2, dim=-1)
@@ -159,12 +190,14 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None, tp: TPGroup) -> None:
         super().__init__()
+        self.tp = tp
         self.top_k = cfg.num_experts_per_tok
         self.router = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=False, dtype=dtype)
-        self.experts = Experts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size, dtype)
-        self.shared_expert = MLP(cfg.hidden_size, cfg.intermediate_size, False, dtype)
+        self.experts = Experts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size, dtype, tp)
+        # summed together with the routed experts below: one all-reduce per MoE layer
+        self.shared_expert = MLP(cfg.hidden_size, cfg.intermediate_size, False, dtype, tp, reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_logits, top_ids = torch.topk(self.router(x), self.top_k, dim=-1)
@@ -175,21 +208,21 @@ class MoE(nn.Module):
             rows, slot = (top_ids == e).nonzero(as_tuple=True)
             gated_in = x[rows] * gates[rows, slot, None]
             routed.index_add_(0, rows, self.experts.expert(e, gated_in))
-        return self.shared_expert(x) + routed
+        return self.tp.all_reduce(self.shared_expert(x) + routed)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype | None) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype | None, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, layer_id, dtype)
+        self.self_attn = Attention(cfg, layer_id, dtype, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp: nn.Module
         if cfg.is_moe_layer(layer_id):
-            self.mlp = MoE(cfg, dtype)
+            self.mlp = MoE(cfg, dtype, tp)
         else:
             size = cfg.intermediate_size_mlp if cfg.is_llama4 else cfg.intermediate_size
-            self.mlp = MLP(cfg.hidden_size, size, cfg.mlp_bias, dtype)
+            self.mlp = MLP(cfg.hidden_size, size, cfg.mlp_bias, dtype, tp)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend
@@ -200,17 +233,18 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. Parameter names follow transformers' with ``model.`` dropped and ``feed_forward`` ->
-    ``mlp`` (see ``loader.hf_to_local_name``)."""
+    ``mlp`` (see ``loader.hf_to_local_name``). ``tp``: which tensor-parallel shard this is (default: the whole)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.tp = tp = tp or TPGroup()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for flattened tokens ``input_ids`` [T] at ``positions`` [T]."""
@@ -220,7 +254,10 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, positions, rope, attn)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, vocab] for the hidden rows the caller picked (e.g. each sequence's last token)."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [N, vocab] for the hidden rows the caller picked (e.g. each sequence's last token).
+
+        Under TP each rank computes its vocabulary slice; rank 0 gets them all, the other ranks None."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = self.tp.gather_last_dim(F.linear(hidden, weight).float())
+        return logits if logits is None or self.tp.size == 1 else logits[:, : self.cfg.vocab_size]

@@ -19,6 +19,7 @@ from hybridkv.kv.layer_specs import load_hf_config
 from hybridkv.model.config import ModelConfig
 from hybridkv.model.gemma3 import GEMMA3_MODEL_TYPES, Gemma3Config, Gemma3ForCausalLM
 from hybridkv.model.llama import LlamaForCausalLM
+from hybridkv.model.parallel import shard_for_rank
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Parts of multimodal checkpoints (Llama4ForConditionalGeneration, llava-style) that are not the text model.
@@ -58,6 +59,7 @@ def load_weights(model: LlamaForCausalLM, named_tensors: Iterable[tuple[str, tor
             unexpected.append(hf_name)
             continue
         param = params[name]
+        tensor = shard_for_rank(model, name, tensor)  # all of it unless the model is one TP rank's shard
         if tuple(tensor.shape) != tuple(param.shape):
             raise ValueError(
                 f"weight {hf_name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}"

@@ -32,12 +32,21 @@ class KernelConfig:
 
 # Prefill tiles are compute-bound: wide tiles, deep pipelining. Decode is bandwidth-bound: 16 rows (the least a
 # tensor-core dot takes), long key tiles, and the KV range split across programs to fill the GPU.
-PREFILL = KernelConfig(rows=128, block_n=64, num_warps=8, num_stages=3)
+# Chosen by `benchmarks/gpu/attention.py --sweep` on an H200 (docs/benchmarks.md): prefill 32K full 372 TFLOP/s
+# with 256x64 tiles (299 with 128x64); decode 1M 3.4 TB/s with 128-key tiles and 256 splits (1.8 TB/s with 64).
+PREFILL = KernelConfig(rows=256, block_n=64, num_warps=8, num_stages=3)
 DECODE = KernelConfig(rows=16, block_n=128, num_warps=4, num_stages=3)
+# Splits of a decode step's KV range: a few programs per SM keep enough loads in flight.
+SPLITS_PER_SM = 4
+MAX_SPLITS = 512
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
 
 
 @dataclass(slots=True)
@@ -51,7 +60,8 @@ class _GroupMeta:
 class TritonPagedAttention:
     def __init__(self, layout: KVLayout, num_blocks: int, kv_dtype: str, num_q_heads: int,
                  device: torch.device | str = "cuda", kv_scales: dict[int, tuple[float, float]] | None = None,
-                 num_sms: int | None = None) -> None:
+                 num_sms: int | None = None, prefill: KernelConfig = PREFILL, decode: KernelConfig = DECODE,
+                 max_splits: int = MAX_SPLITS) -> None:
         from hybridkv.kernels import paged_attention as kernels  # triton is only needed on GPU
 
         self.kernels = kernels
@@ -64,11 +74,13 @@ class TritonPagedAttention:
         self.num_q_heads = num_q_heads
         # query heads per KV head: they share the rows of one attention tile
         self.group = max(num_q_heads // g.spec.num_kv_heads for g in layout.groups)
-        if self.group > DECODE.rows:
-            raise ValueError(f"{self.group} query heads per KV head: more than one tile's {DECODE.rows} rows")
-        if num_sms is None:
-            num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        if self.group > decode.rows:
+            raise ValueError(f"{self.group} query heads per KV head: more than one tile's {decode.rows} rows")
+        if num_sms is None:  # (a CPU device only happens under Triton's interpreter, in development)
+            cuda = self.device.type == "cuda"
+            num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 8
         self.num_sms = num_sms  # how many programs fill the GPU; decides KV splits
+        self.prefill, self.decode, self.max_splits = prefill, decode, max_splits
         self._groups: list[_GroupMeta] = []
 
     # ---- per step ----------------------------------------------------------------------------------
@@ -77,7 +89,7 @@ class TritonPagedAttention:
         q_lens = np.array([s.query_len for s in seqs], dtype=np.int32)
         ctx = np.array([s.context_len for s in seqs], dtype=np.int32)
         q_loc = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
-        self.config = DECODE if int(q_lens.max()) == 1 else PREFILL
+        self.config = self.decode if int(q_lens.max()) == 1 else self.prefill
         self._tokens = self.config.rows // self.group
         tiles_per_seq = -(-q_lens // self._tokens)
         tile_seq = np.repeat(np.arange(len(seqs), dtype=np.int32), tiles_per_seq)
@@ -111,9 +123,12 @@ class TritonPagedAttention:
         block_n = self.config.block_n
         if programs >= self.num_sms or longest_reach <= 4 * block_n:
             return 1
-        want = -(-4 * self.num_sms // programs)  # about four programs per SM keep enough loads in flight
-        most = max(1, longest_reach // (4 * block_n))  # each split keeps at least four key tiles
-        return min(_next_pow2(want), 1 << (most.bit_length() - 1), 512)
+        want = _pow2_floor(max(1, SPLITS_PER_SM * self.num_sms // programs))
+        # Long splits stream best (32+ key tiles each: 1M keys -> 256 splits); short contexts still get up to
+        # 128 splits of 4+ tiles, or too few SMs would work.
+        long_splits = _pow2_floor(max(1, longest_reach // (32 * block_n)))
+        short_splits = min(128, _pow2_floor(max(1, longest_reach // (4 * block_n))))
+        return min(want, max(long_splits, short_splits), self.max_splits)
 
     # ---- per layer ---------------------------------------------------------------------------------
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -130,7 +145,7 @@ class TritonPagedAttention:
         self.kernels.kv_write_kernel[(k.shape[0],)](
             k, v, self._base(layer), meta.slot_block, meta.slot_offset, k_scale, v_scale,
             k.stride(0), k.stride(1), self.cache.buffer.stride(0), heads * dim, self.block_size * heads * dim,
-            H=heads, H_PAD=_next_pow2(heads), D=dim, QUANT=self.quantized,
+            H=heads, H_PAD=_next_pow2(heads), D=dim, D_PAD=_next_pow2(dim), QUANT=self.quantized,
         )
         return layer, k_scale, v_scale
 
@@ -164,14 +179,18 @@ class TritonPagedAttention:
             part.stride(2) if splits > 1 else 0, lse.stride(0) if splits > 1 else 0,
             lse.stride(1) if splits > 1 else 0,
             KIND=kind, REACH=max(reach, 1), BLOCK_SIZE=self.block_size, GROUP=group, ROWS=self.config.rows,
-            TOKENS=self._tokens, D=spec.head_dim, BLOCK_N=self.config.block_n, NUM_SPLITS=splits,
+            TOKENS=self._tokens, D=spec.head_dim, D_PAD=max(16, _next_pow2(spec.head_dim)),
+            BLOCK_N=self.config.block_n, NUM_SPLITS=splits, QUANT=self.quantized,
             # float32 models stay exact (token parity with the CPU path); TF32 would round to 10 mantissa bits
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=self.config.num_warps, num_stages=self.config.num_stages,
         )
         if splits > 1:
-            self.kernels.combine_splits_kernel[(q.shape[0], q.shape[1])](
+            d_slice = min(32, max(16, _next_pow2(spec.head_dim)))
+            grid = (q.shape[0], q.shape[1], -(-spec.head_dim // d_slice))
+            self.kernels.combine_splits_kernel[grid](
                 part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-                out.stride(0), out.stride(1), NUM_SPLITS=splits, D=spec.head_dim,
+                out.stride(0), out.stride(1), NUM_SPLITS=splits, CHUNK=min(splits, 128), D=spec.head_dim,
+                D_SLICE=d_slice,
             )
         return out

@@ -1,0 +1,229 @@
+"""Tensor-parallel worker processes and the driver's handle on them.
+
+Process layout: rank 0 is the driver, the process that built the engine. It owns the scheduler, the block tables
+(one ``KVCacheManager``, sized for one rank's KV heads: every rank's cache has the same blocks) and the sampler,
+and runs rank 0's shard of the forward. Ranks 1..N-1 are spawned worker processes: each loads only its shard,
+allocates its own KV heads' cache, then loops: receive a ``StepInput`` on its pipe, run it. The collectives inside
+the forward (all-reduces, the logits gather to rank 0) go through torch.distributed: gloo on CPU, NCCL on CUDA.
+
+Per step the driver sends each worker one pickled ``StepInput``: token ids, per sequence the cached and new
+token counts and block tables, and which rows to compute logits for. A pipe rather than a collective, because a
+worker idles there for as long as the engine has no work, where a collective would time out.
+
+Failure: a worker that raises sends its traceback up its pipe and exits. The driver sees a dead worker before a
+step (liveness check), inside a step (gloo raises at once when a peer's sockets close; a hung peer raises after
+``distributed_timeout_s``), or while starting (pipe waits that also watch the process sentinel, with a timeout).
+It then kills every worker and raises ``TensorParallelError`` naming the rank and what happened to it. A worker
+whose driver dies reads EOF on its pipe, or fails its next collective, and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import traceback
+import weakref
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hybridkv.engine.model_runner import ModelRunner, StepInput
+from hybridkv.kv.layer_specs import layer_specs_from_hf_config
+from hybridkv.kv.layout import plan_layout
+from hybridkv.model.attention.torch_paged import TorchPagedAttention
+from hybridkv.model.parallel import TPGroup
+from hybridkv.model.tp_checkpoint import load_rank_checkpoint
+
+_HOST = "127.0.0.1"
+_GRACE_S = 2.0  # how long a failing step waits for a dying worker to be reaped, so the error can name it
+# Start-up (importing torch, loading a shard) takes as long as it takes; a worker that dies meanwhile is seen at
+# once through its process sentinel, so this bound only catches one that hangs.
+_START_TIMEOUT_S = 1800.0
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank died, raised or hung; the engine's workers are shut down and it cannot step again."""
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    model: str | None
+    dtype: torch.dtype
+    device: str
+    rank: int
+    size: int
+    port: int  # of the driver's TCPStore, where ranks meet
+    timeout_s: float
+    block_size: int
+    kv_dtype: str
+    num_blocks: int
+
+
+def device_for_rank(device: str, rank: int) -> str:
+    return f"cuda:{rank}" if device.startswith("cuda") else device
+
+
+def _worker_main(spec: WorkerSpec, conn: Connection) -> None:
+    torch.set_num_threads(1)  # ranks share the machine's cores: one thread each keeps them from oversubscribing
+    try:
+        tp = TPGroup(spec.rank, spec.size)
+        conn.send(("hello", None))
+        store = dist.TCPStore(_HOST, spec.port, spec.size, False, timeout=timedelta(seconds=spec.timeout_s))
+        backend = "gloo"
+        if spec.device.startswith("cuda"):
+            backend = "nccl"
+            torch.cuda.set_device(device_for_rank(spec.device, spec.rank))
+        tp.connect(store, backend, spec.timeout_s)
+        runner = _build_runner(spec, tp)
+        conn.send(("ready", None))
+        while (step := conn.recv()) is not None:
+            runner.execute(step)
+        tp.leave()
+    except EOFError:
+        return  # the driver is gone: nothing left to serve
+    except BaseException:
+        with contextlib.suppress(OSError):
+            conn.send(("error", traceback.format_exc()))
+        raise SystemExit(1)
+
+
+def _build_runner(spec: WorkerSpec, tp: TPGroup) -> ModelRunner:
+    device = device_for_rank(spec.device, spec.rank)
+    loaded = load_rank_checkpoint(spec.model, spec.dtype, tp, progress=False, tokenizer=False)
+    model = loaded.model.to(device=device, dtype=spec.dtype).eval()
+    # the same layout and block count as the driver's, so its block tables address this rank's cache
+    layout = plan_layout(layer_specs_from_hf_config(loaded.hf_config, tp.size, spec.kv_dtype), spec.block_size)
+    return ModelRunner(model, None, TorchPagedAttention(layout, spec.num_blocks, spec.kv_dtype, device))
+
+
+class TPWorkers:
+    """The driver's side: spawn ranks 1..N-1, join them, send each step, detect failure, shut down."""
+
+    def __init__(self, spec: WorkerSpec, tp: TPGroup) -> None:
+        """``spec`` as for rank 0 (its rank and port are replaced per worker); returns once every rank is ready."""
+        if dist.is_initialized():
+            raise ValueError("torch.distributed is already initialised in this process: one tensor-parallel engine "
+                             "per process (shut the other one down first)")
+        self.timeout_s = spec.timeout_s
+        self.failure: str | None = None
+        self.worker_errors: dict[int, str] = {}  # rank -> the traceback it sent before exiting
+        ctx = mp.get_context("spawn")
+        # port 0: the OS picks a free port for the store, so no port is guessed and none can be taken meanwhile
+        timeout = timedelta(seconds=spec.timeout_s)
+        store = dist.TCPStore(_HOST, 0, tp.size, True, timeout=timeout, wait_for_workers=False)
+        self.procs, self.conns = [], []
+        for rank in range(1, tp.size):
+            parent, child = ctx.Pipe()
+            worker = replace(spec, rank=rank, port=store.port)
+            proc = ctx.Process(target=_worker_main, args=(worker, child), name=f"hybridkv-tp{rank}", daemon=True)
+            proc.start()
+            child.close()  # only the worker holds its end: its exit shows up here as EOF
+            self.procs.append(proc)
+            self.conns.append(parent)
+        self._stop = weakref.finalize(self, _stop_workers, self.procs, self.conns, tp)
+        try:
+            self._expect("hello")  # every worker is up before rank 0 blocks in the group's rendezvous
+            tp.connect(store, "nccl" if spec.device.startswith("cuda") else "gloo", spec.timeout_s)
+            self._expect("ready")
+        except TensorParallelError:
+            raise
+        except BaseException as e:
+            raise self.fail(f"starting the workers failed on rank 0: {e!r}") from e
+
+    # ---- steps ------------------------------------------------------------------------------------
+    def run(self, step: StepInput, execute: Callable[[StepInput], torch.Tensor]) -> torch.Tensor:
+        """Send ``step`` to every worker and run rank 0's part with ``execute``; its logits come back."""
+        if self.failure is not None:
+            raise TensorParallelError(f"this engine cannot step: its tensor-parallel workers are gone ({self.failure})")
+        if not all(p.is_alive() for p in self.procs):
+            raise self.fail("")
+        try:
+            for conn in self.conns:
+                conn.send(step)
+            return execute(step)
+        except BaseException as e:  # the workers may be waiting in a collective rank 0 will never join
+            error = self.fail(f"rank 0 failed: {e!r}")
+            if not isinstance(e, Exception):
+                raise  # KeyboardInterrupt and the like stay what they are
+            raise error from e
+
+    def _expect(self, what: str) -> None:
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), 1):
+            timeout = max(self.timeout_s, _START_TIMEOUT_S)
+            if conn not in wait([conn, proc.sentinel], timeout):
+                raise self.fail(f"rank {rank} sent no {what!r} within {timeout:g} s" if proc.is_alive() else "")
+            try:
+                kind, payload = conn.recv()
+            except EOFError:
+                raise self.fail("") from None
+            if kind == "error":
+                self.worker_errors[rank] = payload
+            if kind != what:
+                raise self.fail(f"rank {rank} sent {kind!r}, not {what!r}")
+
+    # ---- failure and shutdown ---------------------------------------------------------------------
+    def fail(self, reason: str) -> TensorParallelError:
+        """Kill every worker and return the error to raise, naming each rank that died or raised first."""
+        sentinels = [p.sentinel for p in self.procs]
+        for ended in wait(sentinels, _GRACE_S):  # a worker dying right now closes its files a moment before
+            self.procs[sentinels.index(ended)].join(_GRACE_S)  # its exit status exists: wait for that too
+        causes = [c for c in (self._worker_cause(r) for r in range(1, len(self.procs) + 1)) if c]
+        if causes:  # a worker's death explains rank 0's failed collective better than gloo's message does
+            reason = "; ".join(causes)
+        self.failure = reason or "a worker stopped"
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        self._stop()
+        return TensorParallelError(f"tensor parallelism failed: {self.failure}; every worker was shut down")
+
+    def _worker_cause(self, rank: int) -> str:
+        proc, conn = self.procs[rank - 1], self.conns[rank - 1]
+        with contextlib.suppress(EOFError, OSError):
+            while rank not in self.worker_errors and conn.poll():
+                kind, payload = conn.recv()
+                if kind == "error":
+                    self.worker_errors[rank] = payload
+        if rank in self.worker_errors:
+            return f"rank {rank} raised:\n{self.worker_errors[rank]}"
+        if proc.is_alive():
+            return ""
+        code = proc.exitcode
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        return f"rank {rank} (pid {proc.pid}) {how}"
+
+    def shutdown(self) -> None:
+        """Stop every worker (asked first, killed if it does not go) and leave the process group. Idempotent."""
+        self.failure = self.failure or "the engine was shut down"
+        self._stop()
+
+
+def _stop_workers(procs: list, conns: list[Connection], tp: TPGroup) -> None:
+    # a finalizer: holds no reference to the TPWorkers, so it also runs when an engine is dropped unclosed
+    for conn in conns:
+        with contextlib.suppress(OSError):
+            conn.send(None)
+    for proc in procs:
+        proc.join(5.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5.0)
+    for conn in conns:
+        conn.close()
+    tp.leave()
+
+
+class TPDriverRunner(ModelRunner):
+    """Rank 0's runner: each step it prepares goes to every worker, then runs here."""
+
+    def __init__(self, model: torch.nn.Module, kv, backend: TorchPagedAttention, workers: TPWorkers) -> None:
+        super().__init__(model, kv, backend)
+        self.workers = workers
+
+    def run(self, out) -> torch.Tensor:
+        return self.workers.run(self.prepare(out), self.execute)

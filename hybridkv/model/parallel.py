@@ -1,0 +1,172 @@
+"""Tensor-parallel building blocks: the group a rank belongs to, and layers that hold one rank's slice.
+
+Megatron's split, as vLLM and nano-vllm do it: a column-parallel linear keeps a slice of the output features
+(no communication), the row-parallel linear after it keeps the matching slice of the input features and sums
+the ranks' partial outputs with one all-reduce. Attention splits heads (KV heads too, or replicates one KV head
+per rank when there are fewer KV heads than ranks); MLPs split the intermediate dimension; the embedding and
+LM head split the vocabulary.
+
+With one rank every layer here is exactly its plain torch counterpart (same parameter names and shapes, same
+kernels, no torch.distributed), so TP=1 models compute what they always did.
+
+Each parallel module names its slice of a checkpoint tensor in ``load_shard(param_name, source)``; ``source`` is a
+full tensor or a lazy safetensors slice, so a rank reads only its part from disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(slots=True)
+class TPGroup:
+    """This process's place in its tensor-parallel group. ``size == 1``: torch.distributed is never touched."""
+
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor_parallel_size must be >= 1 (and rank below it), got {self.rank} of {self.size}")
+
+    def connect(self, store: dist.Store, backend: str, timeout_s: float) -> None:
+        """Join the group's ranks (torch.distributed's default group); a collective that waits longer than
+        ``timeout_s`` raises, so a hung rank cannot hang the others forever."""
+        timeout = timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.size, timeout=timeout)
+
+    def leave(self) -> None:
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def part(self, n: int, what: str) -> tuple[int, int]:
+        """(start, length) of this rank's equal share of ``n`` items."""
+        if n % self.size:
+            raise ValueError(f"{what} ({n}) cannot be split evenly over tensor_parallel_size {self.size}")
+        length = n // self.size
+        return self.rank * length, length
+
+    def kv_head_part(self, num_kv_heads: int) -> tuple[int, int]:
+        """(index, count) of this rank's KV-head shard: heads are split, or one is replicated when too few."""
+        if num_kv_heads >= self.size:
+            return self.rank, self.size
+        if self.size % num_kv_heads:
+            raise ValueError(f"{num_kv_heads} KV heads cannot be replicated evenly over {self.size} ranks")
+        # rank r's query heads (r * H / size onwards) all read KV head r * kv / size
+        return self.rank * num_kv_heads // self.size, num_kv_heads
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Concatenate every rank's ``x`` along the last dim on rank 0; other ranks get None."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=0)
+        return torch.cat(parts, dim=-1) if parts is not None else None
+
+
+def source_shape(source: Any) -> tuple[int, ...]:
+    """Shape of a checkpoint tensor or of a lazy safetensors slice."""
+    return tuple(source.get_shape()) if hasattr(source, "get_shape") else tuple(source.shape)
+
+
+def read_whole(source: Any) -> torch.Tensor:
+    return source if isinstance(source, torch.Tensor) else source[:]
+
+
+def shard_for_rank(model: nn.Module, name: str, source: Any) -> torch.Tensor:
+    """This rank's part of checkpoint tensor ``source`` for parameter ``name``: all of it for replicated ones."""
+    tp = getattr(model, "tp", None)
+    if tp is None or tp.size == 1:
+        return read_whole(source)  # not sharded: no slicing, no copies
+    owner, _, leaf = name.rpartition(".")
+    load_shard = getattr(model.get_submodule(owner), "load_shard", None)
+    return read_whole(source) if load_shard is None else load_shard(leaf, source)
+
+
+class ColumnParallelLinear(nn.Linear):
+    """Output features split in ``count`` parts; this rank holds part ``index``. No communication."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype | None, part: tuple[int, int]
+    ) -> None:
+        self.index, self.count = part
+        if out_features % self.count:
+            raise ValueError(f"{out_features} output features cannot be split in {self.count}")
+        super().__init__(in_features, out_features // self.count, bias=bias, dtype=dtype)
+
+    def load_shard(self, name: str, source: Any) -> torch.Tensor:
+        n = self.out_features
+        return source[self.index * n : (self.index + 1) * n]
+
+
+class RowParallelLinear(nn.Linear):
+    """Input features split over ranks; the partial outputs are summed over ranks.
+
+    ``reduce=False`` leaves the sum to the caller (MoE adds experts and shared expert first: one all-reduce)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype | None, tp: TPGroup,
+        reduce: bool = True,
+    ) -> None:
+        self.tp, self.reduce = tp, reduce
+        _, local = tp.part(in_features, "input features")
+        super().__init__(local, out_features, bias=bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        y = F.linear(x, self.weight)
+        if self.reduce:
+            y = self.tp.all_reduce(y)
+        # the bias is added once: after the sum, or by rank 0 alone when the caller sums
+        if self.bias is not None and (self.reduce or self.tp.rank == 0):
+            y = y + self.bias
+        return y
+
+    def load_shard(self, name: str, source: Any) -> torch.Tensor:
+        if name == "bias":
+            return read_whole(source)
+        n = self.in_features
+        return source[:, self.tp.rank * n : (self.tp.rank + 1) * n]
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Vocabulary rows split over ranks, padded to equal parts; lookups outside a rank's rows give zeros there
+    and the all-reduce fills them in from the rank that has them (a sum with one non-zero term: exact)."""
+
+    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype | None, tp: TPGroup) -> None:
+        self.tp, self.vocab_size = tp, vocab_size
+        rows = -(-vocab_size // tp.size)
+        self.vocab_start = tp.rank * rows
+        super().__init__(rows, hidden, dtype=dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(ids)
+        local = ids - self.vocab_start
+        mine = (local >= 0) & (local < self.num_embeddings)
+        x = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
+        return self.tp.all_reduce(x.masked_fill_(~mine[:, None], 0))
+
+    def load_shard(self, name: str, source: Any) -> torch.Tensor:
+        rows = source[self.vocab_start : min(self.vocab_start + self.num_embeddings, self.vocab_size)]
+        missing = self.num_embeddings - rows.shape[0]
+        return F.pad(rows, (0, 0, 0, missing)) if missing else rows  # the last rank's padding rows: zero
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The LM head's weight, split by vocabulary like the embedding (``LlamaForCausalLM.compute_logits`` uses it
+    as a linear layer and gathers the ranks' logits)."""

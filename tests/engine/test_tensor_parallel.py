@@ -1,0 +1,170 @@
+"""Tensor parallelism on CPU (gloo, 2 ranks: this process and one spawned worker) generates exactly what one
+rank does, with each rank holding only its shard; a worker that dies or raises fails the engine loudly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from tiny_models import random_prompts
+
+from hybridkv import LLM, SamplingParams
+from hybridkv.engine.llm_engine import EngineConfig, LLMEngine
+from hybridkv.engine.tp_workers import TensorParallelError
+from hybridkv.kv.layer_specs import load_hf_config
+from hybridkv.kv.planner import plan_capacity
+
+TP = 2
+KV_BYTES = 1 << 20
+N_NEW = 12
+
+
+def greedy(n=N_NEW):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def parity_prompts() -> list[list[int]]:
+    # several chunks (8) long; the last two share their first 24 tokens with the first
+    prompts = random_prompts([37, 21, 9], seed=1)
+    return prompts + [prompts[0][:24] + p for p in random_prompts([13, 30], seed=2)]
+
+
+def engine_args(path) -> dict:
+    return dict(model=str(path), block_size=4, max_num_batched_tokens=16, max_num_seqs=3,
+                kv_cache_memory_bytes=KV_BYTES)
+
+
+def generate(llm: LLM, prompts: list[list[int]], n=N_NEW):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(n), use_tqdm=False)
+
+
+@pytest.fixture
+def shut_down():
+    """Collects LLMs (or engines) to shut down after the test, whatever its outcome."""
+    made: list[LLM | LLMEngine] = []
+    yield made.append
+    for llm in made:
+        llm.shutdown()
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("name", ["llama4", "llama3"])
+def test_tp2_is_token_exact_with_tp1_through_chunked_prefill_and_prefix_cache(tiny_model, shut_down, name):
+    path = tiny_model(name).path
+    prompts = parity_prompts()
+    one = LLM(**engine_args(path))
+    expected = [o.outputs[0].token_ids for o in generate(one, prompts)]
+    llm = LLM(**engine_args(path), tensor_parallel_size=TP)
+    shut_down(llm)
+    for round_ in range(2):
+        outs = generate(llm, prompts)
+        assert [o.outputs[0].token_ids for o in outs] == expected, f"round {round_}"
+    # the second round came from the prefix cache, which every rank's cache served alike
+    assert all(o.num_cached_tokens > 0 for o in outs if len(o.prompt_token_ids) > 4)
+    kv = llm.engine.kv
+    assert kv.stats.hit_tokens > 0 and kv.pool.num_free_blocks == kv.pool.num_usable_blocks
+    # 2 KV heads: one per rank, so a rank's pages are half as big and the same bytes hold twice the blocks
+    assert {s.num_kv_heads for s in llm.engine.layer_specs} == {1}
+    assert llm.engine.layout.page_bytes * 2 == one.engine.layout.page_bytes
+    plan = plan_capacity(load_hf_config(path), tensor_parallel_size=TP, kv_cache_dtype="float32", block_size=4,
+                         kv_memory_bytes=KV_BYTES)
+    assert kv.pool.num_usable_blocks == plan.usable_blocks and llm.engine.layout.page_bytes == plan.page_bytes
+    assert_rank0_holds_its_shard(llm.engine.model, one.engine.model)
+
+
+def assert_rank0_holds_its_shard(shard: torch.nn.Module, full: torch.nn.Module) -> None:
+    cfg = full.cfg
+    half_vocab = cfg.vocab_size // TP
+    torch.testing.assert_close(shard.embed_tokens.weight, full.embed_tokens.weight[:half_vocab], rtol=0, atol=0)
+    attn, full_attn = shard.layers[0].self_attn, full.layers[0].self_attn
+    q_rows = cfg.num_heads // TP * cfg.head_dim
+    torch.testing.assert_close(attn.q_proj.weight, full_attn.q_proj.weight[:q_rows], rtol=0, atol=0)
+    torch.testing.assert_close(attn.o_proj.weight, full_attn.o_proj.weight[:, :q_rows], rtol=0, atol=0)
+    if cfg.moe_layers:
+        experts, full_experts = shard.layers[cfg.moe_layers[0]].mlp.experts, full.layers[cfg.moe_layers[0]].mlp.experts
+        i = cfg.intermediate_size
+        gate, up = full_experts.gate_up_proj[..., : i // TP], full_experts.gate_up_proj[..., i : i + i // TP]
+        torch.testing.assert_close(experts.gate_up_proj, torch.cat((gate, up), -1), rtol=0, atol=0)
+        torch.testing.assert_close(experts.down_proj, full_experts.down_proj[:, : i // TP], rtol=0, atol=0)
+
+
+def test_fewer_kv_heads_than_ranks_are_replicated(tiny_model, shut_down):
+    # the tiny Mistral has 1 KV head (and slides over 8 tokens): each rank keeps a copy of it
+    model = tiny_model("mistral")
+    prompts = random_prompts([30, 17], seed=3)
+    expected = [model.greedy(p, N_NEW) for p in prompts]
+    llm = LLM(**engine_args(model.path), tensor_parallel_size=TP)
+    shut_down(llm)
+    assert [o.outputs[0].token_ids for o in generate(llm, prompts)] == expected
+    assert {s.num_kv_heads for s in llm.engine.layer_specs} == {1}
+    k_proj = llm.engine.model.layers[0].self_attn.k_proj
+    assert k_proj.weight.shape == (8, 32)  # the whole (only) KV head; the 4 query heads are split 2 + 2
+
+
+def test_a_model_that_does_not_split_evenly_is_refused_before_any_process_starts(tiny_model):
+    with pytest.raises(ValueError, match="cannot be split evenly over tensor_parallel_size 3"):
+        LLM(**engine_args(tiny_model("llama3").path), tensor_parallel_size=3)
+    assert not dist.is_initialized()
+
+
+def test_a_worker_killed_mid_generation_fails_the_engine_within_seconds(tiny_model, shut_down):
+    llm = LLM(**engine_args(tiny_model("llama3").path), tensor_parallel_size=TP)
+    shut_down(llm)
+    engine = llm.engine
+    procs = list(engine.workers.procs)
+    engine.add_request("a", random_prompts([40], seed=5)[0], greedy(400))
+    engine.step()
+    threading.Timer(0.2, os.kill, (procs[0].pid, signal.SIGKILL)).start()
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) was killed by SIGKILL"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - start < 10
+    assert not any(p.is_alive() for p in procs)
+    assert not dist.is_initialized()  # the group is gone too: a new engine could start in this process
+    with pytest.raises(TensorParallelError, match="cannot step.*killed by SIGKILL"):
+        engine.step()
+
+
+def test_a_hung_worker_fails_the_engine_after_the_collective_timeout(tiny_model, shut_down):
+    config = EngineConfig(model=str(tiny_model("llama3").path), block_size=4, tensor_parallel_size=TP,
+                          distributed_timeout_s=3)
+    engine = LLMEngine(config)
+    shut_down(engine)
+    proc = engine.workers.procs[0]
+    engine.add_request("a", random_prompts([20], seed=7)[0], greedy(400))
+    engine.step()
+    os.kill(proc.pid, signal.SIGSTOP)  # alive, but never answers again
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="Timed out"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - start < 3 + 8
+    assert not proc.is_alive()
+
+
+def test_a_worker_that_raises_fails_the_engine_with_its_traceback(tiny_model, shut_down):
+    llm = LLM(**engine_args(tiny_model("llama3").path), tensor_parallel_size=TP)
+    shut_down(llm)
+    workers = llm.engine.workers
+    workers.conns[0].send("not a step")  # the worker's execute raises on it
+    with pytest.raises(TensorParallelError, match=r"rank 1 raised:\n(.|\n)*AttributeError"):
+        generate(llm, random_prompts([10], seed=6))
+    assert not any(p.is_alive() for p in workers.procs)
+
+
+def test_the_cli_flag_reaches_the_engine_config():
+    import argparse
+
+    from hybridkv.engine.args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args(["--tensor-parallel-size", "2"])).tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="at least 1"):
+        engine_config_from_args(parser.parse_args(["--tensor-parallel-size", "0"]))
