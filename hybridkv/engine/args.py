@@ -28,6 +28,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="GPU only")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (processes) to split the model over")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu | cuda (Triton kernels)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -44,7 +45,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed,
+        device=args.device,
         tensor_parallel_size=args.tensor_parallel_size,
     )
