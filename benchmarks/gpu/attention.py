@@ -20,7 +20,6 @@ Every output is checked against SDPA (relative error <= 1e-2) before it is timed
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 import torch.nn.functional as F

@@ -17,7 +17,7 @@ sliding). Admission counts what each group will really hold: ``peak_blocks(n)`` 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
