@@ -29,6 +29,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (processes) to split the model over")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu | cuda (Triton kernels)")
+    p.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs for decode steps")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -49,5 +50,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed,
         device=args.device,
+        enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
     )

@@ -36,6 +36,8 @@ class LLM:
         device: str = "cpu",
         loaded: LoadedModel | None = None,
         tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -50,6 +52,8 @@ class LLM:
             seed=seed,
             device=device,
             tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
         )
         self.engine = LLMEngine(config, loaded)
         self._ids = itertools.count()

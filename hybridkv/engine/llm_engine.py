@@ -45,6 +45,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # None: 2 GiB on CPU; on GPU what gpu_memory_utilization leaves
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"  # torch (reference) | triton (GPU kernels) | auto: triton on CUDA
+    enforce_eager: bool = False  # GPU: no CUDA graphs for decode steps
     kv_cache_dtype: str = "auto"
     seed: int = 0
     device: str = "cpu"
@@ -125,6 +126,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv, self.backend)
         if tp.size > 1:
             self.runner = self._start_workers(tp, dtype, kv_dtype, num_blocks)
+        elif self._use_cuda_graphs():
+            from hybridkv.engine.cuda_graphs import DecodeGraphs
+
+            self.runner.graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, self.max_model_len)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = list(self.tokenizer.eos_token_ids)
         self._requests: dict[str, _Request] = {}
@@ -172,6 +177,14 @@ class LLMEngine:
                 f"{(total - free) / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB"
             )
         return budget
+
+    def _use_cuda_graphs(self) -> bool:
+        return (
+            self.config.device.startswith("cuda")
+            and not self.config.enforce_eager
+            and not isinstance(self.backend, TorchPagedAttention)
+            and getattr(self.model, "supports_cuda_graphs", False)
+        )
 
     def _make_backend(self, num_blocks: int, kv_dtype: str):
         backend = self.config.attention_backend

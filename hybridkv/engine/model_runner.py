@@ -36,6 +36,7 @@ class ModelRunner:
         self.kv = kv  # None on worker ranks: they only execute
         self.backend = backend
         self.device = next(model.parameters()).device
+        self.graphs = None  # DecodeGraphs when decode steps replay from CUDA graphs
 
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """Compute every scheduled token; return float32 logits ``[num sampling sequences, vocab]``.
@@ -59,6 +60,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor | None:
         """Logits of ``step.sample_rows``; None on tensor-parallel ranks other than 0."""
+        if self.graphs is not None:
+            logits = self.graphs.run(step.input_ids, step.seqs, step.sample_rows)
+            if logits is not None:
+                return logits
         self.backend.begin_step(step.seqs)
         hidden = self.model(
             torch.from_numpy(step.input_ids).to(self.device),

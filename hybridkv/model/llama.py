@@ -202,13 +202,29 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_logits, top_ids = torch.topk(self.router(x), self.top_k, dim=-1)
         gates = torch.sigmoid(top_logits.float()).to(x.dtype)
+        if x.is_cuda and x.shape[0] * self.top_k <= self.experts.gate_up_proj.shape[0]:
+            routed = self._routed_by_gather(x, top_ids, gates)
+        else:
+            routed = self._routed_by_expert(x, top_ids, gates)
+        return self.tp.all_reduce(self.shared_expert(x) + routed)
+
+    def _routed_by_expert(self, x: torch.Tensor, top_ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """Only experts some token picked run, on only the tokens that picked them (reads the routing on the host)."""
         routed = torch.zeros_like(x)
-        # Only experts some token picked run, on only the tokens that picked them.
         for e in top_ids.unique().tolist():
             rows, slot = (top_ids == e).nonzero(as_tuple=True)
             gated_in = x[rows] * gates[rows, slot, None]
             routed.index_add_(0, rows, self.experts.expert(e, gated_in))
-        return self.tp.all_reduce(self.shared_expert(x) + routed)
+        return routed
+
+    def _routed_by_gather(self, x: torch.Tensor, top_ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """Decode-sized batches: each (token, choice) gathers its expert's weights. No host sync, so a CUDA graph
+        can hold it, and only routed experts' weights are read (at most one copy per expert: T * top_k <= E)."""
+        ids = top_ids.reshape(-1)
+        gated_in = (x[:, None, :] * gates[..., None]).reshape(-1, 1, x.shape[-1])
+        gate, up = torch.bmm(gated_in, self.experts.gate_up_proj[ids]).chunk(2, dim=-1)
+        out = torch.bmm(F.silu(gate) * up, self.experts.down_proj[ids])
+        return out.view(x.shape[0], self.top_k, -1).sum(dim=1)
 
 
 class DecoderLayer(nn.Module):
@@ -245,10 +261,22 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
         if not cfg.tie_word_embeddings:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
+        self._inv_freq: torch.Tensor | None = None  # on the device of the last forward
+
+    # A CUDA graph can hold a forward of this many tokens (the MoE's gather dispatch has no host sync up to it).
+    @property
+    def max_graph_tokens(self) -> int:
+        moe = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+        return min((m.experts.gate_up_proj.shape[0] // m.top_k for m in moe), default=1 << 30)
+
+    supports_cuda_graphs = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for flattened tokens ``input_ids`` [T] at ``positions`` [T]."""
-        rope = rope_cos_sin(rope_inv_freq(self.cfg.rope, self.cfg.head_dim), positions)
+        if self._inv_freq is None or self._inv_freq.device != positions.device:
+            # once per device: no host-to-device copy in the steady state (and none inside a CUDA graph)
+            self._inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.head_dim).to(positions.device)
+        rope = rope_cos_sin(self._inv_freq, positions)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, positions, rope, attn)

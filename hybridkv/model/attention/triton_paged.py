@@ -57,6 +57,15 @@ class _GroupMeta:
     num_splits: int
 
 
+@dataclass(slots=True)
+class _StaticDecode:
+    seq: list[torch.Tensor]  # tile_seq, tile_q0, q_loc, q_len, ctx_len: [max_seqs] int32
+    tables: list[torch.Tensor]  # per group [max_seqs, max blocks] int32
+    slot_block: list[torch.Tensor]  # per group [max_seqs]
+    slot_offset: list[torch.Tensor]
+    max_model_len: int
+
+
 class TritonPagedAttention:
     def __init__(self, layout: KVLayout, num_blocks: int, kv_dtype: str, num_q_heads: int,
                  device: torch.device | str = "cuda", kv_scales: dict[int, tuple[float, float]] | None = None,
@@ -116,6 +125,60 @@ class TritonPagedAttention:
             reach = min(reach, (spec.window if isinstance(spec, SlidingWindowSpec) else spec.chunk) + 64)
         return _GroupMeta(as_dev(table), as_dev(blocks), as_dev((new % bs).astype(np.int32)),
                           self._num_splits(reach, spec.num_kv_heads))
+
+    # ---- decode steps replayed from CUDA graphs --------------------------------------------------------
+    def enable_static_decode(self, max_seqs: int, max_model_len: int) -> None:
+        """Fixed metadata buffers for decode steps, so a captured step reads each step's values in place."""
+        width = -(-max_model_len // self.block_size)
+        zeros = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=self.device)  # noqa: E731
+        groups = range(len(self.layout.groups))
+        self._static = _StaticDecode(
+            seq=[zeros(max_seqs) for _ in range(5)],
+            tables=[zeros(max_seqs, width) for _ in groups],
+            slot_block=[zeros(max_seqs) for _ in groups],
+            slot_offset=[zeros(max_seqs) for _ in groups],
+            max_model_len=max_model_len,
+        )
+
+    def begin_static_decode(self, seqs: list[StepSequence], padded: int) -> None:
+        """Decode metadata (one new token per sequence) written into the static buffers, padded to ``padded``
+        rows; a padding row computes nothing and its token's K/V go to the null block, which is never read."""
+        st, n, bs = self._static, len(seqs), self.block_size
+        ctx = np.zeros(padded, dtype=np.int32)
+        ctx[:n] = [s.context_len for s in seqs]
+        q_len = np.zeros(padded, dtype=np.int32)
+        q_len[:n] = 1
+        rows = np.arange(padded, dtype=np.int32)
+        host = [rows, np.zeros(padded, dtype=np.int32), rows, q_len, ctx]
+        for buf, values in zip(st.seq, host):
+            buf[:padded].copy_(torch.from_numpy(values))
+        self.config = self.decode
+        self._tokens = self.decode.rows // self.group
+        self._num_tiles = padded
+        self._seq = [buf[:padded] for buf in st.seq]
+        self._groups = []
+        for g, group in enumerate(self.layout.groups):
+            tables = [s.block_tables[group.group_id] for s in seqs]
+            width = max((len(t) for t in tables), default=0)
+            if width:
+                table = np.zeros((n, width), dtype=np.int32)
+                for i, t in enumerate(tables):
+                    table[i, : len(t)] = t
+                st.tables[g][:n, :width].copy_(torch.from_numpy(table))
+            slot = np.zeros(padded, dtype=np.int32)
+            slot[:n] = [t[c // bs] for t, c in zip(tables, ctx[:n])]
+            offset = np.zeros(padded, dtype=np.int32)
+            offset[:n] = ctx[:n] % bs
+            st.slot_block[g][:padded].copy_(torch.from_numpy(slot))
+            st.slot_offset[g][:padded].copy_(torch.from_numpy(offset))
+            reach = st.max_model_len
+            if isinstance(group.spec, (SlidingWindowSpec, ChunkedLocalSpec)):
+                local = group.spec.window if isinstance(group.spec, SlidingWindowSpec) else group.spec.chunk
+                reach = min(reach, local + 64)
+            # a function of ``padded`` alone: the split count a graph was captured with is the one it replays with
+            splits = self._num_splits(reach, group.spec.num_kv_heads)
+            self._groups.append(_GroupMeta(st.tables[g][:padded], st.slot_block[g][:padded],
+                                           st.slot_offset[g][:padded], splits))
 
     def _num_splits(self, longest_reach: int, kv_heads: int) -> int:
         """Split the KV range only when too few programs would run otherwise (decode of few long sequences)."""
