@@ -21,6 +21,7 @@ from hybridkv.engine.sequence import Sequence
 from hybridkv.kv.cache_manager import KVCacheManager
 from hybridkv.kv.layer_specs import layer_specs_from_hf_config
 from hybridkv.kv.layout import plan_layout
+from hybridkv.model.attention.factory import make_paged_attention
 from hybridkv.model.attention.torch_paged import TorchPagedAttention
 from hybridkv.model.checkpoint import LoadedModel, load_checkpoint
 from hybridkv.model.parallel import TPGroup
@@ -187,19 +188,9 @@ class LLMEngine:
         )
 
     def _make_backend(self, num_blocks: int, kv_dtype: str):
-        backend = self.config.attention_backend
-        if backend == "auto":
-            backend = "triton" if self.config.device.startswith("cuda") else "torch"
-        if backend == "torch":
-            return TorchPagedAttention(self.layout, num_blocks, kv_dtype, self.config.device)
-        if backend == "triton":
-            from hybridkv.model.attention.triton_paged import TritonPagedAttention
-
-            return TritonPagedAttention(
-                self.layout, num_blocks, kv_dtype, self.model.cfg.num_heads // self.config.tensor_parallel_size,
-                self.config.device,
-            )
-        raise ValueError(f"unknown attention_backend {backend!r}; choose auto, torch or triton")
+        heads = self.model.cfg.num_heads // self.config.tensor_parallel_size
+        return make_paged_attention(self.config.attention_backend, self.layout, num_blocks, kv_dtype, heads,
+                                    self.config.device)
 
     def _start_workers(self, tp: TPGroup, dtype: torch.dtype, kv_dtype: str, num_blocks: int) -> ModelRunner:
         from hybridkv.engine.tp_workers import TPDriverRunner, TPWorkers, WorkerSpec
@@ -208,6 +199,7 @@ class LLMEngine:
         spec = WorkerSpec(
             model=c.model, dtype=dtype, device=c.device, rank=0, size=tp.size, port=0,
             timeout_s=c.distributed_timeout_s, block_size=c.block_size, kv_dtype=kv_dtype, num_blocks=num_blocks,
+            attention_backend=c.attention_backend,
         )
         self.workers = TPWorkers(spec, tp)
         return TPDriverRunner(self.model, self.kv, self.backend, self.workers)

@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 from hybridkv.engine.model_runner import ModelRunner, StepInput
 from hybridkv.kv.layer_specs import layer_specs_from_hf_config
 from hybridkv.kv.layout import plan_layout
+from hybridkv.model.attention.factory import make_paged_attention
 from hybridkv.model.attention.torch_paged import TorchPagedAttention
 from hybridkv.model.parallel import TPGroup
 from hybridkv.model.tp_checkpoint import load_rank_checkpoint
@@ -62,6 +63,7 @@ class WorkerSpec:
     block_size: int
     kv_dtype: str
     num_blocks: int
+    attention_backend: str = "auto"
 
 
 def device_for_rank(device: str, rank: int) -> str:
@@ -98,7 +100,9 @@ def _build_runner(spec: WorkerSpec, tp: TPGroup) -> ModelRunner:
     model = loaded.model.to(device=device, dtype=spec.dtype).eval()
     # the same layout and block count as the driver's, so its block tables address this rank's cache
     layout = plan_layout(layer_specs_from_hf_config(loaded.hf_config, tp.size, spec.kv_dtype), spec.block_size)
-    return ModelRunner(model, None, TorchPagedAttention(layout, spec.num_blocks, spec.kv_dtype, device))
+    heads = loaded.model.cfg.num_heads // tp.size
+    backend = make_paged_attention(spec.attention_backend, layout, spec.num_blocks, spec.kv_dtype, heads, device)
+    return ModelRunner(model, None, backend)
 
 
 class TPWorkers:

@@ -80,3 +80,21 @@ def test_decode_from_cuda_graphs_is_token_exact_with_eager(tiny_model, name):
     lp_w = torch.tensor([lp for o in want for row in o.outputs[0].logprobs for _, lp in row])
     torch.testing.assert_close(lp_g, lp_w, atol=1e-4, rtol=0)
     assert graphed.engine.runner.graphs.replays >= 15  # the decode steps really came from the graphs
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("name", ["llama4", "llama3"])
+def test_tensor_parallel_over_two_gpus_matches_one_gpu(tiny_model, name):
+    """TP=2 over NCCL (Triton kernels on each rank) generates what TP=1 generates, float32, greedy."""
+    model = tiny_model(name)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([70, 23, 150, 5], seed=31)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    common = dict(model=str(model.path), device="cuda", dtype="float32", kv_cache_memory_bytes=64 << 20)
+    want = LLM(**common).generate(prompts, params, use_tqdm=False)
+    two = LLM(tensor_parallel_size=2, **common)
+    try:
+        for _ in range(2):  # the second round from the prefix cache
+            got = two.generate(prompts, params, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    finally:
+        two.shutdown()
