@@ -168,12 +168,13 @@ def apply_penalties(
     output_ids: Sequence[Sequence[int]],
 ) -> None:
     """In place: repetition penalty, then ``- freq * count - presence * seen``."""
+    # decided on the host: the common no-penalty step costs no device round trip
+    if all(p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0 for p in params):
+        return
     dev = logits.device
     rep = torch.tensor([p.repetition_penalty for p in params], device=dev)
     freq = torch.tensor([p.frequency_penalty for p in params], device=dev)
     pres = torch.tensor([p.presence_penalty for p in params], device=dev)
-    if bool((rep == 1.0).all() & (freq == 0.0).all() & (pres == 0.0).all()):
-        return
     vocab = logits.shape[1]
     out_counts = _token_counts(output_ids, vocab).to(dev)
     out_mask = out_counts > 0
