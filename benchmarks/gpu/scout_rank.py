@@ -66,10 +66,62 @@ def tokenizer(vocab: int) -> Tokenizer:
     return Tokenizer(backend, eos_token="w1", eos_token_ids=[1])
 
 
-def engine_for(loaded: LoadedModel, kv_dtype: str) -> LLMEngine:
-    return LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", kv_cache_dtype=kv_dtype, block_size=16,
-                                  max_num_batched_tokens=16384, max_num_seqs=8, enable_prefix_caching=False,
-                                  gpu_memory_utilization=0.92), loaded)
+def engine_for(loaded: LoadedModel | None, kv_dtype: str, **overrides) -> LLMEngine:
+    config = EngineConfig(device="cuda", dtype="bfloat16", kv_cache_dtype=kv_dtype, block_size=16,
+                          max_num_batched_tokens=16384, max_num_seqs=8, enable_prefix_caching=False,
+                          gpu_memory_utilization=0.92)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return LLMEngine(config, loaded)
+
+
+def decode_after_prefill_ms(engine: LLMEngine, n: int, vocab: int, steps: int = 8) -> tuple[float, float]:
+    """(prefill seconds, median decode step ms) of one request of ``n`` prompt tokens, its KV computed for real."""
+    engine.add_request(f"real-{n}", prompt(n, vocab, n + 1), SamplingParams(
+        temperature=0, max_tokens=steps + 3, ignore_eos=True))
+    seq = engine._requests[f"real-{n}"].seqs[0]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while seq.num_output_tokens == 0:
+        engine.step()
+    torch.cuda.synchronize()
+    prefill = time.perf_counter() - start
+    engine.step()
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return prefill, 1000 * sorted(times)[len(times) // 2]
+
+
+def tensor_parallel_rows(size: int, n: int) -> list[list[str]]:
+    """Scout with the shapes of one TP-(8/size) rank, split over ``size`` GPUs by real tensor parallelism: each GPU
+    holds what one GPU holds in the single-GPU run, plus the all-reduces. Weights: load_format=dummy."""
+    import tempfile
+
+    rows = []
+    for tp in (1, size):
+        cfg = rank_config(8 // tp)
+        with tempfile.TemporaryDirectory() as path:
+            Path(path, "config.json").write_text(json.dumps(cfg))
+            engine = engine_for(None, "bfloat16", model=path, load_format="dummy", tensor_parallel_size=tp,
+                                enforce_eager=True)
+            vocab = cfg["vocab_size"]
+            decode_after_prefill_ms(engine, 20000, vocab, steps=2)  # compiles the kernels; not reported
+            seconds, ms = decode_after_prefill_ms(engine, n, vocab)
+            label = f"TP {tp}, Scout/{8 // tp} split over {tp} GPU(s)"
+            rows.append(["bfloat16", f"{label}: prefill {n:,} (cold)", f"{seconds:.1f} s", f"{n / seconds:,.0f} tok/s"])
+            rows.append(["bfloat16", f"{label}: decode step after it (eager)", f"{ms:.1f} ms", ""])
+            print(rows[-2], rows[-1], flush=True)
+            engine.shutdown()
+            del engine
+            torch.cuda.empty_cache()
+    return rows
 
 
 def prompt(n: int, vocab: int, seed: int) -> list[int]:
@@ -126,12 +178,18 @@ def decode_ms(engine: LLMEngine, context: int, vocab: int, steps: int = 8) -> fl
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tensor-parallel-size", type=int, default=8, help="the rank shapes of this TP size")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="1: one TP-8 rank on one GPU; 2, 4, 8: real TP over that many GPUs, each holding a TP-8 rank")
     ap.add_argument("--prefill-lengths", default="1048576")
     ap.add_argument("--decode-contexts", default="1048576,5242880,10000000")
     ap.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3")
+    ap.add_argument("--tp-prefill-length", type=int, default=1048576)
     args = ap.parse_args()
-    cfg = rank_config(args.tensor_parallel_size)
+    if args.tensor_parallel_size in (2, 4, 8):
+        rows = tensor_parallel_rows(args.tensor_parallel_size, args.tp_prefill_length)
+        print_table(rows, f"Llama-4-Scout, tensor parallelism {args.tensor_parallel_size} vs 1")
+        return
+    cfg = rank_config(8)
     model = random_model(cfg)
     weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
     loaded = LoadedModel("scout-rank (random weights)", model, tokenizer(cfg["vocab_size"]), cfg)
@@ -140,7 +198,7 @@ def main() -> None:
         engine = engine_for(loaded, kv_dtype)
         kv_bytes = engine.kv.pool.num_blocks * engine.layout.page_bytes
         full = json.loads(CONFIG.read_text())
-        plan = plan_capacity(full, tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=kv_dtype,
+        plan = plan_capacity(full, tensor_parallel_size=8, kv_cache_dtype=kv_dtype,
                              block_size=16, kv_memory_bytes=kv_bytes, max_num_batched_tokens=16384)
         rows.append([kv_dtype, "KV memory allocated", f"{kv_bytes / 2**30:.2f} GiB", f"weights {weights_gib:.2f} GiB"])
         rows.append([kv_dtype, "max_model_len plan / engine", f"{plan.max_model_len:,} / {engine.max_model_len:,}",
@@ -163,7 +221,11 @@ def main() -> None:
         del engine
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    print(f"\n{torch.cuda.get_device_name()}: Llama-4-Scout rank shapes at TP {args.tensor_parallel_size} "
+    print_table(rows, "Llama-4-Scout rank shapes at TP 8")
+
+
+def print_table(rows: list[list[str]], title: str) -> None:
+    print(f"\n{torch.cuda.get_device_name()} x {torch.cuda.device_count()}: {title} "
           "(48 layers, 12 full + 36 chunked(8192), 16 experts), batch 1, block 16, step 16,384 tokens")
     print("| KV dtype | measure | value | note |")
     print("|---|---|---|---|")

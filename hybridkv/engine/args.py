@@ -30,6 +30,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu | cuda (Triton kernels)")
     p.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs for decode steps")
+    p.add_argument("--load-format", default="auto", help="auto | dummy (random weights from config.json alone)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -51,5 +52,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         device=args.device,
         enforce_eager=args.enforce_eager,
+        load_format=args.load_format,
         tensor_parallel_size=args.tensor_parallel_size,
     )

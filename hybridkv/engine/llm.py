@@ -38,6 +38,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
+        load_format: str = "auto",
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -54,6 +55,7 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
+            load_format=load_format,
         )
         self.engine = LLMEngine(config, loaded)
         self._ids = itertools.count()

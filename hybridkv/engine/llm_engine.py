@@ -47,6 +47,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"  # torch (reference) | triton (GPU kernels) | auto: triton on CUDA
     enforce_eager: bool = False  # GPU: no CUDA graphs for decode steps
+    load_format: str = "auto"  # auto: the checkpoint's weights | dummy: random weights from config.json alone
     kv_cache_dtype: str = "auto"
     seed: int = 0
     device: str = "cpu"
@@ -96,7 +97,7 @@ class LLMEngine:
         dtype = _resolve_dtype(config.dtype, config.device)
         tp = TPGroup(0, config.tensor_parallel_size)
         self.workers = None  # the other tensor-parallel ranks' processes, started last (nothing left to refuse)
-        self.loaded = loaded or _load_rank0(config.model, dtype, tp)
+        self.loaded = loaded or _load_rank0(config, dtype, tp)
         if tp.size > 1 and loaded is not None:
             raise ValueError("tensor_parallel_size > 1 loads each rank's shard itself: pass model, not loaded")
         self.model = self.loaded.model.to(device=config.device, dtype=dtype).eval()
@@ -199,7 +200,7 @@ class LLMEngine:
         spec = WorkerSpec(
             model=c.model, dtype=dtype, device=c.device, rank=0, size=tp.size, port=0,
             timeout_s=c.distributed_timeout_s, block_size=c.block_size, kv_dtype=kv_dtype, num_blocks=num_blocks,
-            attention_backend=c.attention_backend,
+            attention_backend=c.attention_backend, load_format=c.load_format, seed=c.seed,
         )
         self.workers = TPWorkers(spec, tp)
         return TPDriverRunner(self.model, self.kv, self.backend, self.workers)
@@ -338,12 +339,21 @@ class LLMEngine:
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, req.finished, cached)
 
 
-def _load_rank0(model: str | None, dtype: torch.dtype, tp: TPGroup) -> LoadedModel:
+def _load_rank0(config: EngineConfig, dtype: torch.dtype, tp: TPGroup) -> LoadedModel:
+    if config.load_format == "dummy":
+        from hybridkv.model.dummy_weights import dummy_checkpoint
+
+        if config.model is None:
+            raise ValueError("load_format dummy needs a model directory with config.json")
+        return dummy_checkpoint(config.model, dtype, config.device, tp, config.seed)
+    if config.load_format != "auto":
+        raise ValueError(f"unknown load_format {config.load_format!r}; choose auto or dummy")
     if tp.size == 1:
-        return load_checkpoint(model, dtype)
+        return load_checkpoint(config.model, dtype)
     from hybridkv.model.tp_checkpoint import load_rank_checkpoint
 
-    return load_rank_checkpoint(model, dtype, tp)
+    return load_rank_checkpoint(config.model, dtype, tp)
+
 
 
 def _resolve_dtype(dtype: str, device: str) -> torch.dtype:

@@ -36,6 +36,7 @@ from hybridkv.engine.model_runner import ModelRunner, StepInput
 from hybridkv.kv.layer_specs import layer_specs_from_hf_config
 from hybridkv.kv.layout import plan_layout
 from hybridkv.model.attention.factory import make_paged_attention
+from hybridkv.model.dummy_weights import dummy_checkpoint
 from hybridkv.model.attention.torch_paged import TorchPagedAttention
 from hybridkv.model.parallel import TPGroup
 from hybridkv.model.tp_checkpoint import load_rank_checkpoint
@@ -64,6 +65,8 @@ class WorkerSpec:
     kv_dtype: str
     num_blocks: int
     attention_backend: str = "auto"
+    load_format: str = "auto"
+    seed: int = 0
 
 
 def device_for_rank(device: str, rank: int) -> str:
@@ -96,7 +99,10 @@ def _worker_main(spec: WorkerSpec, conn: Connection) -> None:
 
 def _build_runner(spec: WorkerSpec, tp: TPGroup) -> ModelRunner:
     device = device_for_rank(spec.device, spec.rank)
-    loaded = load_rank_checkpoint(spec.model, spec.dtype, tp, progress=False, tokenizer=False)
+    if spec.load_format == "dummy":
+        loaded = dummy_checkpoint(spec.model, spec.dtype, device, tp, spec.seed, tokenizer=False)
+    else:
+        loaded = load_rank_checkpoint(spec.model, spec.dtype, tp, progress=False, tokenizer=False)
     model = loaded.model.to(device=device, dtype=spec.dtype).eval()
     # the same layout and block count as the driver's, so its block tables address this rank's cache
     layout = plan_layout(layer_specs_from_hf_config(loaded.hf_config, tp.size, spec.kv_dtype), spec.block_size)

@@ -168,3 +168,29 @@ def test_the_cli_flag_reaches_the_engine_config():
     assert engine_config_from_args(parser.parse_args(["--tensor-parallel-size", "2"])).tensor_parallel_size == 2
     with pytest.raises(ValueError, match="at least 1"):
         engine_config_from_args(parser.parse_args(["--tensor-parallel-size", "0"]))
+
+
+def test_dummy_weights_build_each_rank_from_the_config_alone(tmp_path):
+    """load_format="dummy": no weight files, every rank draws its own seeded shard, generation runs."""
+    import json
+
+    from tiny_models import CONFIGS
+
+    config = CONFIGS["llama4"]().to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    one = LLM(model=str(tmp_path), load_format="dummy", seed=3)
+    assert one.engine.loaded.name.endswith("(dummy weights)")
+    norms = [p for n, p in one.engine.model.named_parameters() if "norm" in n]
+    assert all(bool((p == 1).all()) for p in norms)
+    out = one.generate({"prompt_token_ids": [5, 6, 7, 8]}, params, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 6
+    again = LLM(model=str(tmp_path), load_format="dummy", seed=3)
+    assert again.generate({"prompt_token_ids": [5, 6, 7, 8]}, params, use_tqdm=False)[0].outputs[0].token_ids == \
+        out.outputs[0].token_ids  # seeded: the same weights again
+    two = LLM(model=str(tmp_path), load_format="dummy", seed=3, tensor_parallel_size=2)
+    try:
+        got = two.generate({"prompt_token_ids": [5, 6, 7, 8]}, params, use_tqdm=False)[0]
+        assert len(got.outputs[0].token_ids) == 6
+    finally:
+        two.shutdown()
