@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 from hybridkv import LLM, SamplingParams  # noqa: E402
 
 
-@pytest.mark.parametrize("name", ["llama4", "mistral"])
+@pytest.mark.parametrize("name", ["llama4", "mistral", "gemma3"])
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_gpu_greedy_is_token_exact_with_the_cpu_path(tiny_model, name, block_size):
     model = tiny_model(name)

@@ -16,7 +16,7 @@ def greedy(n=N_NEW, **kw):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
 
 
-@pytest.mark.parametrize("name", ["llama4", "llama3", "mistral"])
+@pytest.mark.parametrize("name", ["llama4", "llama3", "mistral", "gemma3"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_cache(tiny_model, name, block_size):
     model = tiny_model(name)

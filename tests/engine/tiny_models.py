@@ -45,7 +45,16 @@ def mistral_config():
     )
 
 
-CONFIGS = {"llama4": llama4_config, "llama3": llama3_config, "mistral": mistral_config}
+def gemma3_config():
+    # Gemma-3's layout at toy size: 5 sliding (window 8) then 1 full, head_dim 256 like the real 270M model
+    return transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=256, max_position_embeddings=512, sliding_window=8,
+        initializer_range=0.25, attn_implementation="eager", bos_token_id=0, eos_token_id=1, pad_token_id=2,
+    )
+
+
+CONFIGS = {"llama4": llama4_config, "llama3": llama3_config, "mistral": mistral_config, "gemma3": gemma3_config}
 
 
 def save_word_tokenizer(path: Path) -> None:

@@ -36,6 +36,10 @@ class KernelConfig:
 # with 256x64 tiles (299 with 128x64); decode 1M 3.4 TB/s with 128-key tiles and 256 splits (1.8 TB/s with 64).
 PREFILL = KernelConfig(rows=256, block_n=64, num_warps=8, num_stages=3)
 DECODE = KernelConfig(rows=16, block_n=128, num_warps=4, num_stages=3)
+# Head dims above 128 (Gemma-3: 256) need smaller tiles: a 256x64 tile of 256-wide rows overflows registers and
+# three stages of 64x256 K and V tiles overflow shared memory. Correct first; not yet tuned on a device.
+WIDE_HEAD_PREFILL = KernelConfig(rows=64, block_n=32, num_warps=4, num_stages=2)
+WIDE_HEAD_DECODE = KernelConfig(rows=16, block_n=64, num_warps=4, num_stages=2)
 # Splits of a decode step's KV range: a few programs per SM keep enough loads in flight.
 SPLITS_PER_SM = 4
 MAX_SPLITS = 512
@@ -83,13 +87,16 @@ class TritonPagedAttention:
         self.num_q_heads = num_q_heads
         # query heads per KV head: they share the rows of one attention tile
         self.group = max(num_q_heads // g.spec.num_kv_heads for g in layout.groups)
-        if self.group > decode.rows:
-            raise ValueError(f"{self.group} query heads per KV head: more than one tile's {decode.rows} rows")
         if num_sms is None:  # (a CPU device only happens under Triton's interpreter, in development)
             cuda = self.device.type == "cuda"
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 8
         self.num_sms = num_sms  # how many programs fill the GPU; decides KV splits
+        if max(g.spec.head_dim for g in layout.groups) > 128:
+            prefill = WIDE_HEAD_PREFILL if prefill is PREFILL else prefill
+            decode = WIDE_HEAD_DECODE if decode is DECODE else decode
         self.prefill, self.decode, self.max_splits = prefill, decode, max_splits
+        if self.group > decode.rows:
+            raise ValueError(f"{self.group} query heads per KV head: more than one tile's {decode.rows} rows")
         self._groups: list[_GroupMeta] = []
 
     # ---- per step ----------------------------------------------------------------------------------
