@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
 from hybridkv.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
-from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.engine.sampling_params import RequestOutputKind, SamplingParams
 from hybridkv.model.checkpoint import LoadedModel
 
 Prompt = str | dict[str, Any]
@@ -76,7 +77,11 @@ class LLM:
         """Outputs in the order of ``prompts``. A prompt is text or ``{"prompt_token_ids": [...]}``."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        params = _broadcast(sampling_params or SamplingParams(), len(prompts))
+        # only the final outputs are read here: no per-step copies of growing outputs (vLLM does the same)
+        params = [
+            replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+            for p in _broadcast(sampling_params or SamplingParams(), len(prompts))
+        ]
         ids = []
         try:
             for prompt, p in zip(prompts, params):

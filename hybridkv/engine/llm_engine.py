@@ -15,7 +15,7 @@ import torch
 from hybridkv.engine.model_runner import ModelRunner
 from hybridkv.engine.output_processing import Logprobs, RequestOutputState
 from hybridkv.engine.sampler import Sampler, make_generator
-from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.engine.sampling_params import RequestOutputKind, SamplingParams
 from hybridkv.engine.scheduler import Scheduler, SchedulerOutput
 from hybridkv.engine.sequence import Sequence
 from hybridkv.kv.cache_manager import KVCacheManager
@@ -286,7 +286,8 @@ class LLMEngine:
         touched = self._sample(out, logits)
         outputs = []
         for req in touched:
-            outputs.append(self._request_output(req))
+            if req.finished or req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._request_output(req))
             if req.finished:
                 del self._requests[req.request_id]
         return outputs

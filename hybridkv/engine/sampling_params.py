@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 # Below this a temperature is treated as greedy: dividing logits by ~0 would
 # overflow, and the resulting distribution is argmax anyway.
 _GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs a request produces (vLLM's names): every step with all text so far, every step with only the
+    new text, or only the final one (what ``LLM.generate`` wants: no per-step copies of growing outputs)."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 @dataclass(slots=True)
@@ -35,6 +45,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)

@@ -132,3 +132,21 @@ def test_max_model_len_beyond_the_model_context_names_the_context_or_is_clamped(
 
     engine = LLMEngine(EngineConfig(model=path, max_model_len=1000, clamp_max_model_len=True))
     assert engine.max_model_len == 512
+
+
+def test_final_only_requests_produce_one_output_with_everything(tiny_model):
+    from hybridkv.engine.llm_engine import EngineConfig, LLMEngine
+    from hybridkv.engine.sampling_params import RequestOutputKind
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model("llama3").path), block_size=4))
+    prompt = random_prompts([12], seed=41)[0]
+    engine.add_request("final", prompt, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True,
+                                                       output_kind=RequestOutputKind.FINAL_ONLY))
+    engine.add_request("every", prompt, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
+    seen = {"final": [], "every": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen["final"]) == 1 and seen["final"][0].finished and len(seen["every"]) == 7
+    assert seen["final"][0].outputs[0].token_ids == seen["every"][-1].outputs[0].token_ids
+    assert seen["final"][0].outputs[0].text == seen["every"][-1].outputs[0].text
