@@ -102,6 +102,7 @@ def batch(num_reqs: int, length: int, shared: int, steps: int) -> tuple[float, f
         hit = kv.find_cache_hit(req)
         first = min(CHUNK, length - hit.num_tokens)
         assert kv.allocate_slots(req, first, hit)
+        kv.record_hit(req, hit)  # what the scheduler does on admission: counts the lookup in the metrics
         req.num_computed_tokens = hit.num_tokens + first
         kv.on_tokens_computed(req)
         while req.num_computed_tokens < length:
