@@ -22,8 +22,6 @@ import time
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import models
 
 from hybridkv.engine.llm_engine import EngineConfig, LLMEngine
 from hybridkv.engine.sampling_params import SamplingParams
@@ -32,7 +30,7 @@ from hybridkv.kv.planner import plan_capacity
 from hybridkv.model.checkpoint import LoadedModel
 from hybridkv.model.config import ModelConfig
 from hybridkv.model.llama import LlamaForCausalLM
-from hybridkv.model.tokenizer import Tokenizer
+from hybridkv.model.dummy_weights import word_tokenizer
 
 CONFIG = Path(__file__).resolve().parents[2] / "tests" / "data" / "scout-text-config.json"
 
@@ -61,11 +59,6 @@ def random_model(cfg: dict) -> LlamaForCausalLM:
     return model
 
 
-def tokenizer(vocab: int) -> Tokenizer:
-    backend = BackendTokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
-    return Tokenizer(backend, eos_token="w1", eos_token_ids=[1])
-
-
 def engine_for(loaded: LoadedModel | None, kv_dtype: str, **overrides) -> LLMEngine:
     config = EngineConfig(device="cuda", dtype="bfloat16", kv_cache_dtype=kv_dtype, block_size=16,
                           max_num_batched_tokens=16384, max_num_seqs=8, enable_prefix_caching=False,
@@ -87,16 +80,7 @@ def decode_after_prefill_ms(engine: LLMEngine, n: int, vocab: int, steps: int = 
     torch.cuda.synchronize()
     prefill = time.perf_counter() - start
     engine.step()
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        engine.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return prefill, 1000 * sorted(times)[len(times) // 2]
+    return prefill, median_step_ms(engine, steps)
 
 
 def tensor_parallel_rows(size: int, n: int) -> list[list[str]]:
@@ -164,6 +148,11 @@ def decode_ms(engine: LLMEngine, context: int, vocab: int, steps: int = 8) -> fl
     engine.scheduler.running.append(seq)
     engine.step()  # the last prompt token, then decodes
     engine.step()
+    return median_step_ms(engine, steps)
+
+
+def median_step_ms(engine: LLMEngine, steps: int) -> float:
+    """Median wall time of the next ``steps`` engine steps; then runs the engine dry."""
     times = []
     for _ in range(steps):
         torch.cuda.synchronize()
@@ -192,7 +181,7 @@ def main() -> None:
     cfg = rank_config(8)
     model = random_model(cfg)
     weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
-    loaded = LoadedModel("scout-rank (random weights)", model, tokenizer(cfg["vocab_size"]), cfg)
+    loaded = LoadedModel("scout-rank (random weights)", model, word_tokenizer(cfg["vocab_size"]), cfg)
     rows = []
     for kv_dtype in args.kv_dtypes.split(","):
         engine = engine_for(loaded, kv_dtype)

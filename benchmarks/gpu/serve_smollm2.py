@@ -15,13 +15,11 @@ import time
 
 import torch
 import transformers
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import models, pre_tokenizers
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.model.checkpoint import LoadedModel
 from hybridkv.model.loader import build_model, load_weights
-from hybridkv.model.tokenizer import Tokenizer
+from hybridkv.model.dummy_weights import word_tokenizer
 
 SMOLLM2 = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
@@ -29,13 +27,6 @@ SMOLLM2 = {
     "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192,
     "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "torch_dtype": "bfloat16",
 }
-
-
-def word_tokenizer(vocab: int) -> Tokenizer:
-    """Detokenization is part of serving: a word-level vocabulary of the model's size keeps that cost real."""
-    backend = BackendTokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return Tokenizer(backend, eos_token="w2", eos_token_ids=[2])
 
 
 def hf_model() -> transformers.LlamaForCausalLM:

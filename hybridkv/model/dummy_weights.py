@@ -43,6 +43,11 @@ def dummy_checkpoint(path: str, dtype: torch.dtype, device: str, tp: TPGroup | N
 def _tokenizer(path: Path, vocab: int) -> Tokenizer:
     if (path / "tokenizer.json").is_file():
         return Tokenizer.from_hf_dir(path)
+    return word_tokenizer(vocab)
+
+
+def word_tokenizer(vocab: int) -> Tokenizer:
+    """A stand-in over a model's vocabulary: token i is the word "w<i>", EOS is w1."""
     backend = BackendTokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return Tokenizer(backend, eos_token="w1", eos_token_ids=[1])
