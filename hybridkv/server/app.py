@@ -93,6 +93,8 @@ def build_app(engine: LLMEngine | EngineConfig, served_model_name: str | None = 
         engine = LLMEngine(engine)
     name = served_model_name or engine.loaded.name
     metrics = ServerMetrics(name)
+    # every gauge, KV usage per attention type included, exists from the first scrape (before any request)
+    metrics.update_engine_state(engine)
     async_engine = AsyncEngine(engine, metrics)
 
     @asynccontextmanager

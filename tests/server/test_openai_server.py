@@ -300,3 +300,14 @@ def test_throughput_log_line():
                                10.0)
     assert line == ("Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 5.0 tokens/s, Running: 0 reqs, "
                     "Waiting: 0 reqs, KV cache usage: n/a, Prefix cache hit rate: 25.0%")
+
+
+def test_a_fresh_server_exposes_kv_usage_per_attention_type_before_any_request():
+    from fastapi.testclient import TestClient
+
+    from hybridkv.engine.llm_engine import EngineConfig
+    from hybridkv.server.app import build_app
+
+    with TestClient(build_app(EngineConfig(kv_cache_memory_bytes=64 << 20))) as client:
+        text = client.get("/metrics").text
+    assert 'hybridkv:kv_cache_usage_perc{attention_type="full"' in text
