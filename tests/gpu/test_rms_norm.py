@@ -1,0 +1,39 @@
+"""The fused RMSNorm kernel against the eager torch arithmetic it replaces (``unit_rms`` times the weight)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not (torch.cuda.is_available() or INTERPRET):
+    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
+pytest.importorskip("triton")
+
+from hybridkv.kernels.rms_norm import rms_norm  # noqa: E402
+from hybridkv.model.llama import unit_rms  # noqa: E402
+
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(37, 5120), (37, 5, 128), (3, 576)])
+def test_matches_eager_torch(dtype, shape):
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 3 + 0.5).to(dtype)
+    w = torch.randn(shape[-1]).to(dtype)
+    expected = unit_rms(x, 1e-5) * w  # CPU: the eager path
+    got = rms_norm(x.to(DEVICE), 1e-5, w.to(DEVICE)).cpu()
+    unweighted = rms_norm(x.to(DEVICE), 1e-5).cpu()
+    assert got.dtype == dtype and got.shape == x.shape
+    # bf16: the row statistics are summed in another order, which may move each of the two roundings by one step
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(got, expected, **tol)
+    torch.testing.assert_close(unweighted, unit_rms(x, 1e-5), **tol)
+
+
+def test_non_contiguous_rows():
+    x = torch.randn(8, 2, 256)[:, 0, :]  # rows 512 apart
+    torch.testing.assert_close(rms_norm(x.to(DEVICE), 1e-6).cpu(), unit_rms(x, 1e-6), rtol=1e-5, atol=1e-5)
