@@ -73,19 +73,25 @@ def _attend_tile(
     else:
         k = k_raw.to(q.dtype)
         v = v_raw.to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if MASKED:
         seen = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if KIND == 1:
             seen = seen & (k_pos[None, :] > q_pos[:, None] - REACH)
         elif KIND == 2:
             seen = seen & ((k_pos[None, :] // REACH) == (q_pos[:, None] // REACH))
-        s = tl.where(seen, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
+        s = tl.where(seen, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+    else:
+        # interior tiles are most of a long prefill. qk_scale > 0, so the max of the scaled scores is the scaled
+        # max, and scaling and subtracting the max is one FMA.
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    # accumulate inside the tensor-core dot instead of adding its result in a separate pass
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, m_new, l_i
 
 

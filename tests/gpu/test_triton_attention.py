@@ -20,7 +20,7 @@ if not (torch.cuda.is_available() or INTERPRET):
     pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from hybridkv.model.attention.triton_paged import TritonPagedAttention  # noqa: E402
+from hybridkv.model.attention.triton_paged import KernelConfig, TritonPagedAttention  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 HQ, HKV = 5, 1  # Scout's per-rank shape: 5 query heads share one KV head
@@ -42,14 +42,14 @@ def specs(kv_dtype):
     ]
 
 
-def drive(block_size, kv_dtype, dtype, schedule, num_sms):
+def drive(block_size, kv_dtype, dtype, schedule, num_sms, num_blocks=400, **kernel_options):
     """Run both backends through the same steps; return the max relative error per layer kind."""
     torch.manual_seed(1234)
     layer_specs = specs(kv_dtype)
     layout = plan_layout(layer_specs, block_size)
-    kv = KVCacheManager(layout, 400, enable_prefix_caching=False, max_step_tokens=512)
-    ref = TorchPagedAttention(layout, 400, kv_dtype, DEVICE)
-    tri = TritonPagedAttention(layout, 400, kv_dtype, HQ, DEVICE, num_sms=num_sms)
+    kv = KVCacheManager(layout, num_blocks, enable_prefix_caching=False, max_step_tokens=512)
+    ref = TorchPagedAttention(layout, num_blocks, kv_dtype, DEVICE)
+    tri = TritonPagedAttention(layout, num_blocks, kv_dtype, HQ, DEVICE, num_sms=num_sms, **kernel_options)
     # poison the cache of the backend under test: any read of an unwritten slot shows up
     tri.cache.buffer.fill_(float("nan") if kv_dtype != "fp8_e4m3" else 0)
     reqs = [CacheRequest(str(i), list(range(n))) for i, n in enumerate(schedule["lengths"])]
@@ -100,6 +100,20 @@ def test_split_kv_decode_matches_reference(block_size):
     kv_dtype = "float32" if INTERPRET else "bfloat16"
     worst = drive(block_size, kv_dtype, dtype, LONG_DECODE, num_sms=64)  # few programs: the KV range splits
     assert worst.pop("max_splits") > 1
+    bound = 1e-4 if INTERPRET else 1e-2
+    assert all(e <= bound for e in worst.values()), worst
+
+
+def test_prefill_over_long_context_splits_into_whole_waves_and_matches_reference():
+    # 100 new tokens over 4,200 cached: 9 tiles of 12 tokens on 4 "SMs" fill 3 waves 75%; 4 splits fill 9 waves
+    # (splits pay off from 256 key tiles of reach: 16-key tiles here).
+    # Only the full layers split: the sliding and chunked layers' reach is too short to be worth it.
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    kv_dtype = "float32" if INTERPRET else "bfloat16"
+    schedule = {"lengths": [4300], "steps": [[2100], [2100], [100]]}
+    small_tiles = KernelConfig(rows=64, block_n=16, num_warps=4, num_stages=2)
+    worst = drive(16, kv_dtype, dtype, schedule, num_sms=4, num_blocks=1000, prefill=small_tiles)
+    assert worst.pop("max_splits") == 4
     bound = 1e-4 if INTERPRET else 1e-2
     assert all(e <= bound for e in worst.values()), worst
 

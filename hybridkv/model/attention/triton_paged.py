@@ -45,6 +45,22 @@ SPLITS_PER_SM = 4
 MAX_SPLITS = 512
 
 
+def wave_splits(programs: int, num_sms: int) -> int:
+    """KV splits (1, 2 or 4) that make ``programs`` tiles fill whole waves of one program per SM.
+
+    E.g. a 16,384-token prefill step of Scout's rank is 322 tiles; on an H200's 132 SMs that is 3 waves, the last
+    44% full (341 TFLOP/s at 1M context). 2 splits make 644 programs in 5 waves, 98% full (393 TFLOP/s). 643 tiles
+    (a 32,768-token step) already fill 97%: no split. More than 4 would multiply the float32 partial outputs for
+    little gain."""
+
+    def fill(splits: int) -> float:
+        p = programs * splits
+        return p / (-(-p // num_sms) * num_sms)
+
+    best = max(fill(s) for s in (1, 2, 4))
+    return next(s for s in (1, 2, 4) if fill(s) >= best - 0.02)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -191,7 +207,12 @@ class TritonPagedAttention:
         """Split the KV range only when too few programs would run otherwise (decode of few long sequences)."""
         programs = self._num_tiles * kv_heads
         block_n = self.config.block_n
-        if programs >= self.num_sms or longest_reach <= 4 * block_n:
+        if programs >= self.num_sms:
+            # prefill over a long context (Scout's full layers at 16K+, not its 8K chunks): over short ones the
+            # combine pass costs more than the idle SMs
+            long_prefill = self.config is self.prefill and longest_reach >= 256 * block_n
+            return wave_splits(programs, self.num_sms) if long_prefill else 1
+        if longest_reach <= 4 * block_n:
             return 1
         want = _pow2_floor(max(1, SPLITS_PER_SM * self.num_sms // programs))
         # Long splits stream best (32+ key tiles each: 1M keys -> 256 splits); short contexts still get up to
@@ -256,7 +277,9 @@ class TritonPagedAttention:
             num_warps=self.config.num_warps, num_stages=self.config.num_stages,
         )
         if splits > 1:
-            d_slice = min(32, max(16, _next_pow2(spec.head_dim)))
+            # few rows (decode): slice the head dim over more programs; many (prefill): one program per row
+            d_pad = max(16, _next_pow2(spec.head_dim))
+            d_slice = d_pad if q.shape[0] * q.shape[1] >= 64 * self.num_sms else min(32, d_pad)
             grid = (q.shape[0], q.shape[1], -(-spec.head_dim // d_slice))
             self.kernels.combine_splits_kernel[grid](
                 part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
