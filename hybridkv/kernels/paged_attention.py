@@ -55,10 +55,17 @@ def _attend_tile(
     k_pos = n + tl.arange(0, BLOCK_N)
     if MASKED:
         k_ok = (k_pos < end) & (k_pos >= lo)
+    if BLOCK_SIZE >= BLOCK_N:
+        # tiles start on BLOCK_N boundaries, so a tile lies inside one page: one table entry, contiguous rows
+        block = tl.load(table + n // BLOCK_SIZE).to(tl.int64)
+        kv_row = block * stride_block + (n % BLOCK_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_tok
+    elif MASKED:
         block = tl.load(table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        kv_row = block * stride_block + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_tok
     else:
         block = tl.load(table + k_pos // BLOCK_SIZE).to(tl.int64)
-    kv_row = block * stride_block + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_tok + kv_head * D
+        kv_row = block * stride_block + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_tok
+    kv_row += kv_head * D
     ptrs = cache_ptr + kv_row[:, None] + d[None, :]
     d_ok = d[None, :] < D
     if MASKED:
