@@ -208,20 +208,29 @@ class Gemma3ForCausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         # A float32 scalar cast to the weight dtype, as transformers does (bf16 rounds sqrt(640) to 25.25).
         self.embed_scale = cfg.hidden_size**0.5
+        # RoPE frequencies per layer kind and the embedding scale, on the device of the last forward: built once,
+        # so the steady state copies nothing from the host (a CUDA graph could not hold such a copy)
+        self._constants: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None
+
+    supports_cuda_graphs = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for flattened tokens ``input_ids`` [T] at ``positions`` [T]."""
-        cfg = self.cfg
-        ropes = {
-            "full": rope_cos_sin(rope_inv_freq(cfg.rope_full, cfg.head_dim), positions),
-            "sliding": rope_cos_sin(rope_inv_freq(cfg.rope_sliding, cfg.head_dim), positions),
-        }
-        weight = self.embed_tokens.weight
-        scale = torch.tensor(self.embed_scale, dtype=torch.float32, device=weight.device).to(weight.dtype)
+        inv_freqs, scale = self._device_constants(positions.device)
+        ropes = {kind: rope_cos_sin(inv_freq, positions) for kind, inv_freq in inv_freqs.items()}
         x = self.embed_tokens(input_ids) * scale
-        for layer, kind in zip(self.layers, cfg.layer_kinds):
+        for layer, kind in zip(self.layers, self.cfg.layer_kinds):
             x = layer(x, ropes["sliding" if kind == "sliding" else "full"], attn)
         return self.norm(x)
+
+    def _device_constants(self, device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        if self._constants is None or self._constants[1].device != device:
+            cfg, dtype = self.cfg, self.embed_tokens.weight.dtype
+            inv_freqs = {"full": rope_inv_freq(cfg.rope_full, cfg.head_dim).to(device),
+                         "sliding": rope_inv_freq(cfg.rope_sliding, cfg.head_dim).to(device)}
+            scale = torch.tensor(self.embed_scale, dtype=torch.float32, device=device).to(dtype)
+            self._constants = (inv_freqs, scale)
+        return self._constants
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the hidden rows the caller picked (e.g. each sequence's last token)."""

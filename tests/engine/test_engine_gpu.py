@@ -61,7 +61,7 @@ def test_gpu_bfloat16_kernels_agree_with_the_torch_reference_backend(tiny_model,
     torch.testing.assert_close(firsts["triton"], firsts["torch"], atol=0.05, rtol=0.1)
 
 
-@pytest.mark.parametrize("name", ["llama4", "llama3"])
+@pytest.mark.parametrize("name", ["llama4", "llama3", "gemma3"])
 def test_decode_from_cuda_graphs_is_token_exact_with_eager(tiny_model, name):
     """Decode steps replayed from CUDA graphs (batches padded to buckets) give exactly the eager result."""
     model = tiny_model(name)
