@@ -237,12 +237,55 @@ def sweep() -> None:
         print(" | ".join(r))
 
 
+def engine_step_rows(context: int, tokens: int) -> list[list[str]]:
+    """One prefill step as the engine runs it over a long prompt: ``tokens`` new queries over ``context`` cached
+    random keys (full layer), with 16- and 64-token pages, the KV range unsplit and split as the backend chooses
+    (whole waves of tiles). The first query's output is checked against SDPA over the keys it sees."""
+    rows = []
+    keys = torch.randn(context + tokens, HKV, D, device=DEV, dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
+    q = torch.randn(tokens, HQ, D, device=DEV, dtype=torch.bfloat16)
+    ref = F.scaled_dot_product_attention(  # query 0 sits at position `context`: it sees keys 0..context
+        q[:1].transpose(0, 1).unsqueeze(0), keys[: context + 1].transpose(0, 1).unsqueeze(0).expand(1, HQ, -1, D),
+        values[: context + 1].transpose(0, 1).unsqueeze(0).expand(1, HQ, -1, D)).squeeze(0).transpose(0, 1)
+    flops = 4 * HQ * D * (tokens * context + tokens * (tokens + 1) // 2)
+    for block in (16, 64):
+        layout = plan_layout([FullAttentionSpec(HKV, D, "bfloat16")], block)
+        num_blocks = (context + tokens) // block + 2
+        backend = TritonPagedAttention(layout, num_blocks + 1, "bfloat16", HQ, DEV)
+        gen = torch.Generator().manual_seed(0)
+        table = (torch.randperm(num_blocks, generator=gen) + 1).numpy().astype("int32")
+        piece = 1 << 16
+        for start in range(0, context, piece):
+            n = min(piece, context - start)
+            backend.begin_step([StepSequence(start, n, [table])])
+            backend.write(0, keys[start : start + n], values[start : start + n])
+        chosen = backend._num_splits
+        for forced in (1, None):
+            backend._num_splits = chosen if forced is None else (lambda reach, heads: 1)
+            backend.begin_step([StepSequence(context, tokens, [table])])
+            run = lambda: backend.attend(0, q, keys[context:], values[context:], D ** -0.5)  # noqa: E731
+            err = rel_err(run()[:1], ref)
+            assert err <= 1e-2, f"step over {context}: relative error {err:.2e}"
+            ms = bench(run)
+            splits = backend._groups[0].num_splits
+            rows.append([f"prefill step, {block}-token pages, {splits} split(s)", f"{tokens:,} over {context:,}",
+                         f"{ms:.1f}", f"{flops / ms / 1e9:.0f}", "", "", f"{err:.1e}"])
+            print(" | ".join(rows[-1]), flush=True)
+        del backend
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="8192,32768,131072,1048576")
     ap.add_argument("--decode-lengths", default="131072,1048576,4194304")
     ap.add_argument("--skip-flex", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="time candidate tile shapes instead")
+    ap.add_argument("--step-context", type=int, default=0,
+                    help="also time one engine-sized prefill step (--step-tokens new tokens) over this many cached")
+    ap.add_argument("--step-tokens", type=int, default=16384)
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.sweep:
@@ -258,6 +301,8 @@ def main() -> None:
         for n in (int(x) for x in args.decode_lengths.split(",") if x):
             rows.append(decode_row(n, chunked, copy_gbs))
             print(" | ".join(rows[-1]), flush=True)
+    if args.step_context:
+        rows += engine_step_rows(args.step_context, args.step_tokens)
     name = torch.cuda.get_device_name()
     print(f"\n{name}, copy bandwidth {copy_gbs:.0f} GB/s (read + write), bf16, Hq {HQ}, Hkv {HKV}, D {D}, block {BLOCK}")
     head = ["case", "tokens", "ours ms | us", "ours TFLOP/s | GB/s", "SDPA flash", "FlexAttention | share",

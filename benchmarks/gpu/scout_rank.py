@@ -11,7 +11,8 @@ per-GPU compute and memory are those of one rank. Reports:
   prefill) up to the context, then the engine decodes; bf16 and fp8 KV;
 - peak GPU memory.
 
-    python benchmarks/gpu/scout_rank.py [--prefill-lengths 1048576] [--decode-contexts 1048576,5242880,10000000]
+    python benchmarks/gpu/scout_rank.py [--prefill-lengths 1048576,2845646] [--decode-contexts 1048576,5242880,10000000]
+        [--kv-dtypes bfloat16,fp8_e4m3] [--block-size 64]
 """
 
 from __future__ import annotations
