@@ -50,7 +50,7 @@ def make_generator(seed: int | None) -> torch.Generator | None:
 
 
 class Sampler:
-    """Stateless apart from the generator used for unseeded rows."""
+    """Stateless apart from the generator used for unseeded rows and the prompts' token sets (a cache)."""
 
     def __init__(self, seed: int | None = None) -> None:
         # A private generator keeps unseeded sampling off torch's global RNG,
@@ -60,6 +60,7 @@ class Sampler:
             self._generator.seed()
         else:
             self._generator.manual_seed(seed)
+        self._prompt_tokens = PromptTokens()
 
     def __call__(
         self,
@@ -81,7 +82,7 @@ class Sampler:
         logits = logits.to(torch.float32, copy=True)
         raw_logprobs = _raw_logprobs(logits, params)
 
-        apply_penalties(logits, params, prompt_ids, output_ids)
+        apply_penalties(logits, params, prompt_ids, output_ids, self._prompt_tokens)
         apply_min_tokens(logits, params, output_ids, eos_token_ids)
 
         greedy = [p.greedy for p in params]
@@ -166,8 +167,11 @@ def apply_penalties(
     params: Sequence[SamplingParams],
     prompt_ids: Sequence[Sequence[int]],
     output_ids: Sequence[Sequence[int]],
+    prompt_tokens: PromptTokens | None = None,
 ) -> None:
-    """In place: repetition penalty, then ``- freq * count - presence * seen``."""
+    """In place: repetition penalty, then ``- freq * count - presence * seen``.
+
+    ``prompt_tokens`` keeps each prompt's token set across steps (the sampler passes its own)."""
     # decided on the host: the common no-penalty step costs no device round trip
     if all(p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0 for p in params):
         return
@@ -175,12 +179,16 @@ def apply_penalties(
     rep = torch.tensor([p.repetition_penalty for p in params], device=dev)
     freq = torch.tensor([p.frequency_penalty for p in params], device=dev)
     pres = torch.tensor([p.presence_penalty for p in params], device=dev)
-    vocab = logits.shape[1]
-    out_counts = _token_counts(output_ids, vocab).to(dev)
+    out_counts = _token_counts(output_ids, logits.shape[1], dev)
     out_mask = out_counts > 0
     # Repetition penalty (CTRL-style) covers prompt and output; the OpenAI
     # penalties look at generated tokens only, as in vLLM.
-    seen = (_token_counts(prompt_ids, vocab).to(dev) > 0) | out_mask
+    seen = out_mask.clone()
+    rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if rows:
+        token_sets = (prompt_tokens or PromptTokens()).token_sets([prompt_ids[i] for i in rows], dev)
+        row_of = torch.cat([torch.full((len(t),), i, device=dev) for i, t in zip(rows, token_sets)])
+        seen[row_of, torch.cat(token_sets)] = True
     rep = rep.unsqueeze(1).expand_as(logits)
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
     torch.where(seen, penalised, logits, out=logits)
@@ -188,16 +196,36 @@ def apply_penalties(
     logits -= pres.unsqueeze(1) * out_mask
 
 
-def _token_counts(ids: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:
-    """[B, V] float counts of each token id per row."""
+class PromptTokens:
+    """Each prompt's distinct token ids, on the logits' device, kept while the same prompt list comes back step
+    after step: a 1M-token prompt with a repetition penalty is converted once, not at every decode step.
+
+    Holds only the prompts of the latest call, so finished requests are forgotten a step later."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[Sequence[int], torch.Tensor]] = {}
+
+    def token_sets(self, prompts: Sequence[Sequence[int]], device: torch.device) -> list[torch.Tensor]:
+        kept: dict[int, tuple[Sequence[int], torch.Tensor]] = {}
+        for prompt in prompts:
+            hit = self._by_id.get(id(prompt))
+            if hit is None or hit[0] is not prompt or hit[1].device != device:
+                hit = (prompt, torch.unique(torch.as_tensor(prompt, dtype=torch.long)).to(device))
+            kept[id(prompt)] = hit
+        self._by_id = kept
+        return [kept[id(p)][1] for p in prompts]
+
+
+def _token_counts(ids: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[B, V] float counts of each token id per row, built on ``device`` (only the ids travel)."""
     width = max((len(r) for r in ids), default=0)
     # Padding points at an extra column that is dropped afterwards.
     padded = torch.full((len(ids), width), vocab, dtype=torch.long)
     for i, row in enumerate(ids):
         if row:
             padded[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
-    counts = torch.zeros(len(ids), vocab + 1)
-    counts.scatter_add_(1, padded, torch.ones(padded.shape))
+    counts = torch.zeros(len(ids), vocab + 1, device=device)
+    counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
     return counts[:, :vocab]
 
 

@@ -143,6 +143,23 @@ def test_presence_frequency_penalties_exact():
     assert got[0].tolist() == pytest.approx(expected, abs=1e-6)
 
 
+def test_prompt_token_sets_are_built_once_per_prompt_and_forgotten_with_it():
+    sampler = Sampler()
+    params = [SamplingParams(temperature=0.0, repetition_penalty=2.0)] * 2
+    long_prompt, other = list(range(1000)) * 3, [4]
+    logits = torch.zeros(2, 1001)
+    logits[:, 5] = 2.0
+    logits[:, 1000] = 1.5
+    # token 5 is only in the long prompt: halved there (1.0 < 1.5), kept for the other row
+    assert run(sampler, logits, params, prompt=[long_prompt, other]).token_ids == [1000, 5]
+    cached = sampler._prompt_tokens._by_id[id(long_prompt)][1]
+    assert sorted(cached.tolist()) == list(range(1000))
+    run(sampler, logits, params, prompt=[long_prompt, other])
+    assert sampler._prompt_tokens._by_id[id(long_prompt)][1] is cached  # not rebuilt the next step
+    run(sampler, logits[:1], params[:1], prompt=[other])
+    assert id(long_prompt) not in sampler._prompt_tokens._by_id  # its request is gone: so is its set
+
+
 def test_presence_penalty_flips_choice():
     logits = torch.tensor([[1.0, 0.9]])
     p = SamplingParams(temperature=0.0, presence_penalty=0.5)
