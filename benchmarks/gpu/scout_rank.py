@@ -199,7 +199,7 @@ def main() -> None:
         rows.append([kv_dtype, "KV memory allocated", f"{kv_bytes / 2**30:.2f} GiB", f"weights {weights_gib:.2f} GiB"])
         rows.append([kv_dtype, "max_model_len plan / engine", f"{plan.max_model_len:,} / {engine.max_model_len:,}",
                      "engine capped by max_position_embeddings" if engine.max_model_len < plan.max_model_len else ""])
-        if kv_dtype == "bfloat16":
+        if args.prefill_lengths:
             prefill_seconds(engine, 20000, cfg["vocab_size"])  # compiles the kernels; not reported
             for n in (int(x) for x in args.prefill_lengths.split(",") if x):
                 s = prefill_seconds(engine, n, cfg["vocab_size"])
