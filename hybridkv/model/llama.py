@@ -206,13 +206,19 @@ class MoE(nn.Module):
         self.experts = Experts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size, dtype, tp)
         # summed together with the routed experts below: one all-reduce per MoE layer
         self.shared_expert = MLP(cfg.hidden_size, cfg.intermediate_size, False, dtype, tp, reduce=False)
+        # grouped_mm needs every row stride to be a multiple of 16 bytes (true of real models, not of every
+        # tiny or oddly split one)
+        item = self.experts.down_proj.element_size()
+        local = self.experts.down_proj.shape[1]
+        self._grouped_mm_ok = hasattr(F, "grouped_mm") and all(
+            (n * item) % 16 == 0 for n in (cfg.hidden_size, local, 2 * local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_logits, top_ids = torch.topk(self.router(x), self.top_k, dim=-1)
         gates = torch.sigmoid(top_logits.float()).to(x.dtype)
         if x.is_cuda and x.shape[0] * self.top_k <= self.experts.gate_up_proj.shape[0]:
             routed = self._routed_by_gather(x, top_ids, gates)
-        elif hasattr(F, "grouped_mm"):
+        elif self._grouped_mm_ok:
             routed = self._routed_by_grouped_mm(x, top_ids, gates)
         else:
             routed = self._routed_by_expert(x, top_ids, gates)

@@ -58,3 +58,20 @@ def test_moe_forward_picks_a_dispatch_that_matches_the_loop():
     top_logits, top_ids = torch.topk(moe.router(x), 1, dim=-1)
     expected = moe.shared_expert(x) + moe._routed_by_expert(x, top_ids, torch.sigmoid(top_logits))
     torch.testing.assert_close(moe(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_dims_grouped_mm_cannot_take_fall_back_to_the_loop():
+    # hidden 12 in bf16 = 24-byte rows: grouped_mm wants multiples of 16 bytes
+    cfg = ModelConfig.from_hf({
+        "model_type": "llama4_text", "vocab_size": 64, "hidden_size": 12, "intermediate_size": 6,
+        "intermediate_size_mlp": 48, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 6, "num_local_experts": 2, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1,
+    })
+    moe = MoE(cfg, torch.bfloat16, TPGroup())
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    assert not moe._grouped_mm_ok and tiny_moe()._grouped_mm_ok == hasattr(F, "grouped_mm")
+    x = torch.randn(9, 12, dtype=torch.bfloat16)
+    top_logits, top_ids = torch.topk(moe.router(x), 1, dim=-1)
+    gates = torch.sigmoid(top_logits.float()).to(x.dtype)
+    torch.testing.assert_close(moe(x), moe.shared_expert(x) + moe._routed_by_expert(x, top_ids, gates))
