@@ -286,9 +286,10 @@ class LLMEngine:
         touched = self._sample(out, logits)
         outputs = []
         for req in touched:
-            if req.finished or req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+            finished = req.finished
+            if finished or req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
                 outputs.append(self._request_output(req))
-            if req.finished:
+            if finished:
                 del self._requests[req.request_id]
         return outputs
 
@@ -300,7 +301,7 @@ class LLMEngine:
             logits,
             [s.state.params for s in seqs],
             [s.prompt_token_ids for s in seqs],
-            [s.output_token_ids for s in seqs],
+            [s.state.token_ids for s in seqs],  # = output_token_ids, without slicing a copy per step
             [s.generator for s in seqs],
             self.eos_token_ids,
         )

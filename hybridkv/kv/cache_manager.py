@@ -50,6 +50,10 @@ class CacheRequest:
     adapter_id: str | int | None = None
 
 
+_NO_BLOCKS = np.empty(0, np.int32)
+_NO_BLOCKS.flags.writeable = False
+
+
 @dataclass(slots=True)
 class CacheHit:
     num_tokens: int
@@ -163,7 +167,9 @@ class KVCacheManager:
 
     # ---- allocation --------------------------------------------------------------------------------
     def blocks_needed(self, req: KVRequest, num_new_tokens: int, hit: CacheHit | None = None) -> int:
-        hit = hit or CacheHit.none(self.num_groups)
+        if hit is None:  # every running sequence, every step: no CacheHit built
+            total = req.num_computed_tokens + num_new_tokens
+            return sum(m.num_blocks_to_allocate(req.request_id, total) for m in self.managers)
         total = req.num_computed_tokens + hit.num_tokens + num_new_tokens
         return sum(
             m.num_blocks_to_allocate(req.request_id, total, hit.blocks[m.group.group_id]) for m in self.managers
@@ -219,7 +225,7 @@ class KVCacheManager:
     # ---- views -------------------------------------------------------------------------------------
     def block_tables(self, req_id: str) -> list[np.ndarray]:
         """Per group (indexed by group id), the request's block ids; views, not copies."""
-        out: list[np.ndarray] = [np.empty(0, np.int32)] * self.num_groups
+        out: list[np.ndarray] = [_NO_BLOCKS] * self.num_groups
         for m in self.managers:
             out[m.group.group_id] = m.block_ids(req_id)
         return out

@@ -243,6 +243,9 @@ class FullAttentionManager(SingleTypeManager):
     def _retained(self, index: int, end_block: int | None) -> bool:
         return True
 
+    def drop_out_of_reach(self, req_id: str, num_computed: int) -> None:
+        """Nothing ever falls out of a full layer's reach (called twice per sequence per step: kept free)."""
+
 
 class SlidingWindowManager(SingleTypeManager):
     pass
