@@ -237,22 +237,26 @@ def sweep() -> None:
         print(" | ".join(r))
 
 
-def engine_step_rows(context: int, tokens: int) -> list[list[str]]:
+def engine_step_rows(context: int, tokens: int, kv_dtype: str = "bfloat16") -> list[list[str]]:
     """One prefill step as the engine runs it over a long prompt: ``tokens`` new queries over ``context`` cached
     random keys (full layer), with 16- and 64-token pages, the KV range unsplit and split as the backend chooses
-    (whole waves of tiles). The first query's output is checked against SDPA over the keys it sees."""
+    (whole waves of tiles). The first query's output is checked against SDPA over the keys it sees (for an FP8
+    cache: over the same keys rounded to e4m3, scale 1)."""
     rows = []
     keys = torch.randn(context + tokens, HKV, D, device=DEV, dtype=torch.bfloat16)
     values = torch.randn_like(keys)
     q = torch.randn(tokens, HQ, D, device=DEV, dtype=torch.bfloat16)
+    seen_k, seen_v = keys[: context + 1], values[: context + 1]
+    if kv_dtype == "fp8_e4m3":
+        seen_k, seen_v = (x.to(torch.float8_e4m3fn).to(torch.bfloat16) for x in (seen_k, seen_v))
     ref = F.scaled_dot_product_attention(  # query 0 sits at position `context`: it sees keys 0..context
-        q[:1].transpose(0, 1).unsqueeze(0), keys[: context + 1].transpose(0, 1).unsqueeze(0).expand(1, HQ, -1, D),
-        values[: context + 1].transpose(0, 1).unsqueeze(0).expand(1, HQ, -1, D)).squeeze(0).transpose(0, 1)
+        q[:1].transpose(0, 1).unsqueeze(0), seen_k.transpose(0, 1).unsqueeze(0).expand(1, HQ, -1, D),
+        seen_v.transpose(0, 1).unsqueeze(0).expand(1, HQ, -1, D)).squeeze(0).transpose(0, 1)
     flops = 4 * HQ * D * (tokens * context + tokens * (tokens + 1) // 2)
     for block in (16, 64):
-        layout = plan_layout([FullAttentionSpec(HKV, D, "bfloat16")], block)
+        layout = plan_layout([FullAttentionSpec(HKV, D, kv_dtype)], block)
         num_blocks = (context + tokens) // block + 2
-        backend = TritonPagedAttention(layout, num_blocks + 1, "bfloat16", HQ, DEV)
+        backend = TritonPagedAttention(layout, num_blocks + 1, kv_dtype, HQ, DEV)
         gen = torch.Generator().manual_seed(0)
         table = (torch.randperm(num_blocks, generator=gen) + 1).numpy().astype("int32")
         piece = 1 << 16
@@ -269,7 +273,8 @@ def engine_step_rows(context: int, tokens: int) -> list[list[str]]:
             assert err <= 1e-2, f"step over {context}: relative error {err:.2e}"
             ms = bench(run)
             splits = backend._groups[0].num_splits
-            rows.append([f"prefill step, {block}-token pages, {splits} split(s)", f"{tokens:,} over {context:,}",
+            rows.append([f"prefill step, {kv_dtype} KV, {block}-token pages, {splits} split(s)",
+                         f"{tokens:,} over {context:,}",
                          f"{ms:.1f}", f"{flops / ms / 1e9:.0f}", "", "", f"{err:.1e}"])
             print(" | ".join(rows[-1]), flush=True)
         del backend
@@ -286,6 +291,7 @@ def main() -> None:
     ap.add_argument("--step-context", type=int, default=0,
                     help="also time one engine-sized prefill step (--step-tokens new tokens) over this many cached")
     ap.add_argument("--step-tokens", type=int, default=16384)
+    ap.add_argument("--step-kv-dtypes", default="bfloat16", help="cache dtypes of the step rows: bfloat16,fp8_e4m3")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.sweep:
@@ -302,7 +308,8 @@ def main() -> None:
             rows.append(decode_row(n, chunked, copy_gbs))
             print(" | ".join(rows[-1]), flush=True)
     if args.step_context:
-        rows += engine_step_rows(args.step_context, args.step_tokens)
+        for kv_dtype in args.step_kv_dtypes.split(","):
+            rows += engine_step_rows(args.step_context, args.step_tokens, kv_dtype)
     name = torch.cuda.get_device_name()
     print(f"\n{name}, copy bandwidth {copy_gbs:.0f} GB/s (read + write), bf16, Hq {HQ}, Hkv {HKV}, D {D}, block {BLOCK}")
     head = ["case", "tokens", "ours ms | us", "ours TFLOP/s | GB/s", "SDPA flash", "FlexAttention | share",

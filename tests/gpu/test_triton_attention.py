@@ -42,14 +42,19 @@ def specs(kv_dtype):
     ]
 
 
-def drive(block_size, kv_dtype, dtype, schedule, num_sms, num_blocks=400, **kernel_options):
-    """Run both backends through the same steps; return the max relative error per layer kind."""
+def drive(block_size, kv_dtype, dtype, schedule, num_sms, num_blocks=400, kv_scales=None, **kernel_options):
+    """Run both backends through the same steps; return the max relative error per layer kind.
+
+    With ``kv_scales`` (FP8 only) the reference keeps a float32 cache and is given what the kernel's cache holds
+    after quantization, ``e4m3(k / k_scale) * k_scale``, so both attend over the same values."""
     torch.manual_seed(1234)
     layer_specs = specs(kv_dtype)
     layout = plan_layout(layer_specs, block_size)
     kv = KVCacheManager(layout, num_blocks, enable_prefix_caching=False, max_step_tokens=512)
-    ref = TorchPagedAttention(layout, num_blocks, kv_dtype, DEVICE)
-    tri = TritonPagedAttention(layout, num_blocks, kv_dtype, HQ, DEVICE, num_sms=num_sms, **kernel_options)
+    ref_dtype = "float32" if kv_scales else kv_dtype
+    ref = TorchPagedAttention(plan_layout(specs(ref_dtype), block_size), num_blocks, ref_dtype, DEVICE)
+    tri = TritonPagedAttention(layout, num_blocks, kv_dtype, HQ, DEVICE, num_sms=num_sms, kv_scales=kv_scales,
+                               **kernel_options)
     # poison the cache of the backend under test: any read of an unwritten slot shows up
     tri.cache.buffer.fill_(float("nan") if kv_dtype != "fp8_e4m3" else 0)
     reqs = [CacheRequest(str(i), list(range(n))) for i, n in enumerate(schedule["lengths"])]
@@ -69,7 +74,11 @@ def drive(block_size, kv_dtype, dtype, schedule, num_sms, num_blocks=400, **kern
             q = torch.randn(t, HQ, D, device=DEVICE, dtype=dtype)
             k = torch.randn(t, HKV, D, device=DEVICE, dtype=dtype)
             v = torch.randn(t, HKV, D, device=DEVICE, dtype=dtype)
-            expected = ref.attend(layer, q, k, v, D ** -0.5)
+            if kv_scales:
+                k_scale, v_scale = kv_scales[layer]
+                expected = ref.attend(layer, q, dequantized(k, k_scale), dequantized(v, v_scale), D ** -0.5)
+            else:
+                expected = ref.attend(layer, q, k, v, D ** -0.5)
             got = tri.attend(layer, q, k, v, D ** -0.5)
             assert not torch.isnan(got).any(), f"layer {layer}: unwritten output or unwritten cache read"
             worst[spec.kind] = max(worst.get(spec.kind, 0.0), rel_err(got, expected))
@@ -77,6 +86,10 @@ def drive(block_size, kv_dtype, dtype, schedule, num_sms, num_blocks=400, **kern
             r.num_computed_tokens += n
             kv.on_tokens_computed(r)
     return worst
+
+
+def dequantized(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return ((x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
 
 
 # prefill in chunks, with cached prefixes, then mixed prefill + decode, then decode only
@@ -124,3 +137,17 @@ def test_fp8_kv_cache_matches_reference_with_the_same_quantization():
     worst.pop("max_splits")
     # both backends read the same e4m3 values; they differ only in accumulation order and bf16 rounding
     assert all(e <= 2e-2 for e in worst.values()), worst
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_fp8_kv_cache_applies_per_layer_scales(block_size):
+    # scales far from 1 in both directions, different per layer and for K and V: a scale dropped or swapped
+    # (K's for V, or one layer's for another's) moves the output far beyond the bound
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    scales = {0: (0.02, 0.5), 1: (0.25, 0.01), 2: (0.05, 3.0), 3: (0.4, 0.03), 4: (0.01, 0.2), 5: (1.7, 0.06)}
+    worst = drive(block_size, "fp8_e4m3", dtype, MIXED, num_sms=1, kv_scales=scales)
+    worst.pop("max_splits")
+    assert all(e <= 2e-2 for e in worst.values()), worst
+    split = drive(block_size, "fp8_e4m3", dtype, LONG_DECODE, num_sms=64, kv_scales=scales)
+    assert split.pop("max_splits") > 1
+    assert all(e <= 2e-2 for e in split.values()), split

@@ -6,7 +6,9 @@ slots and the number of KV splits — so a hybrid model pays for metadata once p
 (vLLM's hybrid manager rebuilt it per group and per layer type, costing ~2 ms of decode latency on Llama-4).
 
 FP8 (``fp8_e4m3``): K and V are stored as e4m3 with one scale per layer for K and one for V (1.0 unless given,
-as vLLM without calibration); the kernels dequantize on load.
+as vLLM without calibration). The kernels widen e4m3 on load, which is exact; the scales multiply the scores and
+the output, not every loaded value. Prefill dots stay in the model's dtype; decode dots run in fp16, whose
+conversion from e4m3 is cheaper than bf16's.
 """
 
 from __future__ import annotations
@@ -271,7 +273,9 @@ class TritonPagedAttention:
             lse.stride(1) if splits > 1 else 0,
             KIND=kind, REACH=max(reach, 1), BLOCK_SIZE=self.block_size, GROUP=group, ROWS=self.config.rows,
             TOKENS=self._tokens, D=spec.head_dim, D_PAD=max(16, _next_pow2(spec.head_dim)),
-            BLOCK_N=self.config.block_n, NUM_SPLITS=splits, QUANT=self.quantized,
+            BLOCK_N=self.config.block_n, NUM_SPLITS=splits,
+            QUANT=self.quantized,
+            FP16_DOT=self.quantized and q.dtype == torch.bfloat16 and self.config is self.decode,
             # float32 models stay exact (token parity with the CPU path); TF32 would round to 10 mantissa bits
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=self.config.num_warps, num_stages=self.config.num_stages,
