@@ -120,7 +120,7 @@ def _type_lo(pos, KIND: tl.constexpr, REACH: tl.constexpr):
 def paged_attention_kernel(
     q_ptr, out_ptr, part_out_ptr, part_lse_ptr, cache_ptr, table_ptr,
     tile_seq_ptr, tile_q0_ptr, q_loc_ptr, q_len_ptr, ctx_len_ptr,
-    scale, k_scale, v_scale,
+    scale, k_scale, v_scale, seg_lo, seg_hi,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
     stride_block, stride_tok, v_offset,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
@@ -128,7 +128,13 @@ def paged_attention_kernel(
     GROUP: tl.constexpr, ROWS: tl.constexpr, TOKENS: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr, QUANT: tl.constexpr, FP16_DOT: tl.constexpr,
+    SEGMENTED: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
+    """Attention of one query tile over the keys it may see inside ``[seg_lo, seg_hi)``.
+
+    Unsegmented calls pass the whole key range. A segmented call (SEGMENTED) reads one segment of it, always writes
+    partial outputs and their LSE, and with ACCUMULATE merges them into what earlier segments left in the same
+    split slots; ``seg_lo`` is then a multiple of BLOCK_N."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -158,8 +164,8 @@ def paged_attention_kernel(
     # those blocks may be dropped (null) or reused by another request.
     first = ctx + q0
     last = ctx + tl.minimum(q0 + TOKENS, q_len) - 1
-    hi = last + 1
-    lo = _type_lo(first, KIND, REACH)
+    hi = tl.minimum(last + 1, seg_hi)
+    lo = tl.maximum(_type_lo(first, KIND, REACH), seg_lo)
     lo_tile = (lo // BLOCK_N) * BLOCK_N
     num_tiles = tl.cdiv(hi - lo_tile, BLOCK_N)
     per_split = tl.cdiv(num_tiles, NUM_SPLITS)
@@ -189,16 +195,27 @@ def paged_attention_kernel(
 
     t_idx = (q_loc + tok).to(tl.int64)
     out = acc / tl.maximum(l_i, 1e-30)[:, None] * v_scale
-    if NUM_SPLITS == 1:
+    if NUM_SPLITS == 1 and not SEGMENTED:
         tl.store(out_ptr + t_idx[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
         # natural-log LSE of this split; -inf where it saw no key
         lse = tl.where(l_i > 0, (m_i + tl.log2(tl.maximum(l_i, 1e-30))) * 0.6931471805599453, float("-inf"))
-        base = split * stride_ps + t_idx * stride_pt
-        tl.store(part_out_ptr + base[:, None] + head[:, None] * stride_ph + d[None, :], out,
-                 mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(part_lse_ptr + split * stride_ls + t_idx * stride_lt + head, lse, mask=row_ok)
+        row_base = split * stride_ps + t_idx * stride_pt + head * stride_ph
+        out_ptrs = part_out_ptr + row_base[:, None] + d[None, :]
+        lse_ptrs = part_lse_ptr + split * stride_ls + t_idx * stride_lt + head
+        if ACCUMULATE:
+            prev = tl.load(out_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            prev_lse = tl.load(lse_ptrs, mask=row_ok, other=float("-inf"))
+            m = tl.maximum(prev_lse, lse)
+            m = tl.where(m > float("-inf"), m, 0.0)
+            w_prev = tl.exp(prev_lse - m)
+            w_new = tl.exp(lse - m)
+            total = w_prev + w_new
+            out = (prev * w_prev[:, None] + out * w_new[:, None]) / tl.maximum(total, 1e-30)[:, None]
+            lse = tl.where(total > 0, m + tl.log(tl.maximum(total, 1e-30)), float("-inf"))
+        tl.store(out_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(lse_ptrs, lse, mask=row_ok)
 
 
 @triton.jit

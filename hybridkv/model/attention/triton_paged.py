@@ -13,7 +13,7 @@ conversion from e4m3 is cheaper than bf16's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,6 +42,10 @@ DECODE = KernelConfig(rows=16, block_n=128, num_warps=4, num_stages=3)
 # three stages of 64x256 K and V tiles overflow shared memory. Correct first; not yet tuned on a device.
 WIDE_HEAD_PREFILL = KernelConfig(rows=64, block_n=32, num_warps=4, num_stages=2)
 WIDE_HEAD_DECODE = KernelConfig(rows=16, block_n=64, num_warps=4, num_stages=2)
+# FP8 cache, long prefill: the reach is widened to bf16 in segments of at most this many bytes per sequence
+# (Scout's rank: 1M tokens), then attended by the bf16 kernel (16K queries over 1M keys on an H200: ~101 ms
+# vs 122 ms widening inside the kernel; docs/benchmarks.md).
+SEGMENT_BYTES = 512 << 20
 # Splits of a decode step's KV range: a few programs per SM keep enough loads in flight.
 SPLITS_PER_SM = 4
 MAX_SPLITS = 512
@@ -63,6 +67,32 @@ def wave_splits(programs: int, num_sms: int) -> int:
     return next(s for s in (1, 2, 4) if fill(s) >= best - 0.02)
 
 
+def plan_segments(first: list[int], ends: list[int], table: np.ndarray, block_size: int, seg_tokens: int):
+    """Cut a step's key range into segments of ``seg_tokens`` keys (a multiple of ``block_size``).
+
+    Sequence i's queries see keys ``[first[i], ends[i])``; ``table[i]`` holds its blocks. Returns the segments as
+    ``(lo, hi, cache blocks in scratch order)`` and a table of each block's row in its segment's scratch. E.g.
+    4-token blocks, 8-token segments, one sequence seeing keys 2..13 with table [7, 3, 9, 4]: segment [0, 8)
+    widens blocks [7, 3] into scratch rows 0 and 1, segment [8, 16) widens [9, 4] into rows 0 and 1, and the
+    scratch table is [0, 1, 0, 1]. Blocks wholly below ``first`` (dropped by a chunk or window) are never read."""
+    seg_blocks = seg_tokens // block_size
+    first_b = [f // block_size for f in first]
+    end_b = [-(-e // block_size) for e in ends]
+    scratch_table = np.zeros_like(table)
+    segments = []
+    for lo_b in range(0, max(end_b), seg_blocks):
+        gather, rows = [], 0
+        for i in range(len(ends)):
+            a, b = max(first_b[i], lo_b), min(end_b[i], lo_b + seg_blocks)
+            if a < b:
+                scratch_table[i, a:b] = np.arange(rows, rows + b - a)
+                gather.append(table[i, a:b])
+                rows += b - a
+        if rows:
+            segments.append((lo_b * block_size, (lo_b + seg_blocks) * block_size, np.concatenate(gather)))
+    return segments, scratch_table
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -72,11 +102,21 @@ def _pow2_floor(n: int) -> int:
 
 
 @dataclass(slots=True)
+class _Segment:
+    lo: int  # key positions [lo, hi)
+    hi: int
+    blocks: torch.Tensor  # [n] int64: the cache blocks of this segment, in scratch order
+
+
+@dataclass(slots=True)
 class _GroupMeta:
     table: torch.Tensor  # [S, max_blocks] int32
     slot_block: torch.Tensor  # [T] int32
     slot_offset: torch.Tensor  # [T] int32
     num_splits: int
+    # FP8 long prefill: segments widened to bf16 one at a time, and each block's row in its segment's scratch
+    segments: list[_Segment] = field(default_factory=list)
+    scratch_table: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -92,7 +132,7 @@ class TritonPagedAttention:
     def __init__(self, layout: KVLayout, num_blocks: int, kv_dtype: str, num_q_heads: int,
                  device: torch.device | str = "cuda", kv_scales: dict[int, tuple[float, float]] | None = None,
                  num_sms: int | None = None, prefill: KernelConfig = PREFILL, decode: KernelConfig = DECODE,
-                 max_splits: int = MAX_SPLITS) -> None:
+                 max_splits: int = MAX_SPLITS, segment_bytes: int = SEGMENT_BYTES) -> None:
         from hybridkv.kernels import paged_attention as kernels  # triton is only needed on GPU
 
         self.kernels = kernels
@@ -113,6 +153,7 @@ class TritonPagedAttention:
             prefill = WIDE_HEAD_PREFILL if prefill is PREFILL else prefill
             decode = WIDE_HEAD_DECODE if decode is DECODE else decode
         self.prefill, self.decode, self.max_splits = prefill, decode, max_splits
+        self.segment_bytes = segment_bytes
         if self.group > decode.rows:
             raise ValueError(f"{self.group} query heads per KV head: more than one tile's {decode.rows} rows")
         self._groups: list[_GroupMeta] = []
@@ -148,8 +189,21 @@ class TritonPagedAttention:
         spec = group.spec
         if isinstance(spec, (SlidingWindowSpec, ChunkedLocalSpec)):
             reach = min(reach, (spec.window if isinstance(spec, SlidingWindowSpec) else spec.chunk) + 64)
-        return _GroupMeta(as_dev(table), as_dev(blocks), as_dev((new % bs).astype(np.int32)),
+        meta = _GroupMeta(as_dev(table), as_dev(blocks), as_dev((new % bs).astype(np.int32)),
                           self._num_splits(reach, spec.num_kv_heads))
+        if self.quantized and self.config is self.prefill and reach >= 256 * self.prefill.block_n:
+            self._plan_segments(meta, spec, seqs, table, as_dev)
+        return meta
+
+    def _plan_segments(self, meta: _GroupMeta, spec, seqs, table: np.ndarray, as_dev) -> None:
+        unit = max(self.block_size, self.prefill.block_n)  # segments start on key-tile boundaries
+        per_token = 2 * spec.num_kv_heads * spec.head_dim * 2  # bf16 K and V
+        seg_tokens = max(unit, self.segment_bytes // per_token // unit * unit)
+        first = [spec.first_needed_token(s.context_len) for s in seqs]
+        ends = [s.context_len + s.query_len for s in seqs]
+        segments, scratch_table = plan_segments(first, ends, table, self.block_size, seg_tokens)
+        meta.segments = [_Segment(lo, hi, as_dev(blocks.astype(np.int64))) for lo, hi, blocks in segments]
+        meta.scratch_table = as_dev(scratch_table)
 
     # ---- decode steps replayed from CUDA graphs --------------------------------------------------------
     def enable_static_decode(self, max_seqs: int, max_model_len: int) -> None:
@@ -246,41 +300,27 @@ class TritonPagedAttention:
         return self.cache.buffer.view(-1)[layer.elem_offset :]
 
     def _attention(self, q, layer, meta, scale, k_scale, v_scale) -> torch.Tensor:
-        spec, base = layer.spec, self._base(layer)
-        stride_tok = spec.num_kv_heads * spec.head_dim
-        v_offset = self.block_size * stride_tok
-        group = q.shape[1] // spec.num_kv_heads
-        kind, reach = 0, 0
-        if isinstance(spec, SlidingWindowSpec):
-            kind, reach = 1, spec.window
-        elif isinstance(spec, ChunkedLocalSpec):
-            kind, reach = 2, spec.chunk
+        spec = layer.spec
         out = torch.empty_like(q)
         splits = meta.num_splits
-        if splits > 1:
+        segmented = bool(meta.segments)
+        if splits > 1 or segmented:
             part = torch.empty((splits, q.shape[0], q.shape[1], q.shape[2]), dtype=torch.float32, device=q.device)
             lse = torch.empty((splits, q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
         else:
-            part, lse = out, out  # unused
-        self.kernels.paged_attention_kernel[(self._num_tiles, spec.num_kv_heads, splits)](
-            q, out, part, lse, base, meta.table,
-            *self._seq,
-            scale, k_scale, v_scale,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.table.stride(0),
-            self.cache.buffer.stride(0), stride_tok, v_offset,
-            part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0,
-            part.stride(2) if splits > 1 else 0, lse.stride(0) if splits > 1 else 0,
-            lse.stride(1) if splits > 1 else 0,
-            KIND=kind, REACH=max(reach, 1), BLOCK_SIZE=self.block_size, GROUP=group, ROWS=self.config.rows,
-            TOKENS=self._tokens, D=spec.head_dim, D_PAD=max(16, _next_pow2(spec.head_dim)),
-            BLOCK_N=self.config.block_n, NUM_SPLITS=splits,
-            QUANT=self.quantized,
-            FP16_DOT=self.quantized and q.dtype == torch.bfloat16 and self.config is self.decode,
-            # float32 models stay exact (token parity with the CPU path); TF32 would round to 10 mantissa bits
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=self.config.num_warps, num_stages=self.config.num_stages,
-        )
-        if splits > 1:
+            part = lse = None
+        args = (q, out, part, lse, spec, scale, k_scale, v_scale, splits)
+        if not segmented:
+            self._launch(*args, self._base(layer), meta.table, self.cache.buffer.stride(0), self.quantized)
+        else:
+            # FP8 cache, long prefill: widen each segment of the reach into a bf16 scratch (exact), then run the
+            # unquantized kernel over it: the widening costs one pass over the keys instead of one per query tile
+            fp8 = layer.view.view(torch.uint8)
+            for i, seg in enumerate(meta.segments):
+                scratch = fp8[seg.blocks].view(torch.float8_e4m3fn).to(q.dtype)  # [n, 2, block, heads, dim]
+                self._launch(*args, scratch, meta.scratch_table, scratch.stride(0), False,
+                             seg_lo=seg.lo, seg_hi=seg.hi, segmented=True, accumulate=i > 0)
+        if part is not None:
             # few rows (decode): slice the head dim over more programs; many (prefill): one program per row
             d_pad = max(16, _next_pow2(spec.head_dim))
             d_slice = d_pad if q.shape[0] * q.shape[1] >= 64 * self.num_sms else min(32, d_pad)
@@ -291,3 +331,29 @@ class TritonPagedAttention:
                 D_SLICE=d_slice,
             )
         return out
+
+    def _launch(self, q, out, part, lse, spec, scale, k_scale, v_scale, splits, cache, table, stride_block, quant,
+                seg_lo=0, seg_hi=2**31 - 1, segmented=False, accumulate=False) -> None:
+        stride_tok = spec.num_kv_heads * spec.head_dim
+        kind, reach = 0, 0
+        if isinstance(spec, SlidingWindowSpec):
+            kind, reach = 1, spec.window
+        elif isinstance(spec, ChunkedLocalSpec):
+            kind, reach = 2, spec.chunk
+        part_strides = (0,) * 5 if part is None else (*part.stride()[:3], *lse.stride()[:2])
+        self.kernels.paged_attention_kernel[(self._num_tiles, spec.num_kv_heads, splits)](
+            q, out, out if part is None else part, out if lse is None else lse, cache, table,
+            *self._seq,
+            scale, k_scale, v_scale, seg_lo, seg_hi,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), table.stride(0),
+            stride_block, stride_tok, self.block_size * stride_tok,
+            *part_strides,
+            KIND=kind, REACH=max(reach, 1), BLOCK_SIZE=self.block_size, GROUP=q.shape[1] // spec.num_kv_heads,
+            ROWS=self.config.rows, TOKENS=self._tokens, D=spec.head_dim, D_PAD=max(16, _next_pow2(spec.head_dim)),
+            BLOCK_N=self.config.block_n, NUM_SPLITS=splits, QUANT=quant,
+            FP16_DOT=quant and q.dtype == torch.bfloat16 and self.config is self.decode,
+            SEGMENTED=segmented, ACCUMULATE=accumulate,
+            # float32 models stay exact (token parity with the CPU path); TF32 would round to 10 mantissa bits
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=self.config.num_warps, num_stages=self.config.num_stages,
+        )

@@ -1,0 +1,32 @@
+"""How an FP8 long prefill's key range is cut into segments widened to bf16 one at a time (pure numpy, no GPU)."""
+
+import numpy as np
+
+from hybridkv.model.attention.triton_paged import plan_segments
+
+
+def test_the_docstring_example():
+    segments, scratch = plan_segments([2], [14], np.array([[7, 3, 9, 4]]), block_size=4, seg_tokens=8)
+    assert [(lo, hi, blocks.tolist()) for lo, hi, blocks in segments] == [(0, 8, [7, 3]), (8, 16, [9, 4])]
+    assert scratch.tolist() == [[0, 1, 0, 1]]
+
+
+def test_sequences_share_a_segment_and_dropped_blocks_are_never_gathered():
+    # seq 0 sees keys 0..19 (blocks 0..4); seq 1's chunk starts at key 8 (blocks 0, 1 dropped: null = 0)
+    table = np.array([[11, 12, 13, 14, 15], [0, 0, 21, 22, 0]])
+    segments, scratch = plan_segments([0, 8], [20, 15], table, block_size=4, seg_tokens=8)
+    assert [(lo, hi, blocks.tolist()) for lo, hi, blocks in segments] == [
+        (0, 8, [11, 12]),
+        (8, 16, [13, 14, 21, 22]),  # seq 0's rows first, then seq 1's
+        (16, 24, [15]),
+    ]
+    assert scratch[0].tolist() == [0, 1, 0, 1, 0]
+    assert scratch[1, 2:4].tolist() == [2, 3]
+
+
+def test_a_segment_no_sequence_reaches_is_skipped():
+    # a sliding sequence sees only keys 16..23: segments [0, 8) and [8, 16) hold nothing it reads
+    table = np.array([[0, 0, 0, 0, 5, 6]])
+    segments, scratch = plan_segments([16], [24], table, block_size=4, seg_tokens=8)
+    assert [(lo, hi, blocks.tolist()) for lo, hi, blocks in segments] == [(16, 24, [5, 6])]
+    assert scratch[0, 4:].tolist() == [0, 1]
