@@ -23,6 +23,7 @@ from hybridkv.kv.layer_specs import layer_specs_from_hf_config
 from hybridkv.kv.layout import plan_layout
 from hybridkv.model.attention.factory import make_paged_attention
 from hybridkv.model.attention.torch_paged import TorchPagedAttention
+from hybridkv.model.attention.triton_paged import SEGMENT_BYTES
 from hybridkv.model.checkpoint import LoadedModel, load_checkpoint
 from hybridkv.model.parallel import TPGroup
 
@@ -89,6 +90,20 @@ class _Request:
     @property
     def finished(self) -> bool:
         return all(s.state.finished for s in self.seqs)
+
+
+def step_reserve_bytes(config: EngineConfig, hidden_size: int, vocab_size: int) -> int:
+    """GPU memory kept out of the KV cache for one step's working set.
+
+    E.g. 8,192 batched tokens of width 2,048 and 256 sequences over a 49,152-token vocabulary: 1 GiB of slack,
+    1 GiB of activations and 144 MiB of logits; an FP8 cache on the Triton kernels adds 768 MiB for a long
+    prefill's bf16 segments."""
+    reserve = 1 << 30
+    reserve += config.max_num_batched_tokens * hidden_size * 4 * 16  # a few float32 hidden-sized buffers per token
+    reserve += config.max_num_seqs * vocab_size * 4 * 3  # logits, their softmax and the sampler's copy
+    if config.kv_cache_dtype.startswith("fp8") and config.attention_backend != "torch":
+        reserve += SEGMENT_BYTES * 3 // 2  # the segment's bf16 scratch, and its FP8 gather for a moment
+    return reserve
 
 
 class LLMEngine:
@@ -167,11 +182,7 @@ class LLMEngine:
         if not self.config.device.startswith("cuda"):
             return DEFAULT_CPU_KV_CACHE_BYTES
         free, total = torch.cuda.mem_get_info(torch.device(self.config.device))
-        # activations of one step (budgeted tokens x a few hidden-sized buffers) and logits, with slack
-        cfg = self.model.cfg
-        reserve = 1 << 30
-        reserve += self.config.max_num_batched_tokens * cfg.hidden_size * 4 * 16
-        reserve += self.config.max_num_seqs * cfg.vocab_size * 4 * 3
+        reserve = step_reserve_bytes(self.config, self.model.cfg.hidden_size, self.model.cfg.vocab_size)
         budget = int(total * self.config.gpu_memory_utilization) - (total - free) - reserve
         if budget <= 0:
             raise ValueError(

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from hybridkv.model.attention.triton_paged import plan_segments
+from hybridkv.model.attention.triton_paged import plan_segments, segment_tokens
 
 
 def test_the_docstring_example():
@@ -30,3 +30,18 @@ def test_a_segment_no_sequence_reaches_is_skipped():
     segments, scratch = plan_segments([16], [24], table, block_size=4, seg_tokens=8)
     assert [(lo, hi, blocks.tolist()) for lo, hi, blocks in segments] == [(16, 24, [5, 6])]
     assert scratch[0, 4:].tolist() == [0, 1]
+
+
+def test_segment_length_keeps_the_whole_scratch_within_budget():
+    assert segment_tokens([1_000_000, 4096, 4096], 1_000_000, 64) == (1_000_000 - 8192) // 64 * 64
+    # one sequence: the budget, in whole key tiles
+    assert segment_tokens([3_000_000], 1 << 20, 64) == 1 << 20
+    # a reach shorter than the budget: one segment covers it
+    assert segment_tokens([5000], 1 << 20, 64) == 5056
+    # four equal long reaches share the budget
+    assert segment_tokens([1 << 20] * 4, 1 << 20, 64) == 1 << 18
+    # never below one key tile, even with many sequences
+    assert segment_tokens([1 << 20] * 100_000, 1 << 20, 64) == 64
+    for reaches in ([1_000_000, 4096, 4096], [1 << 20] * 4, [70_000, 300_000, 9_000]):
+        s = segment_tokens(reaches, 1 << 19, 64)
+        assert sum(min(s, r) for r in reaches) <= 1 << 19

@@ -42,9 +42,10 @@ DECODE = KernelConfig(rows=16, block_n=128, num_warps=4, num_stages=3)
 # three stages of 64x256 K and V tiles overflow shared memory. Correct first; not yet tuned on a device.
 WIDE_HEAD_PREFILL = KernelConfig(rows=64, block_n=32, num_warps=4, num_stages=2)
 WIDE_HEAD_DECODE = KernelConfig(rows=16, block_n=64, num_warps=4, num_stages=2)
-# FP8 cache, long prefill: the reach is widened to bf16 in segments of at most this many bytes per sequence
-# (Scout's rank: 1M tokens), then attended by the bf16 kernel (16K queries over 1M keys on an H200: ~101 ms
-# vs 122 ms widening inside the kernel; docs/benchmarks.md).
+# FP8 cache, long prefill: the reach is widened to bf16 in segments of at most this many bytes per step (Scout's
+# rank, one sequence: 1M tokens), then attended by the bf16 kernel (16K queries over 1M keys on an H200: 99.5 ms
+# vs 122 ms widening inside the kernel; docs/benchmarks.md). The engine reserves 1.5x this (the gather's FP8 copy
+# lives beside the scratch for a moment).
 SEGMENT_BYTES = 512 << 20
 # Splits of a decode step's KV range: a few programs per SM keep enough loads in flight.
 SPLITS_PER_SM = 4
@@ -65,6 +66,20 @@ def wave_splits(programs: int, num_sms: int) -> int:
 
     best = max(fill(s) for s in (1, 2, 4))
     return next(s for s in (1, 2, 4) if fill(s) >= best - 0.02)
+
+
+def segment_tokens(reaches: list[int], budget: int, unit: int) -> int:
+    """The longest segment (a multiple of ``unit``, at least one) whose scratch holds at most ``budget`` tokens:
+    a segment of S keys holds ``sum(min(S, reach))`` of them over the step's sequences.
+
+    E.g. reaches [1M, 4K, 4K] and a budget of 1M: S = 1M - 8K (the two short sequences take 8K of any segment)."""
+    reaches = sorted(reaches)
+    for i, r in enumerate(reaches):
+        # S >= r for the i shortest: they take sum(reaches[:i]) + r; the rest take S each
+        longest = (budget - sum(reaches[:i])) // (len(reaches) - i)
+        if longest < r:
+            return max(unit, longest // unit * unit)
+    return max(unit, -(-reaches[-1] // unit) * unit)
 
 
 def plan_segments(first: list[int], ends: list[int], table: np.ndarray, block_size: int, seg_tokens: int):
@@ -198,9 +213,11 @@ class TritonPagedAttention:
     def _plan_segments(self, meta: _GroupMeta, spec, seqs, table: np.ndarray, as_dev) -> None:
         unit = max(self.block_size, self.prefill.block_n)  # segments start on key-tile boundaries
         per_token = 2 * spec.num_kv_heads * spec.head_dim * 2  # bf16 K and V
-        seg_tokens = max(unit, self.segment_bytes // per_token // unit * unit)
         first = [spec.first_needed_token(s.context_len) for s in seqs]
         ends = [s.context_len + s.query_len for s in seqs]
+        # whole blocks round each reach out: its last block, and its first where a window starts inside one
+        budget = self.segment_bytes // per_token - 2 * len(seqs) * self.block_size
+        seg_tokens = segment_tokens([e - f for f, e in zip(first, ends)], budget, unit)
         segments, scratch_table = plan_segments(first, ends, table, self.block_size, seg_tokens)
         meta.segments = [_Segment(lo, hi, as_dev(blocks.astype(np.int64))) for lo, hi, blocks in segments]
         meta.scratch_table = as_dev(scratch_table)
