@@ -1,7 +1,8 @@
 """Paged hybrid attention kernels vs torch SDPA (flash) and FlexAttention, Scout's per-rank shapes.
 
 One Llama-4 Scout rank at TP 8: 5 query heads, 1 KV head, head_dim 128, bf16; full layers and chunked (8,192)
-layers. Our kernels read K/V through a block table with randomly permuted pages (block 16), as a busy server's
+layers. Our kernels read K/V through a block table with randomly permuted pages (64 tokens for prefill, 16 for
+decode, by default), as a busy server's
 cache is; the peers read contiguous tensors.
 
 - prefill: one sequence of n tokens, no cached prefix. TFLOP/s counts only unmasked work
@@ -14,7 +15,7 @@ cache is; the peers read contiguous tensors.
 
 Every output is checked against SDPA (relative error <= 1e-2) before it is timed.
 
-    python benchmarks/gpu/attention.py [--lengths 8192,32768,131072,1048576] [--skip-flex]
+    python benchmarks/gpu/attention.py [--lengths 8192,32768,131072,1048576] [--flex-max 131072] [--block-size 64]
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from hybridkv.kv.specs import ChunkedLocalSpec, FullAttentionSpec
 from hybridkv.model.attention.torch_paged import StepSequence
 from hybridkv.model.attention.triton_paged import DECODE, PREFILL, KernelConfig, TritonPagedAttention
 
-HQ, HKV, D, CHUNK, BLOCK = 5, 1, 128, 8192, 16
+HQ, HKV, D, CHUNK = 5, 1, 128, 8192
+BLOCK = 64  # prefill pages: a 64-key tile is one page (the Hopper path's TMA copies); --block-size changes it
+DECODE_BLOCK = 16
 DEV = "cuda"
 
 
@@ -88,17 +91,17 @@ def useful_pairs(n: int, chunked: bool) -> int:
     return full * CHUNK * (CHUNK + 1) // 2 + rest * (rest + 1) // 2
 
 
-def make_backend(spec, n: int, max_q: int, **kernel_options):
-    layout = plan_layout([spec], BLOCK)
-    blocks = n // BLOCK + 2
+def make_backend(spec, n: int, max_q: int, block: int = BLOCK, **kernel_options):
+    layout = plan_layout([spec], block)
+    blocks = n // block + 2
     backend = TritonPagedAttention(layout, blocks + 1, "bfloat16", HQ, DEV, **kernel_options)
     gen = torch.Generator().manual_seed(0)
     table = (torch.randperm(blocks, generator=gen) + 1).numpy().astype("int32")
     return backend, table
 
 
-def sdpa(q, k, v, chunked: bool):
-    """q [n, HQ, D], k/v [n, HKV, D] -> [n, HQ, D], flash backend, causal (per chunk if chunked)."""
+def sdpa(q, k, v, chunked: bool, cudnn: bool = False):
+    """q [n, HQ, D], k/v [n, HKV, D] -> [n, HQ, D], flash (or cuDNN) backend, causal (per chunk if chunked)."""
     n = q.shape[0]
     if chunked and n > CHUNK:
         assert n % CHUNK == 0
@@ -107,7 +110,7 @@ def sdpa(q, k, v, chunked: bool):
     else:
         qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     kb, vb = kb.repeat_interleave(HQ // HKV, 1), vb.repeat_interleave(HQ // HKV, 1)
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION if cudnn else SDPBackend.FLASH_ATTENTION):
         out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True)
     return out.transpose(1, 2).reshape(n, HQ, D)
 
@@ -119,7 +122,8 @@ def flex_fn(n: int, chunked: bool):
         causal = q_idx >= kv_idx
         return causal & (q_idx // CHUNK == kv_idx // CHUNK) if chunked else causal
 
-    block_mask = create_block_mask(mask, None, None, n, n, device=DEV)
+    # compiled: the mask is built block by block, never as an n x n tensor (128K: 16G entries)
+    block_mask = create_block_mask(mask, None, None, n, n, device=DEV, _compile=True)
     compiled = torch.compile(flex_attention)
 
     def run(q, k, v):
@@ -129,9 +133,9 @@ def flex_fn(n: int, chunked: bool):
     return run
 
 
-def prefill_row(n: int, chunked: bool, skip_flex: bool) -> list[str]:
+def prefill_row(n: int, chunked: bool, flex_max: int, block: int) -> list[str]:
     spec = ChunkedLocalSpec(HKV, D, "bfloat16", chunk=CHUNK) if chunked else FullAttentionSpec(HKV, D, "bfloat16")
-    backend, table = make_backend(spec, n, n)
+    backend, table = make_backend(spec, n, n, block=block)
     q = torch.randn(n, HQ, D, device=DEV, dtype=torch.bfloat16)
     k = torch.randn(n, HKV, D, device=DEV, dtype=torch.bfloat16)
     v = torch.randn(n, HKV, D, device=DEV, dtype=torch.bfloat16)
@@ -144,8 +148,14 @@ def prefill_row(n: int, chunked: bool, skip_flex: bool) -> list[str]:
     flops = 4 * HQ * D * useful_pairs(n, chunked)
     t_ours = bench(lambda: backend.attend(0, q, k, v, scale))
     t_sdpa = bench(lambda: sdpa(q, k, v, chunked))
-    flex = "skipped"
-    if not skip_flex:
+    try:
+        err_cudnn = rel_err(sdpa(q, k, v, chunked, cudnn=True), ref)
+        assert err_cudnn <= 1e-2, err_cudnn
+        cudnn = f"{flops / bench(lambda: sdpa(q, k, v, chunked, cudnn=True)) / 1e9:.0f}"
+    except Exception as e:  # report, don't hide: cuDNN may refuse a shape
+        cudnn = f"error: {type(e).__name__}"
+    flex = "not run"
+    if n <= flex_max:
         try:
             run = flex_fn(n, chunked)
             err_flex = rel_err(run(q, k, v), ref)
@@ -155,14 +165,14 @@ def prefill_row(n: int, chunked: bool, skip_flex: bool) -> list[str]:
             flex = f"error: {type(e).__name__}"
     kind = f"chunked({CHUNK})" if chunked else "full"
     return [f"prefill {kind}", f"{n:,}", f"{t_ours:.2f}", f"{flops / t_ours / 1e9:.0f}",
-            f"{flops / t_sdpa / 1e9:.0f}", flex, f"{err:.1e}"]
+            f"{flops / t_sdpa / 1e9:.0f}", cudnn, flex, f"{err:.1e}"]
 
 
-def decode_row(n: int, chunked: bool, copy_gbs: float) -> list[str]:
+def decode_row(n: int, chunked: bool, copy_gbs: float, block: int) -> list[str]:
     spec = ChunkedLocalSpec(HKV, D, "bfloat16", chunk=CHUNK) if chunked else FullAttentionSpec(HKV, D, "bfloat16")
     if chunked:
         n += CHUNK // 2  # half a chunk in reach
-    backend, table = make_backend(spec, n + 1, 1)
+    backend, table = make_backend(spec, n + 1, 1, block=block)
     scale = D ** -0.5
     # fill the cache with n random tokens (written by the KV-write kernel alone, in pieces), then decode token n
     piece = 1 << 16
@@ -193,48 +203,85 @@ def decode_row(n: int, chunked: bool, copy_gbs: float) -> list[str]:
     gbs = read / t_ours / 1e6
     kind = f"chunked({CHUNK})" if chunked else "full"
     return [f"decode {kind}", f"{n:,}", f"{t_ours * 1000:.1f} us (eager {t_eager * 1000:.0f})", f"{gbs:.0f} GB/s",
-            f"{read / t_sdpa / 1e6:.0f} GB/s", f"{100 * gbs / copy_gbs:.0f}% of copy", f"{err:.1e}"]
+            f"{read / t_sdpa / 1e6:.0f} GB/s", "", f"{100 * gbs / copy_gbs:.0f}% of copy", f"{err:.1e}"]
 
 
-def sweep() -> None:
-    """Time a few tile shapes for prefill (32K, full) and decode (1M, full); print one table."""
-    rows = []
-    n = 32768
-    q = torch.randn(n, HQ, D, device=DEV, dtype=torch.bfloat16)
-    k = torch.randn(n, HKV, D, device=DEV, dtype=torch.bfloat16)
-    v = torch.randn(n, HKV, D, device=DEV, dtype=torch.bfloat16)
-    ref = sdpa(q, k, v, False)
-    flops = 4 * HQ * D * useful_pairs(n, False)
-    for cfg in [PREFILL, KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 8, 4), KernelConfig(128, 32, 4, 4),
-                KernelConfig(64, 64, 4, 3), KernelConfig(128, 128, 8, 2), KernelConfig(256, 64, 8, 3)]:
-        try:
-            backend, table = make_backend(FullAttentionSpec(HKV, D, "bfloat16"), n, n, prefill=cfg)
-            backend.begin_step([StepSequence(0, n, [table])])
-            err = rel_err(backend.attend(0, q, k, v, D ** -0.5), ref)
-            ms = bench(lambda: backend.attend(0, q, k, v, D ** -0.5))
-            rows.append(["prefill 32K", str(cfg), f"{flops / ms / 1e9:.0f} TFLOP/s", f"{err:.1e}"])
-        except Exception as e:
-            rows.append(["prefill 32K", str(cfg), f"error {type(e).__name__}", ""])
-        print(rows[-1], flush=True)
-    n = 1 << 20
+SWEEP_CONFIGS = [
+    PREFILL,  # pointer gathers (the portable kernel)
+    KernelConfig(128, 64, 4, 2, tma=True, programs_per_sm=2), KernelConfig(128, 64, 4, 2, programs_per_sm=2),
+    KernelConfig(128, 64, 4, 3, tma=True, programs_per_sm=2), KernelConfig(128, 64, 4, 4, tma=True, programs_per_sm=2),
+    KernelConfig(128, 64, 4, 3, programs_per_sm=2), KernelConfig(128, 64, 4, 2, tma=True),
+    KernelConfig(64, 64, 4, 3, tma=True, programs_per_sm=3), KernelConfig(64, 64, 4, 4, tma=True, programs_per_sm=3),
+    KernelConfig(128, 128, 8, 3, tma=True), KernelConfig(128, 128, 8, 3, tma=True, programs_per_sm=2),
+    KernelConfig(128, 32, 4, 4, tma=True, programs_per_sm=2),
+]
+
+
+def filled_backend(spec, context: int, tokens: int, block: int, keys, values, **kernel_options):
+    """A backend with ``context`` random keys already written through a permuted block table."""
+    layout = plan_layout([spec], block)
+    num_blocks = (context + tokens) // block + 2
+    backend = TritonPagedAttention(layout, num_blocks + 1, spec.dtype, HQ, DEV, **kernel_options)
+    gen = torch.Generator().manual_seed(0)
+    table = (torch.randperm(num_blocks, generator=gen) + 1).numpy().astype("int32")
+    piece = 1 << 16
+    for start in range(0, context, piece):
+        n = min(piece, context - start)
+        backend.begin_step([StepSequence(start, n, [table])])
+        backend.write(0, keys[start : start + n], values[start : start + n])
+    return backend, table
+
+
+def sweep(step_context: int = 1 << 20, step_tokens: int = 16384, one_shot: int = 32768) -> None:
+    """Time candidate prefill kernels (SWEEP_CONFIGS) on a one-shot causal prefill and on one engine step over a
+    long context, pages of max(64, key tile) tokens; every output checked against the portable kernel's / SDPA's."""
+    import triton
+
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=DEV))
     spec = FullAttentionSpec(HKV, D, "bfloat16")
-    for cfg in [DECODE, KernelConfig(16, 64, 4, 4), KernelConfig(16, 128, 8, 3), KernelConfig(16, 256, 8, 2),
-                KernelConfig(16, 64, 2, 4)]:
-        for max_splits in (64, 128, 256, 512):
-            backend, table = make_backend(spec, n + 1, 1, decode=cfg, max_splits=max_splits)
-            backend.begin_step([StepSequence(0, n, [table])])
-            backend.write(0, torch.randn(n, HKV, D, device=DEV, dtype=torch.bfloat16),
-                          torch.randn(n, HKV, D, device=DEV, dtype=torch.bfloat16))
-            qd = torch.randn(1, HQ, D, device=DEV, dtype=torch.bfloat16)
-            kd = torch.randn(1, HKV, D, device=DEV, dtype=torch.bfloat16)
-            backend.begin_step([StepSequence(n, 1, [table])])
-            splits = backend._groups[0].num_splits
-            us = bench(graphed(lambda: backend.attend(0, qd, kd, kd, D ** -0.5))) * 1000
-            gbs = (n + 1) * HKV * D * 4 / us / 1e3
-            rows.append(["decode 1M", f"{cfg} splits={splits}", f"{us:.0f} us {gbs:.0f} GB/s", ""])
-            print(rows[-1], flush=True)
+    n = one_shot
+    q1 = torch.randn(n, HQ, D, device=DEV, dtype=torch.bfloat16)
+    k1, v1 = (torch.randn(n, HKV, D, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    ref1 = sdpa(q1, k1, v1, False)
+    flops1 = 4 * HQ * D * useful_pairs(n, False)
+    keys = torch.randn(step_context + step_tokens, HKV, D, device=DEV, dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
+    q2 = torch.randn(step_tokens, HQ, D, device=DEV, dtype=torch.bfloat16)
+    flops2 = 4 * HQ * D * (step_tokens * step_context + step_tokens * (step_tokens + 1) // 2)
+    rows = [["cuDNN SDPA", f"{flops1 / bench(lambda: sdpa(q1, k1, v1, False, cudnn=True)) / 1e9:.0f}", "", ""]]
+    print(rows[-1], flush=True)
+    backends = {}
+    ref2 = None
+    for cfg in SWEEP_CONFIGS:
+        block = max(64, cfg.block_n)
+        try:
+            one, table = make_backend(spec, n, n, block=block, prefill=cfg)
+            one.begin_step([StepSequence(0, n, [table])])
+            out = one.attend(0, q1, k1, v1, D ** -0.5)
+            err1 = rel_err(out, ref1)
+            t1 = bench(lambda: one.attend(0, q1, k1, v1, D ** -0.5))
+            del one
+            if block not in backends:
+                backends[block] = filled_backend(spec, step_context, step_tokens, block, keys, values)
+            step, table = backends[block]
+            step.prefill = cfg
+            step.begin_step([StepSequence(step_context, step_tokens, [table])])
+            run = lambda: step.attend(0, q2, keys[step_context:], values[step_context:], D ** -0.5)  # noqa: E731
+            out2 = run()
+            if ref2 is None:
+                ref2 = out2.clone()  # the portable kernel (first config) is the step's reference
+            err2 = rel_err(out2, ref2)
+            t2 = bench(run)
+            assert err1 <= 1e-2 and err2 <= 1e-2 and not out2.isnan().any(), (err1, err2)
+            rows.append([str(cfg), f"{flops1 / t1 / 1e9:.0f}", f"{flops2 / t2 / 1e9:.0f}",
+                         f"{err1:.1e} / {err2:.1e}, splits {step._groups[0].num_splits}"])
+        except Exception as e:  # noqa: BLE001 - report what failed to compile or check, keep sweeping
+            rows.append([str(cfg), "", "", f"error {type(e).__name__}: {str(e)[:200]}"])
+        print(rows[-1], flush=True)
+    print(f"\n| config | {one_shot:,} one-shot TFLOP/s | {step_tokens:,} over {step_context:,} TFLOP/s | rel err |")
+    print("|---|---|---|---|")
     for r in rows:
-        print(" | ".join(r))
+        print("| " + " | ".join(r) + " |")
 
 
 def engine_step_rows(context: int, tokens: int, kv_dtype: str = "bfloat16") -> list[list[str]]:
@@ -275,7 +322,7 @@ def engine_step_rows(context: int, tokens: int, kv_dtype: str = "bfloat16") -> l
             splits = backend._groups[0].num_splits
             rows.append([f"prefill step, {kv_dtype} KV, {block}-token pages, {splits} split(s)",
                          f"{tokens:,} over {context:,}",
-                         f"{ms:.1f}", f"{flops / ms / 1e9:.0f}", "", "", f"{err:.1e}"])
+                         f"{ms:.1f}", f"{flops / ms / 1e9:.0f}", "", "", "", f"{err:.1e}"])
             print(" | ".join(rows[-1]), flush=True)
         del backend
         torch.cuda.empty_cache()
@@ -286,7 +333,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="8192,32768,131072,1048576")
     ap.add_argument("--decode-lengths", default="131072,1048576,4194304")
-    ap.add_argument("--skip-flex", action="store_true")
+    ap.add_argument("--flex-max", type=int, default=131072, help="longest prefill FlexAttention is timed on")
+    ap.add_argument("--block-size", type=int, default=BLOCK, help="page size of the prefill rows")
+    ap.add_argument("--decode-block-size", type=int, default=DECODE_BLOCK, help="page size of the decode rows")
     ap.add_argument("--sweep", action="store_true", help="time candidate tile shapes instead")
     ap.add_argument("--step-context", type=int, default=0,
                     help="also time one engine-sized prefill step (--step-tokens new tokens) over this many cached")
@@ -301,19 +350,20 @@ def main() -> None:
     rows = []
     for chunked in (False, True):
         for n in (int(x) for x in args.lengths.split(",") if x):
-            rows.append(prefill_row(n, chunked, args.skip_flex))
+            rows.append(prefill_row(n, chunked, args.flex_max, args.block_size))
             print(" | ".join(rows[-1]), flush=True)
     for chunked in (False, True):
         for n in (int(x) for x in args.decode_lengths.split(",") if x):
-            rows.append(decode_row(n, chunked, copy_gbs))
+            rows.append(decode_row(n, chunked, copy_gbs, args.decode_block_size))
             print(" | ".join(rows[-1]), flush=True)
     if args.step_context:
         for kv_dtype in args.step_kv_dtypes.split(","):
             rows += engine_step_rows(args.step_context, args.step_tokens, kv_dtype)
     name = torch.cuda.get_device_name()
-    print(f"\n{name}, copy bandwidth {copy_gbs:.0f} GB/s (read + write), bf16, Hq {HQ}, Hkv {HKV}, D {D}, block {BLOCK}")
-    head = ["case", "tokens", "ours ms | us", "ours TFLOP/s | GB/s", "SDPA flash", "FlexAttention | share",
-            "rel err"]
+    print(f"\n{name}, copy bandwidth {copy_gbs:.0f} GB/s (read + write), bf16, Hq {HQ}, Hkv {HKV}, D {D}, "
+          f"prefill pages {args.block_size}, decode pages {args.decode_block_size}")
+    head = ["case", "tokens", "ours ms | us", "ours TFLOP/s | GB/s", "SDPA flash", "SDPA cuDNN",
+            "FlexAttention | share", "rel err"]
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     fmt = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
     print(fmt(head))

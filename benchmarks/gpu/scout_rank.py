@@ -9,10 +9,13 @@ per-GPU compute and memory are those of one rank. Reports:
 - prefill wall time of one cold prompt (prefix caching off) of each length, time to first token;
 - decode step latency at long contexts: the KV cache is FILLED WITH RANDOM VALUES (written, not computed by a
   prefill) up to the context, then the engine decodes; bf16 and fp8 KV;
+- a step-cost model (--step-contexts): one 16,384-token prefill step timed at each context over the same random
+  cache, cost(context) fitted as a line and summed over a prompt's steps to predict its prefill time, beside a
+  user's vLLM numbers (and checked against a measured prefill of the same length when one ran);
 - peak GPU memory.
 
     python benchmarks/gpu/scout_rank.py [--prefill-lengths 1048576,2845646] [--decode-contexts 1048576,5242880,10000000]
-        [--kv-dtypes bfloat16,fp8_e4m3] [--block-size 64]
+        [--kv-dtypes bfloat16,fp8_e4m3] [--block-size 64] [--step-contexts 0,1048576,...]
 """
 
 from __future__ import annotations
@@ -157,6 +160,76 @@ def decode_ms(engine: LLMEngine, context: int, vocab: int, steps: int = 8) -> fl
     return median_step_ms(engine, steps)
 
 
+STEP_TOKENS = 16384
+# A user's vLLM on 8xH200 (docs/benchmarks.md, shared/ANCHORS.md): prompt tokens, wall s, KV dtype, prefix-cache hit
+VLLM_PREFILLS = [(2065427, 69.35, "bfloat16", 0.3), (2845646, 334.9, "bfloat16", 0.0), (4908091, 957.1, "bfloat16", 0.0),
+                 (9811859, 2964.4, "fp8_e4m3", 0.0)]
+
+
+def step_seconds(engine: LLMEngine, context: int, vocab: int) -> float:
+    """Wall time of one engine step prefilling STEP_TOKENS new tokens over ``context`` cached ones (the cache FILLED
+    WITH RANDOM VALUES up to the context, as for decode), the first token sampled included."""
+    engine.add_request(f"step-{context}", prompt(context + STEP_TOKENS, vocab, 11), SamplingParams(
+        temperature=0, max_tokens=1))
+    if context:
+        seq = engine.scheduler.waiting.popleft()
+        piece = 1 << 20
+        while seq.num_computed_tokens < context:
+            n = min(piece, context - seq.num_computed_tokens)
+            assert engine.kv.allocate_slots(seq, n)
+            seq.num_computed_tokens += n
+            engine.kv.on_tokens_computed(seq)
+        seq.status = SequenceStatus.RUNNING
+        engine.scheduler.running.append(seq)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine.step()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    while engine.has_unfinished_requests():
+        engine.step()
+    return seconds
+
+
+def fit_step_cost(contexts: list[int], seconds: list[float]) -> tuple[float, float]:
+    """Least-squares ``cost(c) = a + b * c``: the full layers' attention grows linearly with the context a step
+    reads, everything else (chunked layers, MoE, norms, sampling) is the same at every step."""
+    import numpy as np
+
+    b, a = np.polyfit(np.array(contexts, dtype=float), np.array(seconds), 1)
+    return float(a), float(b)
+
+
+def predicted_prefill(a: float, b: float, n: int, hit: float = 0.0) -> float:
+    """Sum of the fitted step costs over a prompt of ``n`` tokens prefilled in STEP_TOKENS steps, the first
+    ``hit`` fraction already cached; a short last step costs its share of a full one."""
+    total, c = 0.0, int(n * hit)
+    while c < n:
+        tokens = min(STEP_TOKENS, n - c)
+        total += (a + b * c) * tokens / STEP_TOKENS
+        c += tokens
+    return total
+
+
+def step_model_rows(kv_dtype: str, contexts: list[int], seconds: list[float],
+                    measured: dict[int, float]) -> list[list[str]]:
+    a, b = fit_step_cost(contexts, seconds)
+    rows = [[kv_dtype, f"step model: {STEP_TOKENS:,}-token step = {a * 1000:.0f} ms + {b * 1e9:.2f} ms per 1M "
+             "context tokens", "", "fit residuals " + ", ".join(
+                 f"{100 * ((a + b * c) / t - 1):+.1f}%" for c, t in zip(contexts, seconds))]]
+    for n, vllm_s, vllm_dtype, hit in VLLM_PREFILLS:
+        for h in sorted({0.0, hit}):
+            pred = predicted_prefill(a, b, n, h)
+            note = f"vLLM 8xH200 ({vllm_dtype}{f', {hit:.0%} prefix hit' if hit else ''}): {vllm_s:,} s"
+            if h == hit:
+                note += f", ours / vLLM {pred / vllm_s:.2f}"
+            if n in measured and h == 0.0:
+                note += f"; measured {measured[n]:.1f} s, model / measured {pred / measured[n]:.3f}"
+            label = f"predicted prefill {n:,} tokens" + (f" ({h:.0%} prefix hit)" if h else " (cold)")
+            rows.append([kv_dtype, label, f"{pred:.1f} s", note])
+    return rows
+
+
 def median_step_ms(engine: LLMEngine, steps: int) -> float:
     """Median wall time of the next ``steps`` engine steps; then runs the engine dry."""
     times = []
@@ -180,6 +253,9 @@ def main() -> None:
     ap.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3")
     ap.add_argument("--tp-prefill-length", type=int, default=1048576)
     ap.add_argument("--block-size", type=int, default=BLOCK_SIZE)
+    ap.add_argument("--step-contexts", default="",
+                    help="time one 16,384-token prefill step at each context (random KV), fit cost(context) and "
+                         "predict vLLM's prompt lengths, e.g. 0,1048576,2097152,4194304,8388608,9800000")
     args = ap.parse_args()
     if args.tensor_parallel_size in (2, 4, 8):
         rows = tensor_parallel_rows(args.tensor_parallel_size, args.tp_prefill_length)
@@ -199,13 +275,25 @@ def main() -> None:
         rows.append([kv_dtype, "KV memory allocated", f"{kv_bytes / 2**30:.2f} GiB", f"weights {weights_gib:.2f} GiB"])
         rows.append([kv_dtype, "max_model_len plan / engine", f"{plan.max_model_len:,} / {engine.max_model_len:,}",
                      "engine capped by max_position_embeddings" if engine.max_model_len < plan.max_model_len else ""])
+        measured = {}
         if args.prefill_lengths:
             prefill_seconds(engine, 20000, cfg["vocab_size"])  # compiles the kernels; not reported
             for n in (int(x) for x in args.prefill_lengths.split(",") if x):
-                s = prefill_seconds(engine, n, cfg["vocab_size"])
+                s = measured[n] = prefill_seconds(engine, n, cfg["vocab_size"])
                 rows.append([kv_dtype, f"prefill {n:,} tokens (cold)", f"{s:.1f} s", f"{n / s:,.0f} tok/s"])
                 print(rows[-1], flush=True)
         fill_random(engine)
+        if args.step_contexts:
+            contexts = [int(x) for x in args.step_contexts.split(",") if x]
+            step_seconds(engine, 0, cfg["vocab_size"])  # compiles the kernels; not reported
+            seconds = []
+            for ctx in contexts:
+                times = [step_seconds(engine, ctx, cfg["vocab_size"]) for _ in range(2)]
+                seconds.append(min(times))
+                rows.append([kv_dtype, f"{STEP_TOKENS:,}-token prefill step over {ctx:,} (random KV)",
+                             f"{1000 * min(times):.0f} ms", f"2 runs: {', '.join(f'{1000 * t:.0f}' for t in times)} ms"])
+                print(rows[-1], flush=True)
+            rows += step_model_rows(kv_dtype, contexts, seconds, measured)
         for ctx in (int(x) for x in args.decode_contexts.split(",") if x):
             if ctx > engine.max_model_len:
                 rows.append([kv_dtype, f"decode step @ {ctx:,}", "does not fit", ""])

@@ -171,3 +171,38 @@ def test_fp8_long_prefill_widens_the_reach_in_segments_and_matches_reference():
     assert worst.pop("max_segments") == 7
     assert worst.pop("max_splits") == 2
     assert all(e <= 2e-2 for e in worst.values()), worst
+
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+TMA_TILES = KernelConfig(rows=128, block_n=64, num_warps=4, num_stages=3, tma=True, programs_per_sm=2)
+# 16,600 tokens of reach (>= 256 key tiles of 64) with 216 new: 10 tiles on 4 "SMs" x 2 programs -> 4 KV splits
+LONG_PREFILL = {"lengths": [16600, 300], "steps": [[8192, 0], [8192, 300], [216, 1]]}
+
+
+def loads_by_tma(block_size: int, kv_dtype: str) -> bool:
+    """Whether the prefill kernel reads this layout's K/V through a TMA descriptor (else pointer gathers)."""
+    tri = TritonPagedAttention(plan_layout(specs(kv_dtype), block_size), 64, kv_dtype, HQ, DEVICE, prefill=TMA_TILES)
+    tri.config = tri.prefill
+    layer = tri.cache.layers[0]
+    return tri._descriptor(tri._base(layer), layer.spec, HKV * D, tri.cache.buffer.stride(0))[0] > 0
+
+
+@pytest.mark.skipif(not HOPPER, reason="TMA tensor descriptors: Hopper (sm_90) only")
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
+def test_hopper_tma_prefill_matches_reference(kv_dtype):
+    # 64-token pages: each 64-key tile is one page, copied by TMA (16-token pages fall back to gathers). All three
+    # attention types, unsplit (mixed batches) and split into waves over a long reach; with an FP8 cache the long
+    # reach is also widened in segments (4 here), sliding/chunked layers widen FP8 tiles after the TMA copy.
+    assert loads_by_tma(64, kv_dtype) and not loads_by_tma(16, kv_dtype)
+    fp8 = kv_dtype == "fp8_e4m3"
+    scales = {i: (0.05 * (i + 1), 0.5 / (i + 1)) for i in range(6)} if fp8 else None
+    bound = 2e-2 if fp8 else 1e-2
+    worst = drive(64, kv_dtype, torch.bfloat16, MIXED, num_sms=1, kv_scales=scales, prefill=TMA_TILES)
+    assert worst.pop("max_splits") == 1
+    assert all(e <= bound for e in worst.values()), worst
+    segment_bytes = 5000 * 2 * HKV * D * 2
+    split = drive(64, kv_dtype, torch.bfloat16, LONG_PREFILL, num_sms=4, num_blocks=800, kv_scales=scales,
+                  prefill=TMA_TILES, segment_bytes=segment_bytes)
+    assert split.pop("max_splits") == 4
+    assert split.pop("max_segments", 0) == (4 if fp8 else 0)
+    assert all(e <= bound for e in split.values()), split
