@@ -355,7 +355,7 @@ def _sse(events: AsyncIterator[str], stream: RequestStream) -> StreamingResponse
                 yield event
             yield "data: [DONE]\n\n"
         except EngineDeadError as error:
-            yield _event(ErrorResponse(error=ErrorInfo(message=str(error), type="InternalServerError", code=500)))
+            yield _event(ErrorResponse(error=ErrorInfo(message=str(error), type="ServiceUnavailableError", code=503)))
         finally:  # the client went away (cancellation) or we are done: either way free the request
             stream.abort()
 
