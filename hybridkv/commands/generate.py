@@ -44,7 +44,7 @@ def _generate(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config_from_args(args))
     tok = engine.tokenizer
     prompt: str | list[int] = args.prompt
-    if args.chat and tok.chat_template:
+    if args.chat and tok is not None and tok.chat_template:
         prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}]), False)
     engine.add_request("cli", prompt, params)
     result = None

@@ -2,15 +2,24 @@
 
     hybridkv serve                       # SmolLM2-135M-Instruct on 0.0.0.0:8000
     hybridkv serve MODEL --port 8001 --served-model-name my-model --max-model-len 4096
+    hybridkv serve --api-key SECRET      # /v1 routes need "Authorization: Bearer SECRET" (or HYBRIDKV_API_KEY)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
+from typing import TYPE_CHECKING
 
 from hybridkv.engine.args import add_engine_args, engine_config_from_args
+
+if TYPE_CHECKING:
+    from hybridkv.server.options import ServerOptions
+
+API_KEY_ENV = "HYBRIDKV_API_KEY"  # vLLM's VLLM_API_KEY
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,7 +29,41 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--api-key", action="append", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1 routes; repeat for several keys "
+                        f"(default: ${API_KEY_ENV} if set, else no authentication)")
+    p.add_argument("--allowed-origins", type=_json_list, default=["*"], help='CORS origins, a JSON list')
+    p.add_argument("--allowed-methods", type=_json_list, default=["*"], help='CORS methods, a JSON list')
+    p.add_argument("--allowed-headers", type=_json_list, default=["*"], help='CORS headers, a JSON list')
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    p.add_argument("--max-request-body-bytes", type=int, default=None,
+                   help="larger request bodies get 413 (default: 100 MiB)")
     p.set_defaults(run=_run)
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, like '[\"*\"]', got {text!r}")
+    return value
+
+
+def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
+    from hybridkv.server.limits import RequestLimits
+    from hybridkv.server.options import ServerOptions
+
+    keys = args.api_key or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else [])
+    limits = RequestLimits()
+    if args.max_request_body_bytes is not None:
+        if args.max_request_body_bytes < 1:
+            raise ValueError(f"--max-request-body-bytes must be at least 1, got {args.max_request_body_bytes}")
+        limits.max_body_bytes = args.max_request_body_bytes
+    return ServerOptions(api_keys=keys, allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+                         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+                         limits=limits)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -28,13 +71,13 @@ def _run(args: argparse.Namespace) -> int:
     try:
         config = engine_config_from_args(args)
         config.clamp_max_model_len = True  # a server starts with what fits, and says why
+        options = server_options_from_args(args)
         from hybridkv.server.app import build_app  # torch and the model load only here
 
-        app = build_app(config, served_model_name=args.served_model_name)
+        app = build_app(config, served_model_name=args.served_model_name, options=options)
     except (ValueError, FileNotFoundError) as e:
         print(f"hybridkv serve: error: {e}", file=sys.stderr)
         return 2
-    import uvicorn
+    from hybridkv.server.runner import run_server
 
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    return run_server(app, args.host, args.port, args.log_level)

@@ -28,7 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="GPU only")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (processes) to split the model over")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="cpu | cuda (Triton kernels)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available) | cpu | cuda (Triton kernels)")
+    p.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="load no tokenizer: prompts and outputs are token ids")
     p.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs for decode steps")
     p.add_argument("--load-format", default="auto", help="auto | dummy (random weights from config.json alone)")
 
@@ -54,4 +56,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         load_format=args.load_format,
         tensor_parallel_size=args.tensor_parallel_size,
+        skip_tokenizer_init=args.skip_tokenizer_init,
     )

@@ -34,12 +34,13 @@ class LLM:
         kv_cache_memory_bytes: int | None = None,
         kv_cache_dtype: str = "auto",
         seed: int = 0,
-        device: str = "cpu",
+        device: str = "auto",
         loaded: LoadedModel | None = None,
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         load_format: str = "auto",
+        skip_tokenizer_init: bool = False,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -57,6 +58,7 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
             load_format=load_format,
+            skip_tokenizer_init=skip_tokenizer_init,
         )
         self.engine = LLMEngine(config, loaded)
         self._ids = itertools.count()
@@ -104,6 +106,8 @@ class LLM:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("chat needs a tokenizer: this LLM was made with skip_tokenizer_init=True")
         prompts = [
             {"prompt_token_ids": tok.encode(tok.apply_chat_template(list(c), add_generation_prompt), False)}
             for c in conversations

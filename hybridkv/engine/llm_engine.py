@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -51,7 +51,8 @@ class EngineConfig:
     load_format: str = "auto"  # auto: the checkpoint's weights | dummy: random weights from config.json alone
     kv_cache_dtype: str = "auto"
     seed: int = 0
-    device: str = "cpu"
+    device: str = "auto"  # auto: CUDA when torch sees a GPU, else the CPU
+    skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs token ids (text stays "")
     tensor_parallel_size: int = 1  # > 1: one process per rank, this one being rank 0 (see tp_workers.py)
     distributed_timeout_s: float = 300.0  # a collective that waits this long raises: a rank has hung
 
@@ -108,6 +109,7 @@ def step_reserve_bytes(config: EngineConfig, hidden_size: int, vocab_size: int) 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        config = replace(config, device=resolve_device(config.device))
         self.config = config
         dtype = _resolve_dtype(config.dtype, config.device)
         tp = TPGroup(0, config.tensor_parallel_size)
@@ -116,7 +118,7 @@ class LLMEngine:
         if tp.size > 1 and loaded is not None:
             raise ValueError("tensor_parallel_size > 1 loads each rank's shard itself: pass model, not loaded")
         self.model = self.loaded.model.to(device=config.device, dtype=dtype).eval()
-        self.tokenizer = self.loaded.tokenizer
+        self.tokenizer = None if config.skip_tokenizer_init else self.loaded.tokenizer
         hf_config = self.loaded.hf_config
         kv_dtype = config.kv_cache_dtype
         if kv_dtype == "auto":
@@ -148,7 +150,7 @@ class LLMEngine:
 
             self.runner.graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, self.max_model_len)
         self.sampler = Sampler(config.seed)
-        self.eos_token_ids = list(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = _eos_token_ids(self.tokenizer, hf_config)
         self._requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()
 
@@ -237,8 +239,9 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self._validate_prompt(ids)
+        self._validate_params(params)
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
@@ -256,6 +259,28 @@ class LLMEngine:
             req.seqs.append(seq)
             self.scheduler.add(seq)
         self._requests[request_id] = req
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt. Text too long for ``max_model_len`` however it tokenizes is refused before
+        tokenizing it (a 20 MB prompt would take seconds to find that out)."""
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer (skip_tokenizer_init): send the prompt as token ids")
+        limit = self.max_model_len * self.tokenizer.max_token_chars
+        if len(text) > limit:
+            raise ValueError(
+                f"the prompt is {len(text):,} characters long, more than max_model_len {self.max_model_len} tokens "
+                f"can hold (at most {limit:,} characters with this tokenizer)"
+            )
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _validate_params(self, params: SamplingParams) -> None:
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n must be <= max_num_seqs ({self.config.max_num_seqs}), got {params.n}")
+        vocab = self.model.cfg.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
 
     def _validate_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -287,7 +312,15 @@ class LLMEngine:
     # ---- one step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one forward pass; return the outputs of requests that advanced (finished ones for the last time)."""
-        out = self.scheduler.schedule()
+        return self.execute(self.schedule())
+
+    def schedule(self) -> SchedulerOutput:
+        """The first half of ``step()``: pick this step's tokens and allocate their KV blocks (the server reads its
+        gauges between the halves, so they show the step in flight)."""
+        return self.scheduler.schedule()
+
+    def execute(self, out: SchedulerOutput) -> list[RequestOutput]:
+        """The second half of ``step()``: the forward pass over ``out``, sampling, outputs."""
         if not out.scheduled:
             if self.scheduler.has_unfinished:
                 raise RuntimeError("the scheduler could not schedule any request: KV cache accounting is broken")
@@ -358,15 +391,34 @@ def _load_rank0(config: EngineConfig, dtype: torch.dtype, tp: TPGroup) -> Loaded
 
         if config.model is None:
             raise ValueError("load_format dummy needs a model directory with config.json")
-        return dummy_checkpoint(config.model, dtype, config.device, tp, config.seed)
+        return dummy_checkpoint(config.model, dtype, config.device, tp, config.seed,
+                                tokenizer=not config.skip_tokenizer_init)
     if config.load_format != "auto":
         raise ValueError(f"unknown load_format {config.load_format!r}; choose auto or dummy")
     if tp.size == 1:
-        return load_checkpoint(config.model, dtype)
+        return load_checkpoint(config.model, dtype, tokenizer=not config.skip_tokenizer_init)
     from hybridkv.model.tp_checkpoint import load_rank_checkpoint
 
-    return load_rank_checkpoint(config.model, dtype, tp)
+    return load_rank_checkpoint(config.model, dtype, tp, tokenizer=not config.skip_tokenizer_init)
 
+
+def resolve_device(device: str) -> str:
+    """``auto``: CUDA when torch sees a GPU, else the CPU (as vLLM picks); an unusable device names why."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but torch sees no CUDA GPU; use cpu or auto")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"unknown device {device!r}; choose auto, cpu or cuda")
+    return device
+
+
+def _eos_token_ids(tokenizer, hf_config: dict) -> list[int]:
+    """The tokenizer's end ids; without a tokenizer, the checkpoint config's ``eos_token_id`` (one or a list)."""
+    if tokenizer is not None:
+        return list(tokenizer.eos_token_ids)
+    eos = (hf_config.get("text_config") or {}).get("eos_token_id", hf_config.get("eos_token_id"))
+    return [int(t) for t in (eos if isinstance(eos, list) else [eos]) if t is not None]
 
 
 def _resolve_dtype(dtype: str, device: str) -> torch.dtype:

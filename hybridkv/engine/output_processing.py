@@ -64,7 +64,9 @@ class IncrementalDetokenizer:
         self._skip_special = skip_special_tokens
 
     def add_token(self, token_id: int) -> str:
-        """Append one token; return the newly completed text (maybe "")."""
+        """Append one token; return the newly completed text (maybe ""; always without a tokenizer)."""
+        if self._tokenizer is None:  # skip_tokenizer_init: token ids out, no text
+            return ""
         self._ids.append(token_id)
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset:])

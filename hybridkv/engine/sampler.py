@@ -1,6 +1,6 @@
 """Batched token sampler with vLLM's processing order and semantics.
 
-Order per step: penalties (repetition, frequency, presence) -> min_tokens
+Order per step: logit_bias -> penalties (repetition, frequency, presence) -> min_tokens
 masking -> temperature -> top-k -> top-p -> min-p -> sample.  Greedy rows take
 the argmax right after min_tokens masking (later steps cannot change it).
 
@@ -82,6 +82,7 @@ class Sampler:
         logits = logits.to(torch.float32, copy=True)
         raw_logprobs = _raw_logprobs(logits, params)
 
+        apply_logit_bias(logits, params)
         apply_penalties(logits, params, prompt_ids, output_ids, self._prompt_tokens)
         apply_min_tokens(logits, params, output_ids, eos_token_ids)
 
@@ -160,6 +161,14 @@ def _gather_logprobs(
         k = p.logprobs
         rows.append([(tokens[i], sampled[i]), *zip(top_ids[i][:k], top_vals[i][:k])])
     return rows
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """In place: add each row's ``logit_bias`` to its tokens' logits (before penalties, as vLLM)."""
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
 
 
 def apply_penalties(

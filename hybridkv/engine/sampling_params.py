@@ -45,6 +45,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100 bans, 100 forces)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -52,6 +53,8 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or ())]
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
         self._validate()
 
     def _validate(self) -> None:
@@ -74,6 +77,10 @@ class SamplingParams:
                    f"must be <= max_tokens={self.max_tokens}", self.min_tokens)
         if self.logprobs is not None:
             _check(self.logprobs >= 0, "logprobs", "must be >= 0 or None", self.logprobs)
+        if self.seed is not None:  # torch generators take 64 bits; sequence i of n draws from seed + i
+            _check(-(2**63) <= self.seed < 2**63, "seed", "must fit in 64 bits (-2**63 to 2**63 - 1)", self.seed)
+        for token, bias in (self.logit_bias or {}).items():
+            _check(-100.0 <= bias <= 100.0, "logit_bias", f"values must be in [-100, 100] (token {token})", bias)
         # An empty stop string would match at every position and end at once.
         _check(all(self.stop), "stop", "must not contain an empty string", self.stop)
 

@@ -19,16 +19,20 @@ from hybridkv.model.tokenizer import Tokenizer
 class LoadedModel:
     name: str
     model: LlamaForCausalLM
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None: loaded without one (skip_tokenizer_init, tensor-parallel workers)
     hf_config: dict[str, Any]
 
 
-def load_checkpoint(model: str | None, dtype: torch.dtype = torch.float32, progress: bool = True) -> LoadedModel:
+def load_checkpoint(
+    model: str | None, dtype: torch.dtype = torch.float32, progress: bool = True, tokenizer: bool = True
+) -> LoadedModel:
+    """``tokenizer=False`` (skip_tokenizer_init) loads none, so a directory without tokenizer files loads too."""
     resolved = resolve_model(model)
     if resolved.kind == "gguf":
         ckpt = read_gguf(resolved.path, dtype)
         net = build_model(ckpt.hf_config, dtype)
         load_weights(net, ckpt.named_tensors(progress))
-        return LoadedModel(resolved.name, net, Tokenizer.from_gguf(ckpt.reader), ckpt.hf_config)
+        tok = Tokenizer.from_gguf(ckpt.reader) if tokenizer else None
+        return LoadedModel(resolved.name, net, tok, ckpt.hf_config)
     net, config = load_safetensors_model(resolved.path, dtype, progress)
-    return LoadedModel(resolved.name, net, Tokenizer.from_hf_dir(resolved.path), config)
+    return LoadedModel(resolved.name, net, Tokenizer.from_hf_dir(resolved.path) if tokenizer else None, config)

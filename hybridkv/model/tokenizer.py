@@ -56,6 +56,7 @@ class Tokenizer:
     eos_token_ids: list[int] = field(default_factory=list)
     chat_template: str | None = None
     _template: jinja2.Template | None = field(init=False, default=None, repr=False)
+    _max_token_chars: int | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.eos_token_ids and self.eos_token_id is not None:
@@ -116,6 +117,12 @@ class Tokenizer:
     def from_hf_dir(cls, path: str | PathLike) -> Tokenizer:
         """From ``tokenizer.json`` + ``tokenizer_config.json`` (and ``generation_config.json`` if present)."""
         path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(
+                f"{path / 'tokenizer.json'} not found: hybridkv reads a Hugging Face directory's tokenizer from "
+                "tokenizer.json (a fast tokenizer); add it, or pass skip_tokenizer_init (--skip-tokenizer-init) "
+                "and send token ids"
+            )
         backend = BackendTokenizer.from_file(str(path / "tokenizer.json"))
         config = _read_json(path / "tokenizer_config.json")
         bos_token = _token_content(config.get("bos_token"))
@@ -145,6 +152,16 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters of text one token covers, so ``len(text) / max_token_chars`` tokens at
+        least: the longest vocabulary entry (byte-level entries spell one byte per character, and a character
+        is at least one byte), times 4 when a normalizer could merge or drop characters (NFKC, stripping)."""
+        if self._max_token_chars is None:
+            longest = max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
+            self._max_token_chars = longest * (4 if self.backend.normalizer is not None else 1)
+        return self._max_token_chars
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Special tokens written in ``text`` (e.g. ``<|im_start|>``) become their ids, as in HF."""

@@ -7,7 +7,6 @@ Routes: ``/health``, ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 from collections.abc import AsyncIterator, Iterator
@@ -24,7 +23,11 @@ from hybridkv.engine.llm_engine import CompletionOutput, EngineConfig, LLMEngine
 from hybridkv.engine.output_processing import Logprobs
 from hybridkv.model.tokenizer import Tokenizer
 from hybridkv.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from hybridkv.server.auth import add_access_middleware
+from hybridkv.server.errors import APIError, error_response
+from hybridkv.server.limits import check_max_tokens, parse_json, read_body, refuse_unsupported
 from hybridkv.server.metrics import ServerMetrics
+from hybridkv.server.options import ServerOptions
 from hybridkv.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -51,25 +54,8 @@ from hybridkv.server.protocol import (
 log = logging.getLogger("hybridkv.server")
 
 DISCONNECT_POLL_S = 0.2
-_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-                404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
-                422: "UnprocessableEntityError", 499: "ClientDisconnectedError", 500: "InternalServerError",
-                503: "ServiceUnavailableError"}
-_FIELD_PREFIX = re.compile(r"^(\w+)(?::| must| requires)")
 # pydantic names the member of a union it tried (``str``, ``list[int]``, ``TextPart``) inside error locations
 _UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|[A-Z]\w*|[\w-]+\[.*\])$")
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-    @classmethod
-    def bad_request(cls, error: Exception) -> APIError:
-        message = str(error)
-        match = _FIELD_PREFIX.match(message)
-        return cls(400, message, match.group(1) if match else None)
 
 
 @dataclass(slots=True)
@@ -77,18 +63,23 @@ class ServerState:
     engine: AsyncEngine
     model_name: str
     metrics: ServerMetrics
-    tokenizer: Tokenizer = field(repr=False)
+    tokenizer: Tokenizer | None = field(repr=False)  # None: skip_tokenizer_init
+    options: ServerOptions = field(default_factory=ServerOptions)
     _token_strings: dict[int, str] = field(default_factory=dict, repr=False)
 
     def token_str(self, token_id: int) -> str:
         text = self._token_strings.get(token_id)
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"  # vLLM's spelling of a token it cannot decode
         if text is None:
             text = self._token_strings[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
 
-def build_app(engine: LLMEngine | EngineConfig, served_model_name: str | None = None) -> FastAPI:
+def build_app(engine: LLMEngine | EngineConfig, served_model_name: str | None = None,
+              options: ServerOptions | None = None) -> FastAPI:
     """The app around an engine (built here from a config); the engine thread runs while the app is up."""
+    options = options or ServerOptions()
     if isinstance(engine, EngineConfig):
         engine = LLMEngine(engine)
     name = served_model_name or engine.loaded.name
@@ -106,8 +97,9 @@ def build_app(engine: LLMEngine | EngineConfig, served_model_name: str | None = 
             await asyncio.to_thread(async_engine.shutdown)
 
     app = FastAPI(title="hybridkv", lifespan=lifespan)
-    app.state.server = ServerState(async_engine, name, metrics, engine.tokenizer)
+    app.state.server = ServerState(async_engine, name, metrics, engine.tokenizer, options)
     _add_error_handlers(app)
+    add_access_middleware(app, options)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/metrics", render_metrics, methods=["GET"])
@@ -121,12 +113,6 @@ def _state(request: Request) -> ServerState:
 
 
 # ---- errors ------------------------------------------------------------------------------------------------
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    error_type = _ERROR_TYPES.get(status, "APIError")
-    body = ErrorResponse(error=ErrorInfo(message=message, type=error_type, param=param, code=status))
-    return JSONResponse(body.model_dump(), status_code=status)
-
-
 def _add_error_handlers(app: FastAPI) -> None:
     async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.param)
@@ -163,15 +149,14 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
 
 async def _parse_body(request: Request, model: type[BaseModel]):
     """JSON whatever the content type says (``curl -d`` sends form-encoded), validated into ``model``."""
-    raw = await request.body()
+    limits = _state(request).options.limits
+    raw = await read_body(request, limits.max_body_bytes)
     if not raw.strip():
         raise APIError(400, "the request body is empty: a JSON object is expected")
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise APIError(400, f"malformed JSON in the request body: {error}") from None
+    data = parse_json(raw, limits.max_json_depth)
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    refuse_unsupported(data, "chat" if model is ChatCompletionRequest else "completions")
     try:
         return model.model_validate(data)
     except ValidationError as error:
@@ -181,6 +166,19 @@ async def _parse_body(request: Request, model: type[BaseModel]):
 def _check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.model_name:
         raise APIError(404, f"The model `{model}` does not exist. Served: `{state.model_name}`.", "model")
+
+
+async def _prompt_ids(state: ServerState, prompt: str | list[int], max_tokens: int | None, max_tokens_name: str,
+                      add_special_tokens: bool = True) -> list[int]:
+    """Tokenized off the event loop (other requests keep streaming), then ``max_tokens`` checked against it."""
+    engine = state.engine.engine
+    try:
+        ids = prompt if isinstance(prompt, list) else await asyncio.to_thread(engine.tokenize, prompt,
+                                                                             add_special_tokens)
+    except ValueError as error:
+        raise APIError.bad_request(error) from None
+    check_max_tokens(max_tokens, len(ids), engine.max_model_len, max_tokens_name)
+    return ids
 
 
 async def _submit(state: ServerState, request_id: str, prompt, params, cache_salt) -> RequestStream:
@@ -218,6 +216,7 @@ async def create_completion(request: Request) -> Response:
         prompt, params = body.single_prompt(), body.sampling_params()
     except ValueError as error:
         raise APIError.bad_request(error) from None
+    prompt = await _prompt_ids(state, prompt, params.max_tokens, "max_tokens")
     request_id = random_id("cmpl")
     stream = await _submit(state, request_id, prompt, params, body.cache_salt)
     response = CompletionResponse(id=request_id, model=state.model_name, choices=[])
@@ -270,12 +269,17 @@ async def create_chat_completion(request: Request) -> Response:
     state = _state(request)
     _check_model(state, body.model)
     tokenizer = state.tokenizer
+    if tokenizer is None:
+        raise APIError(400, "chat needs a tokenizer, and this server runs without one (--skip-tokenizer-init): "
+                            "use /v1/completions with token ids")
     try:
         params = body.sampling_params()
         text = tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt)
     except ValueError as error:
         raise APIError.bad_request(error) from None
-    prompt = tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
+    name = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+    # add_special_tokens=False: the template writes any BOS itself
+    prompt = await _prompt_ids(state, text, params.max_tokens, name, add_special_tokens=False)
     request_id = random_id("chatcmpl")
     stream = await _submit(state, request_id, prompt, params, body.cache_salt)
     if body.stream:
@@ -351,7 +355,7 @@ def _sse(events: AsyncIterator[str], stream: RequestStream) -> StreamingResponse
                 yield event
             yield "data: [DONE]\n\n"
         except EngineDeadError as error:
-            yield _event(ErrorResponse(error=ErrorInfo(message=str(error), type="InternalServerError", code=500)))
+            yield _event(ErrorResponse(error=ErrorInfo(message=str(error), type="ServiceUnavailableError", code=503)))
         finally:  # the client went away (cancellation) or we are done: either way free the request
             stream.abort()
 

@@ -5,6 +5,12 @@ notify it. Engine thread: takes everything queued, adds and aborts, runs one ``s
 ``RequestOutput`` to its request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``; with nothing to do it
 sleeps on the condition (waking only to write the periodic log line). All requests in flight share the
 engine's continuous batch, however many clients send them.
+
+A step that raises (a tensor-parallel rank died, a bug) kills the engine for good: every request in flight
+fails with ``EngineDeadError`` (the server answers 503), ``is_alive`` turns False (``/health`` answers 503) and
+``on_dead`` is called, so the server can exit. ``begin_shutdown`` (SIGTERM) fails the requests in flight at once,
+from the event loop, without waiting for the step in flight; ``shutdown`` gives that step a moment, then
+abandons it.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hybridkv.engine.llm_engine import LLMEngine, RequestOutput
@@ -22,6 +29,7 @@ from hybridkv.server.metrics import ServerMetrics
 log = logging.getLogger("hybridkv.server")
 
 _ACCEPTED = object()  # first item on a request's queue when the engine took it
+SHUTDOWN_GRACE_S = 1.0  # how long shutdown waits for the step in flight (a long CPU prefill is abandoned)
 
 
 class EngineDeadError(RuntimeError):
@@ -71,43 +79,73 @@ class RequestStream:
             raise StopAsyncIteration
         item = await self._queue.get()
         if isinstance(item, BaseException):
-            self.finished = True
+            self._finish()
             raise item
-        self.finished = item.finished
+        if item.finished:
+            self._finish()
         return item
 
     def abort(self) -> None:
         if not self.finished:
-            self.finished = True
+            self._finish()
             self._owner.abort(self.request_id)
+
+    def _finish(self) -> None:
+        self.finished = True
+        self._owner.live.pop(self.request_id, None)
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics,
+                 on_dead: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.on_dead = on_dead  # called on the engine thread once a step has failed
+        self.failure: str | None = None  # why the engine died; final
+        self.live: dict[str, asyncio.Queue] = {}  # event loop only: the queue of every request not yet finished
         self._cond = threading.Condition()
         self._new: list[_Submission] = []
         self._aborts: list[str] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._channels: dict[str, _Channel] = {}  # engine thread only
 
     # ---- lifecycle (event loop) ---------------------------------------------------------------------------
     def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
         self._thread.start()
 
-    def shutdown(self, timeout: float = 30.0) -> None:
+    def begin_shutdown(self) -> None:
+        """Stop taking requests and fail those in flight now (503); safe to call from a signal handler."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._fail_live, EngineDeadError("the server is shutting down"))
+
+    def shutdown(self, timeout: float = SHUTDOWN_GRACE_S) -> None:
+        """Stop the engine thread; a step still running after ``timeout`` is abandoned (the thread is a daemon)."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("shutting down in the middle of an engine step: the step is abandoned")
+                return
+        self.engine.shutdown()  # tensor-parallel workers, if any
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return (self._thread is not None and self._thread.is_alive() and self.failure is None
+                and not self._stopping)
+
+    def _fail_live(self, error: Exception) -> None:
+        for queue in self.live.values():
+            queue.put_nowait(error)
+        self.live.clear()
 
     # ---- requests (event loop) ----------------------------------------------------------------------------
     async def add_request(
@@ -115,15 +153,18 @@ class AsyncEngine:
     ) -> RequestStream:
         """Queue a request and wait until the engine took it; raises the engine's ValueError if it refused."""
         if not self.is_alive:
-            raise EngineDeadError("the engine is not running")
+            raise EngineDeadError(f"the engine is not running: {self.failure or 'it has stopped'}")
         channel = _Channel(asyncio.get_running_loop(), asyncio.Queue())
+        self.live[request_id] = channel.queue
         self._submit(_Submission(request_id, prompt, params, cache_salt, channel))
         try:
             first = await channel.queue.get()
         except asyncio.CancelledError:
+            self.live.pop(request_id, None)
             self.abort(request_id)
             raise
         if isinstance(first, BaseException):
+            self.live.pop(request_id, None)
             raise first
         return RequestStream(request_id, channel.queue, self)
 
@@ -157,7 +198,8 @@ class AsyncEngine:
         for request_id in aborts:
             self._abort(request_id)
         if self.engine.has_unfinished_requests():
-            self._step()
+            if not self._step():
+                return False
         else:
             self.metrics.update_engine_state(self.engine)
         self.metrics.maybe_log()
@@ -181,6 +223,11 @@ class AsyncEngine:
         except ValueError as error:
             sub.channel.put(error)
             return
+        except Exception as error:  # noqa: BLE001 - a bug in validation: this request fails, the engine goes on
+            log.exception("adding request %s failed", sub.request_id)
+            self.engine.abort_request(sub.request_id)
+            sub.channel.put(RuntimeError(f"the engine could not add this request: {error!r}"))
+            return
         self._channels[sub.request_id] = sub.channel
         sub.channel.put(_ACCEPTED)
 
@@ -188,14 +235,19 @@ class AsyncEngine:
         if self._channels.pop(request_id, None) is not None:
             self.engine.abort_request(request_id)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step; False when it failed (the engine is dead)."""
         try:
-            outputs = self.engine.step()
-        except Exception:  # noqa: BLE001 - fail the requests in flight, keep serving
-            log.exception("engine step failed; aborting %d requests", len(self._channels))
-            self._fail_all(EngineDeadError("the engine failed while running this request"))
-            self.metrics.update_engine_state(self.engine)
-            return
+            scheduled = self.engine.schedule()
+            self.metrics.update_engine_state(self.engine)  # the gauges show the step in flight, not the last one
+            outputs = self.engine.execute(scheduled)
+        except Exception as error:  # noqa: BLE001 - the engine's state is unknown now: it is dead, say so
+            log.exception("engine step failed; the engine is dead, failing %d requests", len(self._channels))
+            self.failure = f"an engine step failed: {error}"
+            self._fail_all(EngineDeadError(f"the engine failed while running this request ({error})"))
+            if self.on_dead is not None:
+                self.on_dead()
+            return False
         self.metrics.update_engine_state(self.engine)  # before the outputs: a client that sees one sees this too
         now = time.monotonic()
         for out in outputs:
@@ -206,6 +258,7 @@ class AsyncEngine:
             channel.put(out)
             if out.finished:
                 del self._channels[out.request_id]
+        return True
 
     def _record(self, channel: _Channel, out: RequestOutput, now: float) -> None:
         total = sum(len(o.token_ids) for o in out.outputs)

@@ -6,6 +6,7 @@ and the server share one set of messages. Unknown request fields are ignored, as
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -45,6 +46,7 @@ class _SamplingFields(_Model):
     frequency_penalty: float = 0.0
     stop: str | list[str] | None = None
     seed: int | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias in [-100, 100]
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -81,11 +83,19 @@ class _SamplingFields(_Model):
             min_tokens=self.min_tokens,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=_token_id_keys(self.logit_bias),
         )
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _token_id_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
+    bad = next((k for k in bias or () if not re.fullmatch(r"[0-9]{1,10}", k)), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias: keys must be token ids (integers), got {bad!r}")
+    return {int(k): v for k, v in bias.items()} if bias else None
 
 
 class CompletionRequest(_SamplingFields):

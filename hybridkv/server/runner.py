@@ -1,0 +1,49 @@
+"""The app under uvicorn, with an end that clients and supervisors can see.
+
+SIGTERM (or Ctrl-C) fails the requests in flight at once with 503, then uvicorn closes the connections and the
+engine thread gets ``SHUTDOWN_GRACE_S`` to finish its step: the process is gone within a few seconds even in the
+middle of a long CPU prefill. A dead engine stops the server the same way once the requests in flight have had
+their 503, and ``run_server`` returns 1, so a supervisor restarts it (vLLM's server exits too).
+"""
+
+from __future__ import annotations
+
+import logging
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from hybridkv.server.async_engine import AsyncEngine
+
+log = logging.getLogger("hybridkv.server")
+
+GRACEFUL_SHUTDOWN_S = 2.0  # uvicorn's wait for connections to close; ours have all been answered by then
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:
+        super().__init__(config)
+        self._engine = engine
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        self._engine.begin_shutdown()
+
+
+def run_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> int:
+    """Serve until a signal (0; uvicorn re-raises it afterwards) or a dead engine (1)."""
+    engine: AsyncEngine = app.state.server.engine
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    server = _Server(config, engine)
+
+    def on_dead() -> None:  # on the engine thread: uvicorn polls the flag from its loop
+        server.should_exit = True
+
+    engine.on_dead = on_dead
+    server.run()
+    if engine.failure is not None:
+        log.error("exiting: %s", engine.failure)
+        return 1
+    return 0

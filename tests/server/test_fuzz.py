@@ -1,0 +1,127 @@
+"""Hypothesis-generated requests (plausible values, edge values and arbitrary JSON in every field of both
+endpoints): every answer is a 2xx or a 4xx, and the server is healthy and holds no request or KV block after.
+
+Derandomized, so CI runs the same examples every time."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hybridkv.engine.llm_engine import EngineConfig
+from hybridkv.server.app import build_app
+
+MAX_MODEL_LEN = 96
+
+scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | \
+    st.text(max_size=12)
+any_json = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6),
+                                                                                              inner, max_size=3),
+                        max_leaves=6)
+edge_ints = st.sampled_from([0, -1, 2**31, 2**63, -(2**63) - 1, 2**64, 10**30])
+token_ids = st.lists(st.integers(0, 49_151) | st.sampled_from([-1, 49_152, 10**12]), max_size=8)
+text = st.text(max_size=40)
+few_tokens = st.integers(1, 6) | edge_ints  # generations stay short: the fuzzing is about input, not output
+
+
+def mostly(valid: st.SearchStrategy, edge: st.SearchStrategy) -> st.SearchStrategy:
+    # 7 in 8 valid, so that many bodies pass validation and run (one_of would pick either side half the time)
+    return st.sampled_from([valid] * 7 + [edge]).flatmap(lambda strategy: strategy)
+
+
+# plausible values for every field the endpoints read or refuse, edge values included
+SAMPLING = {
+    "model": mostly(st.just("smollm2-135m-instruct"), st.sampled_from(["gpt-4", ""])),
+    "n": mostly(st.integers(1, 2), edge_ints | st.just(3)),
+    "best_of": mostly(st.none(), st.integers(0, 3)),
+    "temperature": mostly(st.floats(0, 2), st.floats(-1, 3) | st.sampled_from([1e-9, 1e308])),
+    "top_p": mostly(st.floats(0.01, 1), st.floats(-0.5, 1.5)),
+    "top_k": mostly(st.integers(-1, 60), edge_ints),
+    "min_p": mostly(st.floats(0, 1), st.floats(-0.5, 1.5)),
+    "presence_penalty": mostly(st.floats(-2, 2), st.floats(-3, 3)),
+    "frequency_penalty": mostly(st.floats(-2, 2), st.floats(-3, 3)),
+    "repetition_penalty": mostly(st.floats(0.01, 3), st.floats(-1, 0) | st.sampled_from([1e308, 1e-308])),
+    "stop": text | st.lists(text, max_size=3),
+    "stop_token_ids": token_ids,
+    "seed": mostly(st.integers(0, 2**32), st.integers() | edge_ints),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
+    "ignore_eos": st.booleans(),
+    "min_tokens": mostly(st.integers(0, 4), edge_ints),
+    "logit_bias": mostly(st.dictionaries(st.integers(0, 49_151).map(str), st.floats(-100, 100), max_size=3),
+                         st.dictionaries(st.from_regex(r"-?[0-9]{1,6}", fullmatch=True) | text,
+                                         st.floats(-200, 200), max_size=3)),
+    "include_stop_str_in_output": st.booleans(),
+    "skip_special_tokens": st.booleans(),
+    "cache_salt": text,
+    "suffix": mostly(st.none(), text),
+    "use_beam_search": mostly(st.just(False), st.just(True)),
+    "truncate_prompt_tokens": mostly(st.none(), st.integers(-1, 8)),
+}
+COMPLETION = {**SAMPLING, "logprobs": mostly(st.integers(0, 5), st.integers(-1, 21) | edge_ints),
+              "echo": mostly(st.just(False), st.just(True))}
+part = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": text})
+message = st.fixed_dictionaries(
+    {"role": mostly(st.sampled_from(["system", "user", "assistant", "developer", "tool"]), st.just("wizard"))},
+    optional={"content": st.none() | text | st.lists(part, max_size=2), "name": text})
+CHAT = {**SAMPLING, "max_completion_tokens": few_tokens, "logprobs": st.booleans(),
+        "top_logprobs": mostly(st.integers(0, 5), st.integers(-1, 21) | edge_ints),
+        "add_generation_prompt": st.booleans(), "modalities": mostly(st.just(["text"]), st.just(["audio"]))}
+REQUIRED = {
+    "/v1/completions": {"prompt": text | token_ids | st.lists(text, max_size=2) | st.lists(token_ids, max_size=2),
+                        "max_tokens": few_tokens},
+    "/v1/chat/completions": {"messages": st.lists(message, min_size=1, max_size=3), "max_tokens": few_tokens},
+}
+OPTIONAL = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT}
+
+
+def plausible(path: str) -> st.SearchStrategy:
+    return st.fixed_dictionaries(REQUIRED[path], optional=OPTIONAL[path])
+
+
+def one_field_anything(path: str) -> st.SearchStrategy:
+    """A plausible body with one field (or an unknown one) replaced by arbitrary JSON."""
+    names = sorted({*REQUIRED[path], *OPTIONAL[path], "unknown_field"})
+    return st.tuples(plausible(path), st.sampled_from(names), any_json).map(lambda t: {**t[0], t[1]: t[2]})
+
+
+PATHS = sorted(REQUIRED)
+requests = st.one_of(
+    *(st.tuples(st.just(path), plausible(path)) for path in PATHS),
+    *(st.tuples(st.just(path), one_field_anything(path)) for path in PATHS),
+    st.tuples(st.sampled_from(PATHS), any_json),
+)
+
+
+@pytest.fixture(scope="module")
+def client():
+    config = EngineConfig(max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=32 << 20, max_num_seqs=2)
+    with TestClient(build_app(config)) as c:
+        yield c
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(request=requests)
+def test_no_request_gets_a_5xx(client, request):
+    path, body = request
+    r = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+    assert 200 <= r.status_code < 500, (r.status_code, r.text)
+    if r.status_code >= 400:
+        error = r.json()["error"]
+        assert error["code"] == r.status_code and error["message"]
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text, r.text
+
+
+def test_the_server_is_healthy_and_empty_after_the_fuzzing(client):
+    engine = client.app.state.server.engine.engine
+    assert client.get("/health").status_code == 200
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_usable_blocks
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

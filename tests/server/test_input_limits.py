@@ -1,0 +1,170 @@
+"""Hostile and out-of-range input gets a clear 4xx, cheaply, and the server stays healthy.
+
+One server (SmolLM2-135M-Instruct, max_model_len 512, max_num_seqs 8, a 1 MiB body limit) for the module."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from test_openai_server import MODEL, TIMEOUT, Server
+
+from hybridkv.engine.llm_engine import EngineConfig, LLMEngine
+from hybridkv.server.limits import RequestLimits, json_depth
+from hybridkv.server.options import ServerOptions
+
+MAX_MODEL_LEN = 512
+MAX_NUM_SEQS = 8
+BODY_LIMIT = 1 << 20
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = LLMEngine(EngineConfig(max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=64 << 20,
+                                    max_num_seqs=MAX_NUM_SEQS))
+    options = ServerOptions(limits=RequestLimits(max_body_bytes=BODY_LIMIT))
+    with Server(engine, options) as srv:
+        yield srv
+
+
+def post(srv: Server, path: str, body, **kw) -> httpx.Response:
+    if isinstance(body, dict):
+        return httpx.post(srv.url + path, json=body, timeout=TIMEOUT, **kw)
+    return httpx.post(srv.url + path, content=body, headers={"content-type": "application/json"}, timeout=TIMEOUT,
+                      **kw)
+
+
+def error_of(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == status and "Traceback" not in r.text
+    return error
+
+
+# ---- the body ----------------------------------------------------------------------------------------------
+def test_a_body_over_the_limit_is_refused_from_its_content_length(server):
+    body = b'{"prompt": "' + b"a" * BODY_LIMIT + b'"}'
+    error = error_of(post(server, COMPLETIONS, body), 413)
+    assert error["type"] == "RequestTooLargeError"
+    assert f"is {len(body):,} bytes; at most {BODY_LIMIT:,} bytes" in error["message"]
+
+
+def test_a_chunked_body_is_cut_off_once_it_passes_the_limit(server):
+    sent = []
+
+    def chunks():  # no Content-Length: the server only learns the size by reading
+        yield b'{"prompt": "'
+        for _ in range(64):
+            sent.append(1)
+            yield b"a" * (64 << 10)
+        yield b'"}'
+
+    r = httpx.post(server.url + COMPLETIONS, content=chunks(), timeout=TIMEOUT)
+    error = error_of(r, 413)
+    assert f"at most {BODY_LIMIT:,} bytes" in error["message"] and "read" in error["message"]
+
+
+def test_100000_nested_arrays_are_a_400_not_a_recursion_error(server):
+    body = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    error = error_of(post(server, COMPLETIONS, body), 400)
+    assert "100,001 levels deep; at most 128" in error["message"]
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting():
+    assert json_depth(b'{"a": "[[[[\\"[[{{", "b": [[1], {"c": "]]]"}]}') == 3
+    assert json_depth(b"[" * 10 + b"]" * 10) == 10
+
+
+def test_nan_and_infinity_are_not_json(server):
+    for constant in ("NaN", "Infinity", "-Infinity"):
+        body = f'{{"prompt": "hi", "temperature": {constant}}}'
+        assert "is not a JSON number" in error_of(post(server, COMPLETIONS, body), 400)["message"]
+
+
+# ---- lengths -----------------------------------------------------------------------------------------------
+def test_max_tokens_beyond_the_context_left_names_both_numbers(server):
+    error = error_of(post(server, COMPLETIONS, {"prompt": [5] * 12, "max_tokens": 600}), 400)
+    assert error["message"] == (
+        "'max_tokens' is too large: 600. This model's maximum context length is 512 tokens and your request has "
+        "12 input tokens (600 > 512 - 12)")
+    assert error["param"] == "max_tokens"
+    error = error_of(post(server, CHAT, {"messages": USER, "max_completion_tokens": 10_000}), 400)
+    assert "'max_completion_tokens' is too large: 10000" in error["message"]
+    # exactly what is left still fits
+    r = post(server, COMPLETIONS, {"prompt": [5] * 500, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 12
+
+
+def test_a_huge_prompt_is_refused_for_its_characters_before_tokenizing(server):
+    chars = MAX_MODEL_LEN * server.tokenizer.max_token_chars + 1
+    start = time.monotonic()
+    error = error_of(post(server, COMPLETIONS, {"prompt": "a" * chars}), 400)
+    assert f"the prompt is {chars:,} characters long, more than max_model_len 512 tokens can hold" in \
+        error["message"]
+    error = error_of(post(server, CHAT, {"messages": [{"role": "user", "content": "b " * chars}]}), 400)
+    assert "characters long" in error["message"]
+    print(f"refused in {time.monotonic() - start:.2f}s")
+
+
+def test_a_prompt_just_under_the_character_bound_still_gets_the_token_count(server):
+    error = error_of(post(server, COMPLETIONS, {"prompt": "hello " * 600}), 400)
+    assert "tokens long but max_model_len is 512" in error["message"]
+
+
+# ---- fields ------------------------------------------------------------------------------------------------
+BAD_FIELDS = {
+    "n over max_num_seqs": (COMPLETIONS, {"prompt": "hi", "n": 100_000}, "n must be <= max_num_seqs (8), got 100000"),
+    "best_of over n": (COMPLETIONS, {"prompt": "hi", "best_of": 4}, "best_of must equal n"),
+    "best_of under n": (CHAT, {"messages": USER, "n": 3, "best_of": 2}, "best_of must be >= n"),
+    "logit_bias word key": (CHAT, {"messages": USER, "logit_bias": {"hello": 5}},
+                            "logit_bias: keys must be token ids (integers), got 'hello'"),
+    "logit_bias float key": (COMPLETIONS, {"prompt": "hi", "logit_bias": {"1.5": 5}}, "got '1.5'"),
+    "logit_bias out of vocab": (COMPLETIONS, {"prompt": "hi", "logit_bias": {"999999": 5}},
+                                "logit_bias: token id 999999 is outside the vocabulary"),
+    "logit_bias value": (COMPLETIONS, {"prompt": "hi", "logit_bias": {"5": 1000}}, "values must be in [-100, 100]"),
+    "logit_bias not a map": (COMPLETIONS, {"prompt": "hi", "logit_bias": [1, 2]}, "logit_bias"),
+    "seed too big": (COMPLETIONS, {"prompt": "hi", "seed": 2**64}, "seed must fit in 64 bits"),
+    "stop token outside vocab": (CHAT, {"messages": USER, "stop_token_ids": [10**12]},
+                                 "stop_token_ids: token id 1000000000000 is outside the vocabulary"),
+    "suffix": (COMPLETIONS, {"prompt": "hi", "suffix": "end"}, "suffix: not supported"),
+    "beam search": (COMPLETIONS, {"prompt": "hi", "use_beam_search": True}, "use_beam_search: beam search"),
+    "prompt_logprobs": (CHAT, {"messages": USER, "prompt_logprobs": 1}, "prompt_logprobs"),
+    "chat_template": (CHAT, {"messages": USER, "chat_template": "{{ messages }}"}, "chat_template: custom"),
+    "audio out": (CHAT, {"messages": USER, "modalities": ["text", "audio"]}, "modalities: only ['text']"),
+    "echo in chat": (CHAT, {"messages": USER, "echo": True}, "echo: echoing"),
+    "image part": (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+                   "messages.0.content"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FIELDS))
+def test_fields_out_of_range_or_unsupported_are_a_400_naming_them(server, case):
+    path, body, needle = BAD_FIELDS[case]
+    error = error_of(post(server, path, body), 400)
+    assert needle in error["message"], error
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(server):
+    body = {"prompt": "hi", "max_tokens": 2, "suffix": None, "use_beam_search": False, "best_of": 2, "n": 2,
+            "prompt_logprobs": None, "length_penalty": 1.0, "logit_bias": {}}
+    r = post(server, COMPLETIONS, body)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 2
+
+
+def test_logit_bias_steers_sampling(server):
+    token = server.tokenizer.encode(" banana", add_special_tokens=False)[-1]
+    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0,
+            "logit_bias": {str(token): 100}}
+    r = post(server, COMPLETIONS, body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == server.tokenizer.decode([token] * 4)
+    banned = post(server, COMPLETIONS, {**body, "logit_bias": {}}).json()["choices"][0]["text"]
+    first = server.tokenizer.encode(banned, add_special_tokens=False)[0]
+    again = post(server, COMPLETIONS, {**body, "logit_bias": {str(first): -100}}).json()["choices"][0]["text"]
+    assert server.tokenizer.encode(again, add_special_tokens=False)[0] != first
