@@ -143,7 +143,8 @@ class HybridKV:
     def admit(self, rid: str, tokens: list[int], chunk: int) -> int | None:
         req = CacheRequest(rid, tokens)
         hit = self.kv.find_cache_hit(req)
-        if not self.kv.allocate_slots(req, min(chunk, len(tokens) - hit.num_tokens), hit):
+        n = min(chunk, len(tokens) - hit.num_tokens)
+        if not self.kv.allocate_slots(req, n, hit, full_sequence_must_fit=True):
             return None
         self.kv.record_hit(req, hit)
         self.reqs[rid] = req
@@ -186,38 +187,42 @@ class ReplayResult:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def replay(cache: CacheUnderTest, trace: list[TraceRequest], max_running: int = 8, chunk: int = 2048) -> ReplayResult:
-    """Run the trace to the end, as a scheduler would: each step first gives every running request (oldest first)
-    slots for up to ``chunk`` more tokens (a decode step: one), preempting the newest when slots run short (it is
-    recomputed later, after a new prefix lookup); then admits waiting requests, FIFO among those whose previous
-    turn has finished; then computes them all and samples the next token of those done with their tokens."""
+def replay(cache: CacheUnderTest, trace: list[TraceRequest], max_running: int = 8, budget: int = 2048) -> ReplayResult:
+    """Run the trace to the end as our scheduler (and vLLM's) does: each step shares ``budget`` tokens, first
+    among running requests, oldest first (a decode step takes one), preempting the newest when slots run short
+    (it is recomputed later, after a new prefix lookup); then, unless the step preempted, admits waiting requests,
+    FIFO among those whose previous turn has finished; then computes them and samples the next token of those
+    that computed all their tokens."""
     res = ReplayResult()
     waiting = [Running(r, list(r.prompt)) for r in trace]
     running: list[Running] = []
     done: set[str] = set()
     while waiting or running:
         scheduled: list[tuple[Running, int]] = []
+        left, preempted = budget, False
         for r in list(running):
-            if r not in running:
-                break  # preempted: so is everything after it
-            n = min(chunk, len(r.tokens) - r.num_computed)
+            if r not in running or left == 0:
+                break  # preempted (so is everything after it), or the budget is spent
+            n = min(left, len(r.tokens) - r.num_computed)
             while not cache.extend(r.req.rid, n):
                 victim = running.pop()
                 cache.free(victim.req.rid)
                 victim.num_computed = 0
                 waiting.insert(0, victim)
                 res.preemptions += 1
+                preempted = True
                 if victim is r:
                     break
             else:
                 scheduled.append((r, n))
+                left -= n
         i = 0
-        while i < len(waiting) and len(running) < max_running:
+        while not preempted and i < len(waiting) and len(running) < max_running and left > 0:
             w = waiting[i]
             if w.req.after is not None and w.req.after not in done:
                 i += 1
                 continue
-            hit = cache.admit(w.req.rid, w.tokens, chunk)
+            hit = cache.admit(w.req.rid, w.tokens, left)
             if hit is None:
                 break
             if w.req.rid not in res.per_request_hits:
@@ -227,8 +232,9 @@ def replay(cache: CacheUnderTest, trace: list[TraceRequest], max_running: int = 
             w.num_computed = hit
             waiting.pop(i)
             running.append(w)
-            scheduled.append((w, min(chunk, len(w.tokens) - hit)))
-        if not scheduled:
+            scheduled.append((w, min(left, len(w.tokens) - hit)))
+            left -= scheduled[-1][1]
+        if not scheduled and not preempted:
             raise RuntimeError(f"pool too small for one request of {len(waiting[0].tokens)} tokens")
         for r, n in scheduled:
             r.num_computed += n
@@ -249,7 +255,9 @@ def replay(cache: CacheUnderTest, trace: list[TraceRequest], max_running: int = 
 def layouts() -> dict[str, object]:
     """Gemma-3's pattern (15 sliding-512 layers, 3 full), a Scout TP-8 rank (36 chunked-8192, 12 full), and the
     all-full control (18 full layers: no retention question, so both managers must agree)."""
-    gemma = [FullAttentionSpec(1, 256) if (i + 1) % 6 == 0 else SlidingWindowSpec(1, 256, window=512) for i in range(18)]
+    gemma = [
+        FullAttentionSpec(1, 256) if (i + 1) % 6 == 0 else SlidingWindowSpec(1, 256, window=512) for i in range(18)
+    ]
     scout = layer_specs_from_hf_config(load_hf_config(SCOUT), tensor_parallel_size=8)
     return {
         "sliding (Gemma-3 15:3)": plan_layout(gemma, BLOCK),
@@ -284,7 +292,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a small trace")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-running", type=int, default=8)
-    ap.add_argument("--chunk", type=int, default=2048, help="most tokens one request computes per step")
+    ap.add_argument("--chunk", type=int, default=2048, help="tokens computed per step (max_num_batched_tokens)")
     args = ap.parse_args()
     shape = TraceShape(conversations=12, documents=2, document_len=(9000, 20_000)) if args.quick else TraceShape()
     trace = make_trace(shape, args.seed)

@@ -226,15 +226,37 @@ class KVCacheManager:
             m.num_blocks_to_allocate(req.request_id, total, hit.blocks[m.group.group_id]) for m in self.managers
         )
 
-    def allocate_slots(self, req: KVRequest, num_new_tokens: int, hit: CacheHit | None = None) -> bool:
+    def blocks_for_all_tokens(self, req: KVRequest, hit: CacheHit) -> int:
+        """Blocks a waiting request needs to compute all its tokens after ``hit``, each group at its peak.
+
+        A full group needs every block past the hit; a sliding or chunked group at most its window plus a step.
+        """
+        total = len(req.all_token_ids)
+        return sum(
+            min(
+                m.num_blocks_to_allocate(req.request_id, total, hit.blocks[m.group.group_id]),
+                m.spec.max_live_blocks(total, self.block_size, self.max_step_tokens),
+            )
+            for m in self.managers
+        )
+
+    def allocate_slots(
+        self, req: KVRequest, num_new_tokens: int, hit: CacheHit | None = None, full_sequence_must_fit: bool = False
+    ) -> bool:
         """Make room for ``num_new_tokens`` more tokens (after a prefix hit, if given). False if the pool is short.
 
-        On success with a hit the caller adds ``hit.num_tokens`` to ``req.num_computed_tokens``.
+        ``full_sequence_must_fit`` (admission, as vLLM's scheduler asks): refuse unless the free pool holds what
+        all the request's tokens will need, so a long prompt waits instead of being admitted, growing chunk by
+        chunk and preempting others (or itself) half-way. On success with a hit the caller adds
+        ``hit.num_tokens`` to ``req.num_computed_tokens``.
         """
         for m in self.managers:
             m.drop_out_of_reach(req.request_id, req.num_computed_tokens)
         if self.blocks_needed(req, num_new_tokens, hit) > self.pool.num_free_blocks:
             return False
+        if full_sequence_must_fit and hit is not None:
+            if self.blocks_for_all_tokens(req, hit) > self.pool.num_free_blocks:
+                return False
         if hit is not None:
             points = self._branch_points(req, hit)
             for m in self.managers:
