@@ -89,7 +89,8 @@ class SingleTypeManager:
         self.tables: dict[str, BlockTable] = {}
         self._num_dropped: dict[str, int] = {}  # leading entries already nulled
         self._num_cached: dict[str, int] = {}  # leading entries already published to the prefix cache
-        self._branch_points: dict[str, tuple[int, ...]] = {}  # in blocks, see ``set_branch_points``
+        # Per request, the block ranges [lo, hi) covering the reach before each branch point (``set_branch_points``).
+        self._branch_ranges: dict[str, tuple[tuple[int, int], ...]] = {}
 
     # ---- what a type needs -------------------------------------------------------------------------
     def first_needed_block(self, num_tokens: int) -> int:
@@ -120,16 +121,12 @@ class SingleTypeManager:
                 return [self.pool.null_block] * start + [found[i] for i in range(start, end)]
         return []
 
-    def _covers(self, index: int, point: int) -> bool:
-        """Whether block ``index`` is needed to resume at block ``point`` (inside the reach before it)."""
-        return self.first_needed_block(point * self.block_size) <= index < point
-
-    def _retained(self, index: int, end_block: int | None, points: tuple[int, ...] = ()) -> bool:
+    def _retained(self, index: int, end_block: int | None, ranges: tuple[tuple[int, int], ...] = ()) -> bool:
         """Whether block ``index`` covers the window before a retained hit point (see module docstring)."""
-        if end_block is not None and self._covers(index, end_block):
+        if end_block is not None and self.first_needed_block(end_block * self.block_size) <= index < end_block:
             return True
-        for point in points:
-            if self._covers(index, point):
+        for lo, hi in ranges:
+            if lo <= index < hi:
                 return True
         r = self.retention_blocks
         if not r:
@@ -139,9 +136,17 @@ class SingleTypeManager:
 
     # ---- per request -------------------------------------------------------------------------------
     def set_branch_points(self, req_id: str, points: tuple[int, ...]) -> None:
-        """Hit points (in blocks) this request shares with earlier ones: their windows are retained."""
-        if points:
-            self._branch_points[req_id] = points
+        """Hit points (in blocks) this request shares with earlier ones: their windows are retained.
+
+        A chunked group needs nothing before a point on a chunk boundary: such a point costs nothing per step.
+        """
+        ranges = []
+        for p in points:
+            lo = self.first_needed_block(p * self.block_size)
+            if lo < p:
+                ranges.append((lo, p))
+        if ranges:
+            self._branch_ranges[req_id] = tuple(ranges)
 
     def num_blocks_to_allocate(self, req_id: str, num_tokens: int, hit_blocks: Sequence[KVBlock] = ()) -> int:
         table = self.tables.get(req_id)
@@ -195,12 +200,12 @@ class SingleTypeManager:
             return
         keep, low = [], []
         blocks = self.pool.blocks
-        points = self._branch_points.get(req_id, ())
+        ranges = self._branch_ranges.get(req_id, ())
         for i in range(end - 1, start - 1, -1):  # tail first: evicted before the blocks in front of it
             block_id = table[i]
             if block_id != NULL_BLOCK_ID:
                 block = blocks[block_id]
-                if self._retained(i, None, points):
+                if self._retained(i, None, ranges):
                     keep.append(block)
                 else:
                     low.append(block)
@@ -223,14 +228,14 @@ class SingleTypeManager:
         table = self.tables.pop(req_id, None)
         self._num_dropped.pop(req_id, None)
         self._num_cached.pop(req_id, None)
-        points = self._branch_points.pop(req_id, ())
+        ranges = self._branch_ranges.pop(req_id, ())
         if table is None:
             return [], []
         end_block = num_computed // self.block_size
         ids = table.ids.tolist()
         blocks = self.pool.blocks
         out = [blocks[i] for i in ids]
-        retained = [self._retained(i, end_block, points) for i in range(len(ids))]
+        retained = [self._retained(i, end_block, ranges) for i in range(len(ids))]
         gid = self.group.group_id
         revived = []
         for i in range(min(len(ids), len(block_hashes))):
@@ -262,7 +267,7 @@ class FullAttentionManager(SingleTypeManager):
             hits.append(block)
         return hits
 
-    def _retained(self, index: int, end_block: int | None, points: tuple[int, ...] = ()) -> bool:
+    def _retained(self, index: int, end_block: int | None, ranges: tuple[tuple[int, int], ...] = ()) -> bool:
         return True
 
     def set_branch_points(self, req_id: str, points: tuple[int, ...]) -> None:
