@@ -94,7 +94,7 @@ class Scheduler:
             seq = self.waiting[0]
             hit = self.kv.find_cache_hit(seq)
             n = min(seq.num_uncomputed_tokens - hit.num_tokens, budget)
-            if not self.kv.allocate_slots(seq, n, hit):
+            if not self.kv.allocate_slots(seq, n, hit, full_sequence_must_fit=True):
                 return  # first come, first served: later arrivals do not overtake it
             self.kv.record_hit(seq, hit)
             if seq.num_computed_tokens == 0 and seq.num_preemptions == 0:

@@ -16,13 +16,14 @@ sliding). Admission counts what each group will really hold: ``peak_blocks(n)`` 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
 from hybridkv.kv.block_hash import BlockHasher
-from hybridkv.kv.block_pool import BlockPool, KVBlock
+from hybridkv.kv.block_pool import EVICT_FIRST, BlockPool, KVBlock
 from hybridkv.kv.layout import KVLayout
 from hybridkv.kv.managers import FullAttentionManager, SingleTypeManager, manager_for
 
@@ -50,6 +51,9 @@ class CacheRequest:
     adapter_id: str | int | None = None
 
 
+# Known branch points remembered (about 2 MiB of hashes): far more distinct shared prefixes than any pool holds.
+MAX_BRANCH_POINTS = 1 << 16
+
 _NO_BLOCKS = np.empty(0, np.int32)
 _NO_BLOCKS.flags.writeable = False
 
@@ -58,10 +62,18 @@ _NO_BLOCKS.flags.writeable = False
 class CacheHit:
     num_tokens: int
     blocks: list[list[KVBlock]]  # per group, nulls where the group needs nothing
+    # Blocks of the prompt an earlier request already computed (the full-attention match): the branch point,
+    # which may lie beyond ``num_tokens`` when a sliding or chunked group could not resume there.
+    shared_blocks: int = 0
 
     @staticmethod
     def none(num_groups: int) -> CacheHit:
         return CacheHit(0, [[] for _ in range(num_groups)])
+
+    def branch_points(self, block_size: int) -> tuple[int, ...]:
+        """Hit points (in blocks) worth keeping resumable: where this hit ended and where the prefix branched."""
+        hit = self.num_tokens // block_size
+        return tuple(sorted({p for p in (hit, self.shared_blocks) if p > 0}))
 
 
 @dataclass(slots=True)
@@ -99,6 +111,9 @@ class KVCacheManager:
             (manager_for(g, self.pool, self.block_size, retention_interval) for g in layout.groups),
             key=lambda m: (not isinstance(m, FullAttentionManager), m.group.group_id),
         )
+        self._num_full = sum(isinstance(m, FullAttentionManager) for m in self.managers)
+        # Chained hashes of the last block before each known branch point (a bounded LRU set).
+        self._branch_registry: OrderedDict[bytes, None] = OrderedDict()
         self.stats = PrefixCacheStats()
 
     @property
@@ -141,10 +156,13 @@ class KVCacheManager:
         max_blocks = max(0, min((len(req.all_token_ids) - 1) // self.block_size, len(req.block_hashes)))
         hits: list[list[KVBlock]] = [[] for _ in self.managers]
         length = max_blocks
+        shared = 0
         changed = True
         while changed and length > 0:
             changed = False
             for i, m in enumerate(self.managers):
+                if i == self._num_full:
+                    shared = max(shared, length if self._num_full else 0)
                 hits[i] = m.find_longest_cache_hit(req.block_hashes, length)
                 if len(hits[i]) < length:
                     length = len(hits[i])
@@ -154,7 +172,40 @@ class KVCacheManager:
         blocks = [[] for _ in range(self.num_groups)]
         for m, h in zip(self.managers, hits):
             blocks[m.group.group_id] = h
-        return CacheHit(length * self.block_size, blocks)
+        return CacheHit(length * self.block_size, blocks, shared_blocks=max(shared, length))
+
+    def _branch_points(self, req: KVRequest, hit: CacheHit) -> tuple[int, ...]:
+        """Hit points (in blocks) whose windows this request keeps: its own hit, the branch point, and every
+        registered branch point its prompt passes.
+
+        A branch point is registered (so that every later request through the same prefix keeps its window hot
+        too) when nothing retained it yet: the prompt left a cached prefix where the sliding or chunked groups
+        could not resume, or they resumed only thanks to blocks waiting in the evict-first queue. A hit on a
+        retained point (a conversation's next turn at the previous turn's end) registers nothing.
+        """
+        if self._num_full == self.num_groups or not self.enable_prefix_caching:
+            return ()  # full attention retains every block anyway
+        registry = self._branch_registry
+        if hit.shared_blocks * self.block_size > hit.num_tokens or self._hit_needs_evict_first(hit):
+            registry[req.block_hashes[hit.shared_blocks - 1]] = None
+            if len(registry) > MAX_BRANCH_POINTS:
+                registry.popitem(last=False)
+        points = set(hit.branch_points(self.block_size))
+        for i, h in enumerate(req.block_hashes):
+            if h in registry:
+                registry.move_to_end(h)
+                points.add(i + 1)
+        return tuple(sorted(points))
+
+    def _hit_needs_evict_first(self, hit: CacheHit) -> bool:
+        """Whether a sliding or chunked group's hit uses a block from the evict-first queue (O(window))."""
+        for m in self.managers[self._num_full :]:
+            for block in reversed(hit.blocks[m.group.group_id]):
+                if block is self.pool.null_block:
+                    break
+                if block.free_list == EVICT_FIRST:
+                    return True
+        return False
 
     def record_hit(self, req: KVRequest, hit: CacheHit) -> None:
         """Count a lookup in the metrics once the request is admitted (a request that waits is looked up again)."""
@@ -175,18 +226,43 @@ class KVCacheManager:
             m.num_blocks_to_allocate(req.request_id, total, hit.blocks[m.group.group_id]) for m in self.managers
         )
 
-    def allocate_slots(self, req: KVRequest, num_new_tokens: int, hit: CacheHit | None = None) -> bool:
+    def blocks_for_all_tokens(self, req: KVRequest, hit: CacheHit) -> int:
+        """Blocks a waiting request needs to compute all its tokens after ``hit``, each group at its peak.
+
+        A full group needs every block past the hit; a sliding or chunked group at most its window plus a step.
+        """
+        total = len(req.all_token_ids)
+        return sum(
+            min(
+                m.num_blocks_to_allocate(req.request_id, total, hit.blocks[m.group.group_id]),
+                m.spec.max_live_blocks(total, self.block_size, self.max_step_tokens),
+            )
+            for m in self.managers
+        )
+
+    def allocate_slots(
+        self, req: KVRequest, num_new_tokens: int, hit: CacheHit | None = None, full_sequence_must_fit: bool = False
+    ) -> bool:
         """Make room for ``num_new_tokens`` more tokens (after a prefix hit, if given). False if the pool is short.
 
-        On success with a hit the caller adds ``hit.num_tokens`` to ``req.num_computed_tokens``.
+        ``full_sequence_must_fit`` (admission, as vLLM's scheduler asks): refuse unless the free pool holds what
+        all the request's tokens will need, so a long prompt waits instead of being admitted, growing chunk by
+        chunk and preempting others (or itself) half-way. On success with a hit the caller adds
+        ``hit.num_tokens`` to ``req.num_computed_tokens``.
         """
         for m in self.managers:
             m.drop_out_of_reach(req.request_id, req.num_computed_tokens)
         if self.blocks_needed(req, num_new_tokens, hit) > self.pool.num_free_blocks:
             return False
-        if hit is not None and hit.num_tokens:
+        if full_sequence_must_fit and hit is not None:
+            if self.blocks_for_all_tokens(req, hit) > self.pool.num_free_blocks:
+                return False
+        if hit is not None:
+            points = self._branch_points(req, hit)
             for m in self.managers:
-                m.add_hit_blocks(req.request_id, hit.blocks[m.group.group_id])
+                m.set_branch_points(req.request_id, points)
+                if hit.num_tokens:
+                    m.add_hit_blocks(req.request_id, hit.blocks[m.group.group_id])
         total = req.num_computed_tokens + (hit.num_tokens if hit else 0) + num_new_tokens
         for m in self.managers:
             m.allocate(req.request_id, total)
@@ -211,7 +287,8 @@ class KVCacheManager:
             self._update_hashes(req)
             for m in self.managers:
                 m.cache_full_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
-        released = [m.release(req.request_id, req.num_computed_tokens) for m in self.managers]
+        hashes = req.block_hashes if self.enable_prefix_caching else ()
+        released = [m.release(req.request_id, req.num_computed_tokens, hashes) for m in self.managers]
         keep: list[KVBlock] = []
         low: list[KVBlock] = []
         longest = max((len(blocks) for blocks, _ in released), default=0)

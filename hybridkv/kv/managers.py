@@ -16,11 +16,19 @@ Retention. A later request can reuse a sliding prefix ending at token L only if 
 window before L are still cached (full attention needs every block before L). Blocks that fall out of the window
 are therefore freed as *evict-first*, except those that cover the window before a retained hit point:
 
-- the request's end (the next turn of a conversation extends exactly there), and
+- the request's end (the next turn of a conversation extends exactly there),
+- its branch points: where its prefix hit ended, and where its hash chain left an earlier request's (the
+  full-attention match ran further than this type could resume: a shared system prompt ends there), and
 - every ``retention_interval`` tokens (sliding only; chunked layers need nothing at a chunk boundary),
 
 so that when memory is short the hit falls back to the last retained point instead of to zero
-(vLLM #48435, SGLang's "cliff" in PR 35515).
+(vLLM #48435, SGLang's "cliff" in PR 35515), and a prefix many requests share stays resumable: every request
+that reaches its end keeps the window there in LRU order, where the next sibling finds it.
+
+Sliding window 4, block 2, a system prompt of 12 tokens shared with an earlier request (branch point at block 6):
+blocks 4 and 5 cover the window before it; when this request moves past them they are freed to LRU, not
+evict-first, so the next request with the same system prompt resumes at token 12 with the table
+``[null, null, null, null, 4', 5']``.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from typing import Sequence
 
 import numpy as np
 
-from hybridkv.kv.block_pool import BlockHashKey, BlockPool, KVBlock
+from hybridkv.kv.block_pool import BlockPool, KVBlock
 from hybridkv.kv.layout import LayerGroup
 from hybridkv.kv.specs import FullAttentionSpec, SlidingWindowSpec, cdiv
 
@@ -81,9 +89,8 @@ class SingleTypeManager:
         self.tables: dict[str, BlockTable] = {}
         self._num_dropped: dict[str, int] = {}  # leading entries already nulled
         self._num_cached: dict[str, int] = {}  # leading entries already published to the prefix cache
-        # Cached blocks dropped while the request ran but kept for a retained hit point: index -> (block, key).
-        # ``release`` puts them back in sequence order so eviction still goes tail first (see ``release``).
-        self._kept_dropped: dict[str, dict[int, tuple[KVBlock, BlockHashKey]]] = {}
+        # Per request, the block ranges [lo, hi) covering the reach before each branch point (``set_branch_points``).
+        self._branch_ranges: dict[str, tuple[tuple[int, int], ...]] = {}
 
     # ---- what a type needs -------------------------------------------------------------------------
     def first_needed_block(self, num_tokens: int) -> int:
@@ -114,10 +121,13 @@ class SingleTypeManager:
                 return [self.pool.null_block] * start + [found[i] for i in range(start, end)]
         return []
 
-    def _retained(self, index: int, end_block: int | None) -> bool:
+    def _retained(self, index: int, end_block: int | None, ranges: tuple[tuple[int, int], ...] = ()) -> bool:
         """Whether block ``index`` covers the window before a retained hit point (see module docstring)."""
         if end_block is not None and self.first_needed_block(end_block * self.block_size) <= index < end_block:
             return True
+        for lo, hi in ranges:
+            if lo <= index < hi:
+                return True
         r = self.retention_blocks
         if not r:
             return False
@@ -125,6 +135,19 @@ class SingleTypeManager:
         return self.first_needed_block(checkpoint * self.block_size) <= index
 
     # ---- per request -------------------------------------------------------------------------------
+    def set_branch_points(self, req_id: str, points: tuple[int, ...]) -> None:
+        """Hit points (in blocks) this request shares with earlier ones: their windows are retained.
+
+        A chunked group needs nothing before a point on a chunk boundary: such a point costs nothing per step.
+        """
+        ranges = []
+        for p in points:
+            lo = self.first_needed_block(p * self.block_size)
+            if lo < p:
+                ranges.append((lo, p))
+        if ranges:
+            self._branch_ranges[req_id] = tuple(ranges)
+
     def num_blocks_to_allocate(self, req_id: str, num_tokens: int, hit_blocks: Sequence[KVBlock] = ()) -> int:
         table = self.tables.get(req_id)
         have = len(table) if table is not None else len(hit_blocks)
@@ -177,14 +200,13 @@ class SingleTypeManager:
             return
         keep, low = [], []
         blocks = self.pool.blocks
+        ranges = self._branch_ranges.get(req_id, ())
         for i in range(end - 1, start - 1, -1):  # tail first: evicted before the blocks in front of it
             block_id = table[i]
             if block_id != NULL_BLOCK_ID:
                 block = blocks[block_id]
-                if self._retained(i, None):
+                if self._retained(i, None, ranges):
                     keep.append(block)
-                    if block.hash_key is not None:
-                        self._kept_dropped.setdefault(req_id, {})[i] = (block, block.hash_key)
                 else:
                     low.append(block)
         table.set_null(start, end)
@@ -192,33 +214,38 @@ class SingleTypeManager:
         self.pool.free_blocks(low, evict_first=True)
         self.pool.free_blocks(keep)
 
-    def release(self, req_id: str, num_computed: int) -> tuple[list[KVBlock], list[bool]]:
+    def release(
+        self, req_id: str, num_computed: int, block_hashes: Sequence[bytes] = ()
+    ) -> tuple[list[KVBlock], list[bool]]:
         """Forget a request's table; return its blocks tail first with, for each, whether it should be kept.
 
-        Retained blocks dropped earlier (checkpoint windows) sit in the LRU queue ahead of everything freed now,
-        so memory pressure would evict them first and the hit would fall from the request's end straight to 0.
-        Those still free and cached under the same key are taken back here and returned at their place in the
-        sequence: the caller frees them again with the rest, tail first.
+        The windows of retained hit points that are no longer in the table (dropped while the request ran, or
+        before its prefix hit) sit in the LRU queue ahead of everything freed now: memory pressure would evict
+        them before the blocks that depend on them, and the hit would fall from the request's end straight to 0
+        while the full-attention prefix survives. Those still cached and free are taken back here (looked up by
+        their hash) and returned at their place in the sequence: the caller frees them with the rest, tail first.
         """
         table = self.tables.pop(req_id, None)
         self._num_dropped.pop(req_id, None)
         self._num_cached.pop(req_id, None)
-        kept = self._kept_dropped.pop(req_id, None)
+        ranges = self._branch_ranges.pop(req_id, ())
         if table is None:
             return [], []
         end_block = num_computed // self.block_size
+        ids = table.ids.tolist()
         blocks = self.pool.blocks
-        ids = table.ids[::-1].tolist()
-        n = len(ids)
         out = [blocks[i] for i in ids]
-        if kept:
-            revived = []
-            for index, (block, key) in kept.items():
-                if block.ref_cnt == 0 and block.hash_key == key and out[n - 1 - index] is self.pool.null_block:
-                    out[n - 1 - index] = block
+        retained = [self._retained(i, end_block, ranges) for i in range(len(ids))]
+        gid = self.group.group_id
+        revived = []
+        for i in range(min(len(ids), len(block_hashes))):
+            if ids[i] == NULL_BLOCK_ID and retained[i]:
+                block = self.pool.lookup((block_hashes[i], gid))
+                if block is not None and block.ref_cnt == 0:
+                    out[i] = block
                     revived.append(block)
-            self.pool.touch(revived, self.group.group_id)
-        return out, [self._retained(n - 1 - j, end_block) for j in range(n)]
+        self.pool.touch(revived, gid)
+        return out[::-1], retained[::-1]
 
     def block_ids(self, req_id: str) -> np.ndarray:
         return self.tables[req_id].ids
@@ -240,8 +267,11 @@ class FullAttentionManager(SingleTypeManager):
             hits.append(block)
         return hits
 
-    def _retained(self, index: int, end_block: int | None) -> bool:
+    def _retained(self, index: int, end_block: int | None, ranges: tuple[tuple[int, int], ...] = ()) -> bool:
         return True
+
+    def set_branch_points(self, req_id: str, points: tuple[int, ...]) -> None:
+        """Every full-attention block is retained anyway."""
 
     def drop_out_of_reach(self, req_id: str, num_computed: int) -> None:
         """Nothing ever falls out of a full layer's reach (called twice per sequence per step: kept free)."""

@@ -105,3 +105,27 @@ def test_a_waiting_request_is_counted_once_in_prefix_cache_metrics():
     first_big = next(i for i, out in enumerate(steps) if any(s.seq is big for s in out.scheduled))
     assert first_big >= 1  # big was looked up and refused at least once before it got in
     assert kv.stats.queries == 2
+
+
+def test_a_prompt_is_admitted_only_when_all_of_it_fits():
+    """As vLLM's scheduler asks (``full_sequence_must_fit``): a waiting prompt whose first chunk fits but whose
+    whole prefill does not is refused, with nothing held, instead of growing chunk by chunk until it preempts
+    others or itself. Full attention needs every block of the prompt; sliding and chunked groups their peak."""
+    kv, sched = make(num_blocks=40, budget=8)  # 39 usable; per group of 3: sliding(6), full, chunked(8)
+    a = Sequence("a", list(range(48)), max_tokens=1, arrival=0)
+    hit = kv.find_cache_hit(a)
+    # full 12 blocks; sliding and chunked their peak, 4 each (window 6 or chunk 8, plus a step of 8)
+    assert kv.blocks_for_all_tokens(a, hit) == 12 + 4 + 4
+    assert kv.allocate_slots(a, 48, hit, full_sequence_must_fit=True)
+    a.num_computed_tokens = 48
+    kv.on_tokens_computed(a)
+    free = kv.pool.num_free_blocks
+    b = Sequence("b", list(range(100, 172)), max_tokens=1, arrival=1)  # 18 + 4 + 4 blocks
+    hit = kv.find_cache_hit(b)
+    assert kv.blocks_for_all_tokens(b, hit) == 26 > free == 39 - 12 - 2  # a keeps its window, no chunk
+    assert not kv.allocate_slots(b, 8, hit, full_sequence_must_fit=True)
+    assert not kv.has_blocks("b") and kv.pool.num_free_blocks == free
+    assert kv.allocate_slots(b, 8, hit)  # without the check its first chunk fits
+    kv.free(b)
+    kv.free(a)
+    assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks

@@ -255,3 +255,77 @@ def test_hit_shrinks_gradually_under_growing_pressure():
         seen.append(kv.find_cache_hit(req("b", list(range(100)) + [7] * 20)).num_tokens // 4)
     # evicted in order: full 24, sliding 24, full 23 (-> checkpoint 16), ..., full 15 (-> checkpoint 8)
     assert seen == [25, 24, 24] + [16] * 10 + [8] * 3
+
+
+# ---- branch points: prefixes shared by several requests ------------------------------------------------
+def traffic(kv, seed, n_tokens):
+    """An unrelated request that runs and finishes, pushing cached blocks out when the pool is short."""
+    o = req(f"traffic-{seed}", [10**6 * seed + j for j in range(n_tokens)])
+    run(kv, o, step=8, use_hit=False)
+    kv.free(o)
+
+
+@pytest.mark.parametrize("kind", ["sliding", "chunked"])
+def test_shared_system_prompt_is_hit_on_first_turns_under_pressure(kind):
+    """Conversations share a 30-token system prompt that ends on no retention checkpoint; between two first turns
+    other traffic takes most of the pool. Once a request has found the system prompt's full-attention blocks
+    without the window before their end (the branch point), that window is kept in LRU by every request through
+    it, and every later conversation hits the whole system prompt (28 tokens: 7 full blocks). With request-end
+    retention alone they would all get 0 (sliding) or the chunk boundary at 24 (chunked)."""
+    local = sliding(8) if kind == "sliding" else chunked(8)
+    kv = manager([full(), local], 4, 60)
+    system = list(range(30))
+    hits = []
+    for i in range(6):
+        r = req(f"c{i}", system + [1000 * (i + 1) + j for j in range(20)])
+        hits.append(run(kv, r, step=8).num_tokens)
+        kv.free(r)
+        traffic(kv, 10 + i, 100)
+    assert hits == ([0, 0, 0] if kind == "sliding" else [0, 24, 24]) + [28, 28, 28]
+    assert kv.pool.num_evictions > 100  # the pool really was short
+    assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks
+
+
+def test_document_asked_several_questions_after_other_traffic():
+    """A 90-token document (sliding window 8, block 4, checkpoints every 32 tokens) asked four questions with
+    other traffic in between. The second question still finds the window before the document's end in the
+    evict-first queue: that hit reveals a branch point nobody retained, so from then on every request through the
+    document keeps that window in LRU and every question hits the whole document (88 tokens). Before branch
+    points, the hit wandered: 88, then 0 (the second question demoted the window again), then 32."""
+    kv = manager([full(), sliding(8)], 4, 90)
+    document = list(range(90))
+    hits = []
+    for q in range(4):
+        r = req(f"q{q}", document + [5000 + 100 * q + j for j in range(10)])
+        hits.append(run(kv, r, step=8).num_tokens)
+        kv.free(r)
+        traffic(kv, 20 + q, 100)
+    assert hits == [0, 88, 88, 88]
+    assert kv.pool.num_evictions > 100
+
+
+def test_branch_point_window_survives_while_a_conversation_keeps_the_prefix_hot():
+    """A conversation whose later turns extend past the shared system prompt touches the prompt's full blocks
+    each turn but not the window before its end (its tables hold nulls there). That window must not age out ahead
+    of the full blocks it makes usable: releasing a turn refreshes it in sequence order. Under growing pressure, a
+    new conversation with the same system prompt hits all of it for as long as its full blocks are cached."""
+    system = list(range(30))
+    outcomes = set()
+    for k in range(0, 64, 3):
+        kv = manager([full(), sliding(8)], 4, 90)
+        for i in range(2):  # the second one finds the branch point (the end of the system prompt)
+            r = req(f"a{i}", system + [7000 + 100 * i + j for j in range(10)])
+            run(kv, r)
+            kv.free(r)
+        history = system + [7000 + j for j in range(10)]
+        for turn in range(3):  # later turns extend the first conversation: hits beyond the system prompt
+            history = history + [8000 + 100 * turn + j for j in range(20)]
+            r = req(f"turn{turn}", history)
+            assert run(kv, r, step=8).num_tokens > 28
+            kv.free(r)
+        pressure(kv, min(len(kv.pool._uncached) + kv.pool._evict_first.size + k, kv.pool.num_free_blocks))
+        probe = req("new", system + [9999] * 10)
+        hit = kv.find_cache_hit(probe).num_tokens
+        full_prefix = all(cached_block(kv, probe, group_of(kv, "full"), i) for i in range(7))
+        outcomes.add((full_prefix, hit))
+    assert outcomes == {(True, 28), (False, 0)}  # never the full blocks without the window
