@@ -18,6 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
+from hybridkv.bench.tables import markdown_table
 from hybridkv.kv import CacheRequest, KVCacheManager, layer_specs_from_hf_config, load_hf_config, plan_layout
 
 CONFIG = Path(__file__).resolve().parent.parent / "tests" / "data" / "scout-text-config.json"
@@ -147,12 +148,7 @@ def main() -> None:
          f"prefix hit {hit_rate:.0%}")
     )
     head = ("scenario (Scout TP8, block 16)", "decode step µs", "prefill chunk ms", "note")
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]
-    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    print(line(head))
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for r in rows:
-        print(line(r))
+    print(markdown_table(head, rows))
     ratio = decode_big / decode_small
     print(f"decode {contexts[-1][0]} / {contexts[0][0]}: {ratio:.2f}x (target <= 2x)")
 

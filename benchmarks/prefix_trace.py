@@ -28,6 +28,7 @@ from typing import Protocol
 
 import numpy as np
 
+from hybridkv.bench.tables import markdown_table
 from hybridkv.kv import (
     CacheRequest,
     FullAttentionSpec,
@@ -311,12 +312,7 @@ def main() -> None:
                 recomputed = res.prompt_tokens - res.hit_tokens
                 rows.append((lname, pname, f"{n:,}", cache.name, f"{res.hit_rate:.1%}", f"{recomputed:,}",
                              str(res.preemptions)))
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    print(line(head))
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for r in rows:
-        print(line(r))
+    print(markdown_table(head, rows))
 
 
 if __name__ == "__main__":
