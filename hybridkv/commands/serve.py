@@ -11,6 +11,7 @@ import logging
 import sys
 
 from hybridkv.engine.args import add_engine_args, engine_config_from_args
+from hybridkv.server.tool_calls import TOOL_CALL_PARSERS, ToolConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -19,6 +20,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces, like vLLM)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
+                   help="how tool calls are read from the output: llama3_json / llama4_json (JSON calls), "
+                        "hermes (<tool_call> blocks, also SmolLM2's list form)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(run=_run)
 
@@ -28,9 +34,10 @@ def _run(args: argparse.Namespace) -> int:
     try:
         config = engine_config_from_args(args)
         config.clamp_max_model_len = True  # a server starts with what fits, and says why
+        tools = ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser)
         from hybridkv.server.app import build_app  # torch and the model load only here
 
-        app = build_app(config, served_model_name=args.served_model_name)
+        app = build_app(config, served_model_name=args.served_model_name, tools=tools)
     except (ValueError, FileNotFoundError) as e:
         print(f"hybridkv serve: error: {e}", file=sys.stderr)
         return 2

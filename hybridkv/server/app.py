@@ -25,6 +25,8 @@ from hybridkv.engine.output_processing import Logprobs
 from hybridkv.model.tokenizer import Tokenizer
 from hybridkv.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from hybridkv.server.metrics import ServerMetrics
+from hybridkv.server.tool_calls import ToolCallStream, ToolConfig, ToolPlan, extract, finish_reason, plan_tools
+from hybridkv.server.tool_calls import template_renders_tools
 from hybridkv.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -78,6 +80,8 @@ class ServerState:
     model_name: str
     metrics: ServerMetrics
     tokenizer: Tokenizer = field(repr=False)
+    tools: ToolConfig = field(default_factory=ToolConfig)
+    template_renders_tools: bool = False
     _token_strings: dict[int, str] = field(default_factory=dict, repr=False)
 
     def token_str(self, token_id: int) -> str:
@@ -87,8 +91,10 @@ class ServerState:
         return text
 
 
-def build_app(engine: LLMEngine | EngineConfig, served_model_name: str | None = None) -> FastAPI:
-    """The app around an engine (built here from a config); the engine thread runs while the app is up."""
+def build_app(engine: LLMEngine | EngineConfig, served_model_name: str | None = None,
+              tools: ToolConfig | None = None) -> FastAPI:
+    """The app around an engine (built here from a config); the engine thread runs while the app is up.
+    ``tools``: ``--enable-auto-tool-choice`` / ``--tool-call-parser``."""
     if isinstance(engine, EngineConfig):
         engine = LLMEngine(engine)
     name = served_model_name or engine.loaded.name
@@ -106,7 +112,8 @@ def build_app(engine: LLMEngine | EngineConfig, served_model_name: str | None = 
             await asyncio.to_thread(async_engine.shutdown)
 
     app = FastAPI(title="hybridkv", lifespan=lifespan)
-    app.state.server = ServerState(async_engine, name, metrics, engine.tokenizer)
+    app.state.server = ServerState(async_engine, name, metrics, engine.tokenizer, tools or ToolConfig(),
+                                   template_renders_tools(engine.tokenizer.chat_template))
     _add_error_handlers(app)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
@@ -184,6 +191,11 @@ def _check_model(state: ServerState, model: str | None) -> None:
 
 
 async def _submit(state: ServerState, request_id: str, prompt, params, cache_salt) -> RequestStream:
+    if params.structured_outputs is not None:  # compiled here, off the event loop; the engine finds it cached
+        try:
+            await asyncio.to_thread(state.engine.engine.structured_outputs.compile, params.structured_outputs)
+        except ValueError as error:
+            raise APIError(400, str(error), "structured_outputs") from None
     try:
         return await state.engine.add_request(request_id, prompt, params, cache_salt)
     except ValueError as error:
@@ -271,8 +283,11 @@ async def create_chat_completion(request: Request) -> Response:
     _check_model(state, body.model)
     tokenizer = state.tokenizer
     try:
-        params = body.sampling_params()
-        text = tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt)
+        plan = plan_tools(body, state.tools, state.template_renders_tools)
+        params = body.sampling_params(plan.constraint)
+        tools = {"tools": plan.template_tools} if plan.template_tools else {}
+        text = tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt,
+                                             **tools)
     except ValueError as error:
         raise APIError.bad_request(error) from None
     prompt = tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
@@ -280,15 +295,18 @@ async def create_chat_completion(request: Request) -> Response:
     stream = await _submit(state, request_id, prompt, params, body.cache_salt)
     if body.stream:
         template = ChatCompletionChunk(id=request_id, model=state.model_name, choices=[])
-        return _sse(_chat_chunks(state, stream, template, params.n, body.include_usage), stream)
+        return _sse(_chat_chunks(state, stream, template, params.n, body.include_usage, plan), stream)
     final = await _final_output(stream, request)
-    choices = [
-        ChatChoice(index=o.index, message=ResponseMessage(content=o.text), logprobs=_chat_logprobs(state, o.logprobs),
-                   finish_reason=o.finish_reason, stop_reason=o.stop_reason)
-        for o in final.outputs
-    ]
+    choices = [_chat_choice(state, o, plan) for o in final.outputs]
     response = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=_usage(final))
     return JSONResponse(response.model_dump())
+
+
+def _chat_choice(state: ServerState, o: CompletionOutput, plan: ToolPlan) -> ChatChoice:
+    content, calls = extract(plan, o.text) if plan.parses else (o.text, [])
+    return ChatChoice(index=o.index, message=ResponseMessage(content=content, tool_calls=calls),
+                      logprobs=_chat_logprobs(state, o.logprobs), stop_reason=o.stop_reason,
+                      finish_reason=finish_reason(plan, o.finish_reason, bool(calls)))
 
 
 def _chat_logprobs(state: ServerState, rows: list[Logprobs] | None) -> ChatLogprobs | None:
@@ -306,17 +324,26 @@ def _top(state: ServerState, token_id: int, logprob: float) -> TopLogprob:
 
 
 async def _chat_chunks(
-    state: ServerState, stream: RequestStream, template: ChatCompletionChunk, n: int, include_usage: bool
+    state: ServerState, stream: RequestStream, template: ChatCompletionChunk, n: int, include_usage: bool,
+    plan: ToolPlan,
 ) -> AsyncIterator[str]:
     for i in range(n):
         choice = ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
         yield _event(template.model_copy(update={"choices": [choice]}))
     deltas = ChoiceDeltas()
+    tool_streams = [ToolCallStream(plan) for _ in range(n)] if plan.parses else None
     async for out in stream:
         for o, rows in deltas.new(out):
-            choice = ChatChunkChoice(index=o.index, delta=DeltaMessage(content=o.delta_text),
-                                     logprobs=_chat_logprobs(state, rows), finish_reason=o.finish_reason,
-                                     stop_reason=o.stop_reason)
+            delta, reason = DeltaMessage(content=o.delta_text), o.finish_reason
+            if tool_streams is not None:
+                tool_stream = tool_streams[o.index]
+                content, calls = tool_stream.feed(o.delta_text, bool(reason))
+                if content is None and not calls and not reason and rows is None:
+                    continue
+                delta = DeltaMessage(content=content, tool_calls=calls or None)
+                reason = finish_reason(plan, reason, tool_stream.called)
+            choice = ChatChunkChoice(index=o.index, delta=delta, logprobs=_chat_logprobs(state, rows),
+                                     finish_reason=reason, stop_reason=o.stop_reason)
             yield _event(template.model_copy(update={"choices": [choice]}))
     if include_usage:
         yield _event(template.model_copy(update={"choices": [], "usage": _usage(out)}))
