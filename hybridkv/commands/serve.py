@@ -11,7 +11,7 @@ import logging
 import sys
 
 from hybridkv.engine.args import add_engine_args, engine_config_from_args
-from hybridkv.server.tool_calls import TOOL_CALL_PARSERS, ToolConfig
+from hybridkv.server.tool_calls import TOOL_CALL_PARSERS, ToolConfig, load_chat_template
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -25,6 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
                    help="how tool calls are read from the output: llama3_json / llama4_json (JSON calls), "
                         "hermes (<tool_call> blocks, also SmolLM2's list form)")
+    p.add_argument("--chat-template", default=None,
+                   help="chat template replacing the model's: a file, the name of one in hybridkv/server/templates "
+                        "(e.g. tool_chat_template_smollm2.jinja), or the template itself")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(run=_run)
 
@@ -37,7 +40,8 @@ def _run(args: argparse.Namespace) -> int:
         tools = ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser)
         from hybridkv.server.app import build_app  # torch and the model load only here
 
-        app = build_app(config, served_model_name=args.served_model_name, tools=tools)
+        template = None if args.chat_template is None else load_chat_template(args.chat_template)
+        app = build_app(config, served_model_name=args.served_model_name, tools=tools, chat_template=template)
     except (ValueError, FileNotFoundError) as e:
         print(f"hybridkv serve: error: {e}", file=sys.stderr)
         return 2

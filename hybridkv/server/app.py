@@ -12,7 +12,7 @@ import logging
 import re
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
@@ -92,9 +92,9 @@ class ServerState:
 
 
 def build_app(engine: LLMEngine | EngineConfig, served_model_name: str | None = None,
-              tools: ToolConfig | None = None) -> FastAPI:
+              tools: ToolConfig | None = None, chat_template: str | None = None) -> FastAPI:
     """The app around an engine (built here from a config); the engine thread runs while the app is up.
-    ``tools``: ``--enable-auto-tool-choice`` / ``--tool-call-parser``."""
+    ``tools``: ``--enable-auto-tool-choice`` / ``--tool-call-parser``; ``chat_template``: replaces the model's."""
     if isinstance(engine, EngineConfig):
         engine = LLMEngine(engine)
     name = served_model_name or engine.loaded.name
@@ -112,8 +112,9 @@ def build_app(engine: LLMEngine | EngineConfig, served_model_name: str | None = 
             await asyncio.to_thread(async_engine.shutdown)
 
     app = FastAPI(title="hybridkv", lifespan=lifespan)
-    app.state.server = ServerState(async_engine, name, metrics, engine.tokenizer, tools or ToolConfig(),
-                                   template_renders_tools(engine.tokenizer.chat_template))
+    tokenizer = engine.tokenizer if chat_template is None else replace(engine.tokenizer, chat_template=chat_template)
+    app.state.server = ServerState(async_engine, name, metrics, tokenizer, tools or ToolConfig(),
+                                   template_renders_tools(tokenizer.chat_template))
     _add_error_handlers(app)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])

@@ -24,6 +24,7 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hybridkv.engine.sampling_params import StructuredOutputsParams
@@ -320,6 +321,21 @@ def finish_reason(plan: ToolPlan, reason: str | None, called: bool) -> str | Non
     if reason == "stop" and called and plan.mode in ("auto", "required"):
         return "tool_calls"
     return reason
+
+
+TEMPLATES_DIR = Path(__file__).parent / "templates"
+
+
+def load_chat_template(value: str) -> str:
+    """``--chat-template``: a file, a template shipped in ``hybridkv/server/templates`` (by file name), or the
+    template text itself (anything with ``{``), as vLLM takes it."""
+    for path in (Path(value).expanduser(), TEMPLATES_DIR / value):
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    if "{" in value:
+        return value
+    shipped = ", ".join(sorted(p.name for p in TEMPLATES_DIR.glob("*.jinja")))
+    raise ValueError(f"--chat-template {value!r}: no such file, nor a template (shipped: {shipped})")
 
 
 def template_renders_tools(source: str | None) -> bool:

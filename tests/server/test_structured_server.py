@@ -1,14 +1,14 @@
 """Structured outputs and tool calls over HTTP with the official ``openai`` client, on the real SmolLM2 model.
 
-``server`` is configured as ``make serve`` is (no tool flags): JSON mode, JSON schemas, vLLM's ``structured_outputs``
-on both endpoints, tool_choice ``required`` and named functions. ``tool_server`` runs with
-``--enable-auto-tool-choice --tool-call-parser hermes`` and a chat template that renders tools, for ``auto``.
+``server`` is a bare ``hybridkv serve`` (no tool flags): JSON mode, JSON schemas, vLLM's ``structured_outputs`` on
+both endpoints, tool_choice ``required`` and named functions, and the 400s. ``make_serve`` has the flags the
+Makefile's ``serve`` passes (``--enable-auto-tool-choice --tool-call-parser hermes --chat-template
+tool_chat_template_smollm2.jinja``), for tool_choice ``auto``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import re
 
@@ -20,7 +20,7 @@ from test_openai_server import MODEL, TIMEOUT, Server, wait_idle_and_free
 
 from hybridkv.engine.llm_engine import EngineConfig, LLMEngine
 from hybridkv.model.checkpoint import load_checkpoint
-from hybridkv.server.tool_calls import ToolConfig
+from hybridkv.server.tool_calls import ToolConfig, load_chat_template
 
 PERSON = {
     "type": "object",
@@ -44,19 +44,6 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 CONFIG = EngineConfig(max_model_len=512, kv_cache_memory_bytes=64 << 20, max_num_seqs=16)
 
-# SmolLM2's documented tool format (its 1.7B model card), as a template: the 135M GGUF's own template has no tools.
-TOOLS_TEMPLATE = """{%- if tools %}<|im_start|>system
-You have access to the following tools:
-<tools>{{ tools | tojson }}</tools>
-To call tools, answer with <tool_call>[{"name": "func_name", "arguments": {"argument": "value"}}]</tool_call><|im_end|>
-{% endif %}
-{%- for message in messages %}<|im_start|>{{ message['role'] }}
-{{ message['content'] }}<|im_end|>
-{% endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
-
-
 @pytest.fixture(scope="module")
 def loaded():
     return load_checkpoint(None)
@@ -69,11 +56,10 @@ def server(loaded):
 
 
 @pytest.fixture(scope="module")
-def tool_server(loaded):
-    with_tools = dataclasses.replace(loaded, tokenizer=dataclasses.replace(loaded.tokenizer,
-                                                                           chat_template=TOOLS_TEMPLATE))
+def make_serve(loaded):
     tools = ToolConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
-    with Server(LLMEngine(CONFIG, with_tools), tools=tools) as srv:
+    template = load_chat_template("tool_chat_template_smollm2.jinja")
+    with Server(LLMEngine(CONFIG, loaded), tools=tools, chat_template=template) as srv:
         yield srv
 
 
@@ -247,21 +233,33 @@ def test_a_tool_conversation_goes_back_to_the_model(server):
         model=MODEL, messages=ASK_WEATHER, max_tokens=1).usage.prompt_tokens + 5  # the tool's answer is in the prompt
 
 
-# ---- tool_choice auto (server flags, a template with tools) ------------------------------------------------
+# ---- tool_choice auto (make serve's flags) ------------------------------------------------------------------
 CALL_REGEX = r'I will check\. <tool_call>\[\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}", ' \
              r'"unit": "celsius"\}\}\]</tool_call>'
 
 
-def test_auto_renders_tools_into_the_prompt(tool_server):
-    client = tool_server.client()
+def test_openai_tool_call_code_works_unchanged(make_serve):
+    """The openai docs' tool example: tools, no tool_choice (auto); the model may answer or call."""
+    r = make_serve.client().chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=TOOLS, max_tokens=40,
+                                                    temperature=0)
+    choice = r.choices[0]
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls"
+        _check_calls(choice.message.tool_calls)
+    else:
+        assert choice.message.content and choice.finish_reason in ("stop", "length")
+
+
+def test_auto_renders_tools_into_the_prompt(make_serve):
+    client = make_serve.client()
     plain = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=1)
     with_tools = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=TOOLS, max_tokens=1)
-    rendered = len(tool_server.tokenizer.encode(json.dumps(TOOLS, ensure_ascii=False), add_special_tokens=False))
+    rendered = len(make_serve.tokenizer.encode(json.dumps(TOOLS, ensure_ascii=False), add_special_tokens=False))
     assert with_tools.usage.prompt_tokens - plain.usage.prompt_tokens > rendered
 
 
-def test_auto_parses_tool_calls_from_the_output(tool_server):
-    client = tool_server.client()
+def test_auto_parses_tool_calls_from_the_output(make_serve):
+    client = make_serve.client()
     extra = {"structured_outputs": {"regex": CALL_REGEX}}  # makes the model write a call, to parse it
     r = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=TOOLS, max_tokens=60, temperature=0,
                                        extra_body=extra)
@@ -281,8 +279,8 @@ def test_auto_parses_tool_calls_from_the_output(tool_server):
     assert calls == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
 
 
-def test_auto_without_a_call_is_plain_content(tool_server):
-    r = tool_server.client().chat.completions.create(
+def test_auto_without_a_call_is_plain_content(make_serve):
+    r = make_serve.client().chat.completions.create(
         model=MODEL, messages=ASK_WEATHER, tools=TOOLS, tool_choice="auto", max_tokens=30, temperature=0,
         extra_body={"structured_outputs": {"regex": r"It is sunny in [A-Z][a-z]{2,8}\."}})
     choice = r.choices[0]

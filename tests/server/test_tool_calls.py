@@ -16,6 +16,7 @@ from hybridkv.server.tool_calls import (
     ToolPlan,
     extract,
     finish_reason,
+    load_chat_template,
     make_parser,
     plan_tools,
     required_schema,
@@ -31,7 +32,7 @@ AUTO = ToolConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
 
 
 def request(**fields) -> ChatCompletionRequest:
-    return ChatCompletionRequest.model_validate({"messages": USER, **fields})
+    return ChatCompletionRequest.model_validate({"messages": USER} | fields)
 
 
 def plan_for(parser: str) -> ToolPlan:
@@ -179,3 +180,43 @@ def test_template_renders_tools():
     assert not template_renders_tools(Tokenizer.from_gguf(resolve_model(None).path).chat_template)  # SmolLM2-135M
     assert template_renders_tools("{% if tools %}{{ tools | tojson }}{% endif %}{{ messages[0].content }}")
     assert not template_renders_tools(None)
+
+
+def test_shipped_smollm2_tool_template():
+    from dataclasses import replace
+
+    from hybridkv.model.registry import resolve_model
+    from hybridkv.model.tokenizer import Tokenizer
+
+    own = Tokenizer.from_gguf(resolve_model(None).path)
+    shipped = replace(own, chat_template=load_chat_template("tool_chat_template_smollm2.jinja"))
+    assert template_renders_tools(shipped.chat_template)
+    for conversation in ([{"role": "user", "content": "hi"}],
+                         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a"},
+                          {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]):
+        for generation_prompt in (True, False):  # without tools it is the GGUF's own template
+            assert shipped.apply_chat_template(conversation, generation_prompt) == own.apply_chat_template(
+                conversation, generation_prompt)
+    request_ = request(tools=[WEATHER], messages=[
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call-1", "content": "-3 C"}])
+    text = shipped.apply_chat_template(request_.template_messages(), True,
+                                       tools=[t.model_dump(exclude_none=True) for t in request_.tools])
+    assert text.startswith("<|im_start|>system\nBe brief.\n\nYou are an expert in composing functions.")
+    assert '<tools>[{"type": "function", "function": {"name": "get_weather"' in text
+    assert ('<|im_start|>assistant\n<tool_call>[{"name": "get_weather", "arguments": {"city": "Oslo"}}]</tool_call>'
+            '<|im_end|>\n<|im_start|>user\n<tool_response>\n-3 C\n</tool_response><|im_end|>\n<|im_start|>assistant\n'
+            ) in text
+    assert text.count("Be brief.") == 1
+    # what the template writes for a call, the parser reads back
+    _, calls = extract(plan_for("hermes"), text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0])
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
+
+
+def test_chat_template_flag():
+    assert load_chat_template("{{ messages }}") == "{{ messages }}"
+    with pytest.raises(ValueError, match="no such file, nor a template .shipped: tool_chat_template_smollm2.jinja"):
+        load_chat_template("missing.jinja")
