@@ -159,3 +159,12 @@ def test_a_bad_spec_is_refused_before_anything_is_queued(llm):
     with pytest.raises(ValueError, match="structured_outputs.regex"):
         llm.generate("hi", SamplingParams(structured_outputs=StructuredOutputsParams(regex="(")), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_chat_passes_tools_to_the_template(llm):
+    template = "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}{{ messages[0].content }}"
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    with_tools = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False, tools=tools,
+                          chat_template=template)[0]
+    assert llm.get_tokenizer().decode(with_tools.prompt_token_ids) == "[lookup]hi"
