@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -17,16 +18,7 @@ from hybridkv.engine.structured_output import StructuredOutputs, choice_grammar
 from hybridkv.model.registry import resolve_model
 from hybridkv.model.tokenizer import Tokenizer
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "pet": {"enum": ["cat", "dog", "none"]},
-    },
-    "required": ["name", "age", "pet"],
-    "additionalProperties": False,
-}
+PERSON = json.loads((Path(__file__).parents[1] / "data" / "person.schema.json").read_text())  # small, closed
 
 
 @pytest.fixture(scope="module")
@@ -168,3 +160,23 @@ def test_chat_passes_tools_to_the_template(llm):
     with_tools = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False, tools=tools,
                           chat_template=template)[0]
     assert llm.get_tokenizer().decode(with_tools.prompt_token_ids) == "[lookup]hi"
+
+
+def test_min_tokens_that_forbid_the_grammars_only_stop_end_the_sequence(llm):
+    """After "yes" or "no" only EOS fits the grammar, and min_tokens forbids it: the row has no token left."""
+    params = SamplingParams(temperature=0, max_tokens=10, min_tokens=4,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    out = llm.generate("Is it? Answer:", params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "abort" and out.text in ("yes", "no") and len(out.token_ids) < 4
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bitmask_on_cuda_logits(structured, tokenizer):
+    mask = structured.bitmask([structured.matcher(StructuredOutputsParams(regex="7")), None])
+    seven = tokenizer.encode("7", add_special_tokens=False)[0]
+    logits = torch.randn(2, tokenizer.vocab_size, device="cuda")
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.5, seed=1)]
+    out = Sampler(seed=0)(logits, params, [[1], [1]], [[], []], [None, None], token_bitmask=mask)
+    assert out.token_ids[0] == seven
+    assert torch.isfinite(logits).all()  # the sampler masks its own copy

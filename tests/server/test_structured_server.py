@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -22,16 +23,7 @@ from hybridkv.engine.llm_engine import EngineConfig, LLMEngine
 from hybridkv.model.checkpoint import load_checkpoint
 from hybridkv.server.tool_calls import ToolConfig, load_chat_template
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "pet": {"enum": ["cat", "dog", "none"]},
-    },
-    "required": ["name", "age", "pet"],
-    "additionalProperties": False,
-}
+PERSON = json.loads((Path(__file__).parents[1] / "data" / "person.schema.json").read_text())  # small, closed
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
                                             "parameters": {"type": "object", "properties": {
                                                 "city": {"type": "string", "maxLength": 20},
