@@ -1,6 +1,7 @@
 """Batched token sampler with vLLM's processing order and semantics.
 
-Order per step: the structured-output token bitmask (before the logprobs, as in vLLM) -> penalties (repetition, frequency, presence) -> min_tokens
+Order per step: the structured-output token bitmask (before the logprobs, as
+in vLLM) -> penalties (repetition, frequency, presence) -> min_tokens
 masking -> temperature -> top-k -> top-p -> min-p -> sample.  Greedy rows take
 the argmax right after min_tokens masking (later steps cannot change it).
 

@@ -25,8 +25,6 @@ from hybridkv.engine.output_processing import Logprobs
 from hybridkv.model.tokenizer import Tokenizer
 from hybridkv.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from hybridkv.server.metrics import ServerMetrics
-from hybridkv.server.tool_calls import ToolCallStream, ToolConfig, ToolPlan, extract, finish_reason, plan_tools
-from hybridkv.server.tool_calls import template_renders_tools
 from hybridkv.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -48,6 +46,15 @@ from hybridkv.server.protocol import (
     TopLogprob,
     UsageInfo,
     random_id,
+)
+from hybridkv.server.tool_calls import (
+    ToolCallStream,
+    ToolConfig,
+    ToolPlan,
+    extract,
+    finish_reason,
+    plan_tools,
+    template_renders_tools,
 )
 
 log = logging.getLogger("hybridkv.server")

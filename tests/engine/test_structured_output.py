@@ -32,7 +32,8 @@ def structured(tokenizer) -> StructuredOutputs:
 
 
 def test_params_need_exactly_one_constraint():
-    with pytest.raises(ValueError, match="exactly one of json, regex, choice, grammar, json_object must be set, got none"):
+    with pytest.raises(ValueError, match="exactly one of json, regex, choice, grammar, json_object must be set, "
+                                         "got none"):
         StructuredOutputsParams()
     with pytest.raises(ValueError, match="got json, regex"):
         StructuredOutputsParams(json=PERSON, regex="a+")

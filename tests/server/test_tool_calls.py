@@ -201,7 +201,8 @@ def test_shipped_smollm2_tool_template():
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Oslo?"},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"id": "call-1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "call-1", "content": "-3 C"}])
     text = shipped.apply_chat_template(request_.template_messages(), True,
                                        tools=[t.model_dump(exclude_none=True) for t in request_.tools])
