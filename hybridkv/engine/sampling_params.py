@@ -24,8 +24,9 @@ class RequestOutputKind(enum.Enum):
 @dataclass(slots=True)
 class StructuredOutputsParams:
     """A constraint on the output (vLLM's names): exactly one of ``json`` (a JSON schema, dict or text),
-    ``regex``, ``choice`` (one of these strings), ``grammar`` (xgrammar's EBNF) or ``json_object`` (any JSON
-    object). ``disable_any_whitespace`` makes JSON compact (no free whitespace between tokens)."""
+    ``regex``, ``choice`` (one of these strings), ``grammar`` (EBNF as xgrammar/GBNF write it, or Lark) or
+    ``json_object`` (any JSON object). ``disable_any_whitespace`` makes JSON compact (no free whitespace
+    between tokens)."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None

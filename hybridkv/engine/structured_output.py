@@ -64,6 +64,10 @@ class StructuredOutputs:
                 return compiler.compile_regex(params.regex)
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(params.choice))
+            if "::=" not in params.grammar:  # Lark, which vLLM takes too (EBNF rules are written with ::=)
+                import xgrammar as xgr
+
+                return compiler.compile_grammar(xgr.Grammar.from_lark(params.grammar))
             return compiler.compile_grammar(params.grammar)
         except RuntimeError as error:  # xgrammar reports bad specs as RuntimeError with its C++ location first
             raise ValueError(f"structured_outputs.{kind}: {_xgrammar_message(error)}") from None

@@ -84,6 +84,14 @@ def test_bitmask_allows_only_what_the_grammar_can_take(structured, tokenizer):
         tokenizer.eos_token_ids)
 
 
+@pytest.mark.parametrize("grammar", ['root ::= "one" | "two" [0-9]', 'start: "one" | "two" DIGIT\nDIGIT: /[0-9]/'])
+def test_grammar_in_ebnf_or_lark(structured, grammar):
+    for text, complete in (("one", True), ("two7", True), ("two", False)):
+        matcher = structured.matcher(StructuredOutputsParams(grammar=grammar))
+        assert matcher.accept_string(text) and matcher.is_completed() == complete
+    assert not structured.matcher(StructuredOutputsParams(grammar=grammar)).accept_string("three")
+
+
 def test_choice_grammar_escapes_quotes_and_newlines(structured):
     grammar = choice_grammar(['say "hi"', "a\nb", "ü"])
     assert grammar == r'root ::= "say \"hi\"" | "a\nb" | "ü"'
