@@ -39,7 +39,7 @@ from hybridkv.server.protocol import (
 )
 
 _PYTHON_TAG = "<|python_tag|>"
-_TOOL_CALL_OPEN, _TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+_TOOL_CALL_OPEN = "<tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _DECODER = json.JSONDecoder()
 
