@@ -19,8 +19,10 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 tests
 
+# tool_choice "auto" too: SmolLM2's documented tool format (its GGUF template has none), read by the hermes parser
 serve: $(STAMP)
-	$(VENV)/bin/hybridkv serve
+	$(VENV)/bin/hybridkv serve --enable-auto-tool-choice --tool-call-parser hermes \
+		--chat-template tool_chat_template_smollm2.jinja
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -15,6 +15,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from hybridkv.engine.args import add_engine_args, engine_config_from_args
+from hybridkv.server.tool_calls import TOOL_CALL_PARSERS, ToolConfig, load_chat_template
 
 if TYPE_CHECKING:
     from hybridkv.server.options import ServerOptions
@@ -28,6 +29,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces, like vLLM)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
+                   help="how tool calls are read from the output: llama3_json / llama4_json (JSON calls), "
+                        "hermes (<tool_call> blocks, also SmolLM2's list form)")
+    p.add_argument("--chat-template", default=None,
+                   help="chat template replacing the model's: a file, the name of one in hybridkv/server/templates "
+                        "(e.g. tool_chat_template_smollm2.jinja), or the template itself")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--api-key", action="append", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1 routes; repeat for several keys "
@@ -72,9 +81,12 @@ def _run(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args)
         config.clamp_max_model_len = True  # a server starts with what fits, and says why
         options = server_options_from_args(args)
+        tools = ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser)
         from hybridkv.server.app import build_app  # torch and the model load only here
 
-        app = build_app(config, served_model_name=args.served_model_name, options=options)
+        template = None if args.chat_template is None else load_chat_template(args.chat_template)
+        app = build_app(config, served_model_name=args.served_model_name, options=options, tools=tools,
+                        chat_template=template)
     except (ValueError, FileNotFoundError) as e:
         print(f"hybridkv serve: error: {e}", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ from hybridkv.engine.sampling_params import RequestOutputKind, SamplingParams
 from hybridkv.model.checkpoint import LoadedModel
 
 Prompt = str | dict[str, Any]
-Message = dict[str, str]
+Message = dict[str, Any]
 
 
 class LLM:
@@ -102,14 +102,20 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template (or ``chat_template``) to one conversation or a list of them, then
+        generate. ``tools`` (OpenAI's tool definitions) go to the template; the output is not parsed, as in vLLM."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("chat needs a tokenizer: this LLM was made with skip_tokenizer_init=True")
+        if chat_template is not None:
+            tok = replace(tok, chat_template=chat_template)
+        extra = {"tools": tools} if tools else {}
         prompts = [
-            {"prompt_token_ids": tok.encode(tok.apply_chat_template(list(c), add_generation_prompt), False)}
+            {"prompt_token_ids": tok.encode(tok.apply_chat_template(list(c), add_generation_prompt, **extra), False)}
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

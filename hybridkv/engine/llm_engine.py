@@ -18,6 +18,7 @@ from hybridkv.engine.sampler import Sampler, make_generator
 from hybridkv.engine.sampling_params import RequestOutputKind, SamplingParams
 from hybridkv.engine.scheduler import Scheduler, SchedulerOutput
 from hybridkv.engine.sequence import Sequence
+from hybridkv.engine.structured_output import StructuredOutputs
 from hybridkv.kv.cache_manager import KVCacheManager
 from hybridkv.kv.layer_specs import layer_specs_from_hf_config
 from hybridkv.kv.layout import plan_layout
@@ -151,6 +152,7 @@ class LLMEngine:
             self.runner.graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, self.max_model_len)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, hf_config)
+        self.structured_outputs = StructuredOutputs(self.tokenizer, self.model.cfg.vocab_size, self.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()
 
@@ -250,12 +252,17 @@ class LLMEngine:
                 f"request needs {len(ids) + max_tokens} tokens of KV cache ({self.kv.peak_blocks(len(ids) + max_tokens)}"
                 f" blocks at its peak) but the whole cache holds {self.kv.pool.num_usable_blocks} blocks"
             )
+        constraint = params.structured_outputs
+        if constraint is not None:
+            self.structured_outputs.compile(constraint)  # refuse a bad spec before anything is queued
         req = _Request(request_id, text, ids, params)
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
             seq = Sequence(f"{request_id}:{i}", ids, max_tokens, next(self._arrivals), cache_salt=cache_salt)
             seq.state = RequestOutputState.create(params, ids, self.tokenizer)
             seq.generator = make_generator(seed)
+            if constraint is not None:
+                seq.grammar = self.structured_outputs.matcher(constraint)
             req.seqs.append(seq)
             self.scheduler.add(seq)
         self._requests[request_id] = req
@@ -341,6 +348,8 @@ class LLMEngine:
         seqs = [s.seq for s in out.scheduled if s.samples]
         if not seqs:
             return []
+        grammars = [s.grammar for s in seqs]
+        bitmask = self.structured_outputs.bitmask(grammars) if any(g is not None for g in grammars) else None
         result = self.sampler(
             logits,
             [s.state.params for s in seqs],
@@ -348,6 +357,7 @@ class LLMEngine:
             [s.state.token_ids for s in seqs],  # = output_token_ids, without slicing a copy per step
             [s.generator for s in seqs],
             self.eos_token_ids,
+            bitmask,
         )
         touched: dict[str, _Request] = {}
         for i, (seq, token) in enumerate(zip(seqs, result.token_ids)):
@@ -356,6 +366,8 @@ class LLMEngine:
             finish = seq.state.append_token(
                 token, lp, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len
             )
+            if seq.grammar is not None and finish is None:
+                finish = _advance_grammar(seq, token)
             if finish is not None:
                 self.scheduler.finish(seq)
             req_id = seq.request_id.rsplit(":", 1)[0]
@@ -383,6 +395,17 @@ class LLMEngine:
             )
         cached = min(s.num_cached_prompt_tokens for s in req.seqs)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, req.finished, cached)
+
+
+def _advance_grammar(seq: Sequence, token: int) -> str | None:
+    """Feed the sampled token to the sequence's grammar; finish the sequence once the grammar is done."""
+    if not seq.grammar.accept_token(token):
+        # only an all-masked row gets here (min_tokens forbidding the one stop token the grammar allows)
+        log.warning("%s: token %d breaks its grammar; finishing the sequence", seq.request_id, token)
+        seq.state.finish_reason = "abort"
+    elif seq.grammar.is_terminated():  # the grammar took its stop token but the row ignores EOS
+        seq.state.finish_reason = "stop"
+    return seq.state.finish_reason
 
 
 def _load_rank0(config: EngineConfig, dtype: torch.dtype, tp: TPGroup) -> LoadedModel:

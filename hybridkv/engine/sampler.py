@@ -1,6 +1,7 @@
 """Batched token sampler with vLLM's processing order and semantics.
 
-Order per step: logit_bias -> penalties (repetition, frequency, presence) -> min_tokens
+Order per step: the structured-output token bitmask (before the logprobs, as
+in vLLM) -> logit_bias -> penalties (repetition, frequency, presence) -> min_tokens
 masking -> temperature -> top-k -> top-p -> min-p -> sample.  Greedy rows take
 the argmax right after min_tokens masking (later steps cannot change it).
 
@@ -70,16 +71,22 @@ class Sampler:
         output_ids: Sequence[Sequence[int]],
         generators: Sequence[torch.Generator | None],
         eos_token_ids: Collection[int] = (),
+        token_bitmask: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """Sample one token per row of ``logits`` ([B, V]); inputs are not modified.
 
         ``eos_token_ids`` are the model's EOS ids; they (unless the row sets
         ``ignore_eos``) and the row's ``stop_token_ids`` are masked while the
-        row has fewer than ``min_tokens`` output tokens.
+        row has fewer than ``min_tokens`` output tokens. ``token_bitmask`` ([B, ceil(V / 32)] int32, from
+        ``StructuredOutputs.bitmask``) allows only the tokens whose bit is set.
         """
         batch = logits.shape[0]
         assert len(params) == len(prompt_ids) == len(output_ids) == len(generators) == batch
         logits = logits.to(torch.float32, copy=True)
+        if token_bitmask is not None:
+            from hybridkv.engine.structured_output import apply_token_bitmask
+
+            apply_token_bitmask(logits, token_bitmask)
         raw_logprobs = _raw_logprobs(logits, params)
 
         apply_logit_bias(logits, params)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+import json as _json
 from dataclasses import dataclass
+from typing import Any
 
 # Below this a temperature is treated as greedy: dividing logits by ~0 would
 # overflow, and the resulting distribution is argmax anyway.
@@ -17,6 +19,44 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = "cumulative"
     DELTA = "delta"
     FINAL_ONLY = "final_only"
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's names): exactly one of ``json`` (a JSON schema, dict or text),
+    ``regex``, ``choice`` (one of these strings), ``grammar`` (EBNF as xgrammar/GBNF write it, or Lark) or
+    ``json_object`` (any JSON object). ``disable_any_whitespace`` makes JSON compact (no free whitespace
+    between tokens)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, str):
+            try:
+                self.json = _json.loads(self.json)
+            except ValueError as error:
+                raise ValueError(f"structured_outputs.json: not valid JSON ({error})") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(f"structured_outputs.json: a JSON schema is an object, got {type(self.json).__name__}")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("structured_outputs.choice: a non-empty list of non-empty strings is needed")
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k)]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs: exactly one of json, regex, choice, grammar, json_object must be set, got "
+                + (", ".join(kinds) or "none")
+            )
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k))
 
 
 @dataclass(slots=True)
@@ -47,6 +87,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100 bans, 100 forces)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)

@@ -35,6 +35,7 @@ class Sequence:
     num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     state: Any = None  # output state (text, stop checks) owned by the engine
     generator: Any = None  # torch.Generator of a seeded request
+    grammar: Any = None  # xgrammar.GrammarMatcher of a request with structured outputs
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -11,7 +11,7 @@ import logging
 import re
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
@@ -50,6 +50,15 @@ from hybridkv.server.protocol import (
     UsageInfo,
     random_id,
 )
+from hybridkv.server.tool_calls import (
+    ToolCallStream,
+    ToolConfig,
+    ToolPlan,
+    extract,
+    finish_reason,
+    plan_tools,
+    template_renders_tools,
+)
 
 log = logging.getLogger("hybridkv.server")
 
@@ -65,6 +74,8 @@ class ServerState:
     metrics: ServerMetrics
     tokenizer: Tokenizer | None = field(repr=False)  # None: skip_tokenizer_init
     options: ServerOptions = field(default_factory=ServerOptions)
+    tools: ToolConfig = field(default_factory=ToolConfig)
+    template_renders_tools: bool = False
     _token_strings: dict[int, str] = field(default_factory=dict, repr=False)
 
     def token_str(self, token_id: int) -> str:
@@ -77,8 +88,10 @@ class ServerState:
 
 
 def build_app(engine: LLMEngine | EngineConfig, served_model_name: str | None = None,
-              options: ServerOptions | None = None) -> FastAPI:
-    """The app around an engine (built here from a config); the engine thread runs while the app is up."""
+              options: ServerOptions | None = None, tools: ToolConfig | None = None,
+              chat_template: str | None = None) -> FastAPI:
+    """The app around an engine (built here from a config); the engine thread runs while the app is up.
+    ``tools``: ``--enable-auto-tool-choice`` / ``--tool-call-parser``; ``chat_template``: replaces the model's."""
     options = options or ServerOptions()
     if isinstance(engine, EngineConfig):
         engine = LLMEngine(engine)
@@ -97,7 +110,12 @@ def build_app(engine: LLMEngine | EngineConfig, served_model_name: str | None = 
             await asyncio.to_thread(async_engine.shutdown)
 
     app = FastAPI(title="hybridkv", lifespan=lifespan)
-    app.state.server = ServerState(async_engine, name, metrics, engine.tokenizer, options)
+    tokenizer = engine.tokenizer
+    if tokenizer is not None and chat_template is not None:
+        tokenizer = replace(tokenizer, chat_template=chat_template)
+    renders_tools = tokenizer is not None and template_renders_tools(tokenizer.chat_template)
+    app.state.server = ServerState(async_engine, name, metrics, tokenizer, options, tools or ToolConfig(),
+                                   renders_tools)
     _add_error_handlers(app)
     add_access_middleware(app, options)
     app.add_api_route("/health", health, methods=["GET"])
@@ -182,6 +200,11 @@ async def _prompt_ids(state: ServerState, prompt: str | list[int], max_tokens: i
 
 
 async def _submit(state: ServerState, request_id: str, prompt, params, cache_salt) -> RequestStream:
+    if params.structured_outputs is not None:  # compiled here, off the event loop; the engine finds it cached
+        try:
+            await asyncio.to_thread(state.engine.engine.structured_outputs.compile, params.structured_outputs)
+        except ValueError as error:
+            raise APIError(400, str(error), "structured_outputs") from None
     try:
         return await state.engine.add_request(request_id, prompt, params, cache_salt)
     except ValueError as error:
@@ -273,8 +296,11 @@ async def create_chat_completion(request: Request) -> Response:
         raise APIError(400, "chat needs a tokenizer, and this server runs without one (--skip-tokenizer-init): "
                             "use /v1/completions with token ids")
     try:
-        params = body.sampling_params()
-        text = tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt)
+        plan = plan_tools(body, state.tools, state.template_renders_tools)
+        params = body.sampling_params(plan.constraint)
+        tools = {"tools": plan.template_tools} if plan.template_tools else {}
+        text = tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt,
+                                             **tools)
     except ValueError as error:
         raise APIError.bad_request(error) from None
     name = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
@@ -284,15 +310,18 @@ async def create_chat_completion(request: Request) -> Response:
     stream = await _submit(state, request_id, prompt, params, body.cache_salt)
     if body.stream:
         template = ChatCompletionChunk(id=request_id, model=state.model_name, choices=[])
-        return _sse(_chat_chunks(state, stream, template, params.n, body.include_usage), stream)
+        return _sse(_chat_chunks(state, stream, template, params.n, body.include_usage, plan), stream)
     final = await _final_output(stream, request)
-    choices = [
-        ChatChoice(index=o.index, message=ResponseMessage(content=o.text), logprobs=_chat_logprobs(state, o.logprobs),
-                   finish_reason=o.finish_reason, stop_reason=o.stop_reason)
-        for o in final.outputs
-    ]
+    choices = [_chat_choice(state, o, plan) for o in final.outputs]
     response = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=_usage(final))
     return JSONResponse(response.model_dump())
+
+
+def _chat_choice(state: ServerState, o: CompletionOutput, plan: ToolPlan) -> ChatChoice:
+    content, calls = extract(plan, o.text) if plan.parses else (o.text, [])
+    return ChatChoice(index=o.index, message=ResponseMessage(content=content, tool_calls=calls),
+                      logprobs=_chat_logprobs(state, o.logprobs), stop_reason=o.stop_reason,
+                      finish_reason=finish_reason(plan, o.finish_reason, bool(calls)))
 
 
 def _chat_logprobs(state: ServerState, rows: list[Logprobs] | None) -> ChatLogprobs | None:
@@ -310,17 +339,26 @@ def _top(state: ServerState, token_id: int, logprob: float) -> TopLogprob:
 
 
 async def _chat_chunks(
-    state: ServerState, stream: RequestStream, template: ChatCompletionChunk, n: int, include_usage: bool
+    state: ServerState, stream: RequestStream, template: ChatCompletionChunk, n: int, include_usage: bool,
+    plan: ToolPlan,
 ) -> AsyncIterator[str]:
     for i in range(n):
         choice = ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
         yield _event(template.model_copy(update={"choices": [choice]}))
     deltas = ChoiceDeltas()
+    tool_streams = [ToolCallStream(plan) for _ in range(n)] if plan.parses else None
     async for out in stream:
         for o, rows in deltas.new(out):
-            choice = ChatChunkChoice(index=o.index, delta=DeltaMessage(content=o.delta_text),
-                                     logprobs=_chat_logprobs(state, rows), finish_reason=o.finish_reason,
-                                     stop_reason=o.stop_reason)
+            delta, reason = DeltaMessage(content=o.delta_text), o.finish_reason
+            if tool_streams is not None:
+                tool_stream = tool_streams[o.index]
+                content, calls = tool_stream.feed(o.delta_text, bool(reason))
+                if content is None and not calls and not reason and rows is None:
+                    continue
+                delta = DeltaMessage(content=content, tool_calls=calls or None)
+                reason = finish_reason(plan, reason, tool_stream.called)
+            choice = ChatChunkChoice(index=o.index, delta=delta, logprobs=_chat_logprobs(state, rows),
+                                     finish_reason=reason, stop_reason=o.stop_reason)
             yield _event(template.model_copy(update={"choices": [choice]}))
     if include_usage:
         yield _event(template.model_copy(update={"choices": [], "usage": _usage(out)}))

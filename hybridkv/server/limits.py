@@ -103,8 +103,8 @@ _UNSUPPORTED_BY_ENDPOINT = {
     "chat": {
         "echo": "echoing the last message is not supported",
         "continue_final_message": "not supported",
-        "chat_template": "custom chat templates are not supported: the model's own is used",
-        "chat_template_kwargs": "not supported: the model's chat template gets the messages only",
+        "chat_template": "a per-request chat template is not supported: the server's is used (--chat-template)",
+        "chat_template_kwargs": "not supported: the chat template gets the messages and the tools only",
         "audio": "audio output is not supported",
     },
 }

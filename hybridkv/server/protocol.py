@@ -6,14 +6,15 @@ and the server share one set of messages. Unknown request fields are ignored, as
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 
@@ -60,8 +61,25 @@ class _SamplingFields(_Model):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_removed_fields(cls, data: Any) -> Any:
+        _refuse_guided_fields(data)
+        return data
+
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        """``response_format`` or ``structured_outputs`` as the engine's constraint (ValueError if both)."""
+        formats = [f for f in (self.response_format, self.structured_outputs) if f is not None]
+        constraints = [c for c in (f.params() for f in formats) if c is not None]
+        if len(constraints) > 1:
+            raise ValueError("response_format: cannot be combined with structured_outputs; send one of them")
+        return constraints[0] if constraints else None
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         constraint: StructuredOutputsParams | None = None) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range."""
         if logprobs is not None and logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {logprobs}")
@@ -84,6 +102,7 @@ class _SamplingFields(_Model):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=_token_id_keys(self.logit_bias),
+            structured_outputs=constraint,
         )
 
     @property
@@ -105,7 +124,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
 
     def sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, self.output_constraint())
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt this request carries; batches of prompts are refused with ValueError."""
@@ -128,11 +147,24 @@ class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer to one of them
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def template_dict(self) -> dict[str, Any]:
+        """What chat templates read; tool-call arguments as objects (templates write them with ``tojson``)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [call.template_dict() for call in self.tool_calls]
+        return out
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -142,21 +174,144 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    functions: list[Any] | None = None  # OpenAI's removed predecessors of tools: refused, see tool_calls.py
+    function_call: Any = None
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, tool_constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+        """``tool_constraint``: the grammar that ``tool_choice`` required or a named function asks for."""
+        constraint = self.output_constraint()
+        if tool_constraint is not None and constraint is not None:
+            raise ValueError("tool_choice: a required or named tool call cannot be combined with response_format "
+                             "or structured_outputs")
+        constraint = tool_constraint or constraint
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         try:
-            return self._sampling_params(max_tokens, logprobs)
+            return self._sampling_params(max_tokens, logprobs, constraint)
         except ValueError as error:
             if self.max_completion_tokens is not None and str(error).startswith("max_tokens "):
                 raise ValueError(f"max_completion_tokens{str(error)[len('max_tokens'):]}") from None
             raise
 
     def template_messages(self) -> list[dict[str, Any]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.template_dict() for m in self.messages]
+
+
+# ---- structured outputs and tools --------------------------------------------------------------------------
+# vLLM's request fields that older clients still send; they would change the output, so they are refused.
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar", "guided_json_object": "json_object"}
+
+
+def _refuse_guided_fields(data: Any) -> None:
+    for name, now in _GUIDED_FIELDS.items():
+        if isinstance(data, dict) and data.get(name) is not None:
+            raise ValueError(f"{name}: removed in vLLM; send structured_outputs: {{\"{now}\": ...}} instead")
+
+
+class JsonSchemaFormat(_Model):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is enforced either way
+
+
+class ResponseFormat(_Model):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``; any other type is refused."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def params(self) -> StructuredOutputsParams | None:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.json_schema is None:
+                raise ValueError("response_format: type json_schema needs json_schema.schema (a JSON schema)")
+            return StructuredOutputsParams(json=self.json_schema.json_schema)
+        return None
+
+
+class StructuredOutputsField(_Model):
+    """vLLM's ``structured_outputs`` request field (``StructuredOutputsParams``); unsupported parts are refused."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    json_schema: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False  # one backend, nothing to fall back to
+    disable_additional_properties: bool = False  # xgrammar already closes objects without additionalProperties
+    whitespace_pattern: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
+
+    def params(self) -> StructuredOutputsParams:
+        for name in ("whitespace_pattern", "structural_tag"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"structured_outputs.{name}: not supported (xgrammar backend); use json, regex, "
+                                 "choice, grammar or json_object")
+        return StructuredOutputsParams(json=self.json_schema, regex=self.regex, choice=self.choice,
+                                       grammar=self.grammar, json_object=self.json_object,
+                                       disable_any_whitespace=self.disable_any_whitespace)
+
+
+class FunctionDefinition(_Model):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+class FunctionCall(_Model):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Model):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl-tool"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def template_dict(self) -> dict[str, Any]:
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        return {"id": self.id, "type": self.type, "function": {"name": self.function.name, "arguments": arguments}}
+
+
+class DeltaFunctionCall(_Model):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Model):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
 
 
 # ---- responses ---------------------------------------------------------------------------------------------
@@ -219,6 +374,7 @@ class ChatLogprobs(_Model):
 class ResponseMessage(_Model):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(_Model):
@@ -242,6 +398,7 @@ class ChatCompletionResponse(_Model):
 class DeltaMessage(_Model):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(_Model):

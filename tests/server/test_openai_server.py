@@ -26,13 +26,13 @@ TIMEOUT = 60.0
 
 
 class Server:
-    def __init__(self, engine: LLMEngine, options=None) -> None:
+    def __init__(self, engine: LLMEngine, **app_options) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        app = build_app(engine, served_model_name=MODEL, options=options)
+        app = build_app(engine, served_model_name=MODEL, **app_options)
         self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 

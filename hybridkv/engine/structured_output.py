@@ -1,0 +1,130 @@
+"""Structured outputs through xgrammar: a grammar per request, a matcher per sequence, a token bitmask per step.
+
+``StructuredOutputs.compile`` turns ``StructuredOutputsParams`` into an xgrammar ``CompiledGrammar``; xgrammar's
+compiler keeps compiled grammars in a byte-bounded cache keyed by the spec's text, so a spec is compiled once
+(JSON schemas keep their key order: it is the order the properties must come in). Each sequence gets its
+own ``GrammarMatcher``; every step the engine asks for the batch's bitmask (rows without a grammar allow every
+token), the sampler applies it to the logits, and the sampled token advances the matcher.
+
+xgrammar (and the transformers import it brings) loads on the first constrained request, not at engine start.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from hybridkv.engine.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar
+
+    from hybridkv.model.tokenizer import Tokenizer
+
+# Compiled grammars kept by the compiler: a JSON schema over a 49K vocabulary takes about 40-120 KB.
+GRAMMAR_CACHE_BYTES = 256 << 20
+
+
+class StructuredOutputs:
+    """The engine's grammar compiler for one tokenizer (built on first use; safe to call from any thread)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._stop_token_ids = list(stop_token_ids)
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def compiler(self) -> xgrammar.GrammarCompiler:
+        if self._tokenizer is None:
+            raise ValueError("structured_outputs: grammars are compiled over the tokenizer's vocabulary, and this "
+                             "engine was started with skip_tokenizer_init=True")
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = tokenizer_info(self._tokenizer, self.vocab_size, self._stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
+            return self._compiler
+
+    def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+        """The compiled grammar (from the cache when this spec was seen); ValueError naming the field if invalid."""
+        compiler = self.compiler
+        kind = params.kind
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(
+                    json.dumps(params.json), any_whitespace=not params.disable_any_whitespace
+                )
+            if kind == "json_object":
+                return compiler.compile_builtin_json_grammar()
+            if kind == "regex":
+                return compiler.compile_regex(params.regex)
+            if kind == "choice":
+                return compiler.compile_grammar(choice_grammar(params.choice))
+            if "::=" not in params.grammar:  # Lark, which vLLM takes too (EBNF rules are written with ::=)
+                import xgrammar as xgr
+
+                return compiler.compile_grammar(xgr.Grammar.from_lark(params.grammar))
+            return compiler.compile_grammar(params.grammar)
+        except RuntimeError as error:  # xgrammar reports bad specs as RuntimeError with its C++ location first
+            raise ValueError(f"structured_outputs.{kind}: {_xgrammar_message(error)}") from None
+
+    def matcher(self, params: StructuredOutputsParams) -> xgrammar.GrammarMatcher:
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(self.compile(params))
+
+    def bitmask(self, matchers: Sequence[xgrammar.GrammarMatcher | None]) -> torch.Tensor:
+        """[rows, ceil(vocab / 32)] int32: bit ``t`` of row ``i`` set when token ``t`` may come next."""
+        import xgrammar as xgr
+
+        mask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)  # all bits set: everything allowed
+        for i, m in enumerate(matchers):
+            if m is not None:
+                m.fill_next_token_bitmask(mask, i)
+        return mask
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: -inf for every token whose bit is clear (``logits`` float32, [rows, vocab])."""
+    import xgrammar as xgr
+
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), vocab_size=logits.shape[1])
+
+
+def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> xgrammar.TokenizerInfo:
+    """xgrammar's view of the vocabulary: how tokens spell bytes (detected from the tokenizer's own description),
+    with special tokens spelled empty so that no grammar can take them for text; ``stop_token_ids`` end a grammar."""
+    import xgrammar as xgr
+    from transformers import PreTrainedTokenizerFast
+
+    probe = xgr.TokenizerInfo.from_huggingface(
+        PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend), vocab_size=vocab_size,
+        stop_token_ids=list(stop_token_ids),
+    )
+    vocab = [""] * vocab_size
+    for token, index in tokenizer.backend.get_vocab(with_added_tokens=True).items():
+        if index < vocab_size and not tokenizer.is_special(index):
+            vocab[index] = token
+    return xgr.TokenizerInfo.from_vocab_and_metadata(vocab, probe.dump_metadata())
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """EBNF accepting exactly one of ``choices`` (JSON string escapes are EBNF string escapes)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _xgrammar_message(error: Exception) -> str:
+    # "[10:34:53] /project/cpp/json_schema_converter.cc:4944: Unsupported type ..." -> "Unsupported type ..."
+    text = str(error).strip()
+    head, sep, rest = text.partition(".cc:")
+    if sep:
+        text = rest.split(": ", 1)[-1]
+    return text.strip()
+
