@@ -26,7 +26,7 @@ def server():
     engine = LLMEngine(EngineConfig(max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=64 << 20,
                                     max_num_seqs=MAX_NUM_SEQS))
     options = ServerOptions(limits=RequestLimits(max_body_bytes=BODY_LIMIT))
-    with Server(engine, options) as srv:
+    with Server(engine, options=options) as srv:
         yield srv
 
 
@@ -133,7 +133,7 @@ BAD_FIELDS = {
     "suffix": (COMPLETIONS, {"prompt": "hi", "suffix": "end"}, "suffix: not supported"),
     "beam search": (COMPLETIONS, {"prompt": "hi", "use_beam_search": True}, "use_beam_search: beam search"),
     "prompt_logprobs": (CHAT, {"messages": USER, "prompt_logprobs": 1}, "prompt_logprobs"),
-    "chat_template": (CHAT, {"messages": USER, "chat_template": "{{ messages }}"}, "chat_template: custom"),
+    "chat_template": (CHAT, {"messages": USER, "chat_template": "{{ messages }}"}, "chat_template: a per-request chat template"),
     "audio out": (CHAT, {"messages": USER, "modalities": ["text", "audio"]}, "modalities: only ['text']"),
     "echo in chat": (CHAT, {"messages": USER, "echo": True}, "echo: echoing"),
     "image part": (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
