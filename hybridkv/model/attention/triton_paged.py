@@ -41,12 +41,12 @@ class KernelConfig:
 # with 256x64 tiles (299 with 128x64); decode 1M 3.4 TB/s with 128-key tiles and 256 splits (1.8 TB/s with 64).
 PREFILL = KernelConfig(rows=256, block_n=64, num_warps=8, num_stages=3)
 DECODE = KernelConfig(rows=16, block_n=128, num_warps=4, num_stages=3)
-# Head dims above 128 (Gemma-3: 256) need smaller tiles: a 256x64 tile of 256-wide rows overflows registers and
-# three stages of 64x256 K and V tiles overflow shared memory. Correct first; not yet tuned on a device.
 # Hopper (sm_90), pages of 64+ tokens: K/V tiles by TMA, one warpgroup of 128 rows per program and two programs
 # per SM, which desynchronise so one's softmax overlaps the other's dots. `benchmarks/gpu/attention.py --sweep`
 # on an H200 (docs/benchmarks.md, run 34): 32K one-shot 466 TFLOP/s, 16K step over 1M 498 (PREFILL: 382 / 450).
 HOPPER_PREFILL = KernelConfig(rows=128, block_n=64, num_warps=4, num_stages=3, tma=True, programs_per_sm=2)
+# Head dims above 128 (Gemma-3: 256) need smaller tiles: a 256x64 tile of 256-wide rows overflows registers and
+# three stages of 64x256 K and V tiles overflow shared memory. Correct first; not yet tuned on a device.
 WIDE_HEAD_PREFILL = KernelConfig(rows=64, block_n=32, num_warps=4, num_stages=2)
 WIDE_HEAD_DECODE = KernelConfig(rows=16, block_n=64, num_warps=4, num_stages=2)
 # FP8 cache, long prefill: the reach is widened to bf16 in segments of at most this many bytes per step (Scout's
