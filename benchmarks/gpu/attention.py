@@ -30,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from hybridkv.kv.layout import plan_layout
 from hybridkv.kv.specs import ChunkedLocalSpec, FullAttentionSpec
 from hybridkv.model.attention.torch_paged import StepSequence
-from hybridkv.model.attention.triton_paged import DECODE, PREFILL, KernelConfig, TritonPagedAttention
+from hybridkv.model.attention.triton_paged import DECODE, HOPPER_PREFILL, PREFILL, KernelConfig, TritonPagedAttention
 
 HQ, HKV, D, CHUNK = 5, 1, 128, 8192
 BLOCK = 64  # prefill pages: a 64-key tile is one page (the Hopper path's TMA copies); --block-size changes it
@@ -206,14 +206,14 @@ def decode_row(n: int, chunked: bool, copy_gbs: float, block: int) -> list[str]:
             f"{read / t_sdpa / 1e6:.0f} GB/s", "", f"{100 * gbs / copy_gbs:.0f}% of copy", f"{err:.1e}"]
 
 
+# Run 34's candidates (docs/benchmarks.md; runs 33 and 39 timed more, among them Triton 3.6's warp-specialized loop
+# and exponentials half on the FMA pipe, neither kept)
 SWEEP_CONFIGS = [
-    PREFILL,  # pointer gathers (the portable kernel)
-    KernelConfig(128, 64, 4, 2, tma=True, programs_per_sm=2), KernelConfig(128, 64, 4, 2, programs_per_sm=2),
-    KernelConfig(128, 64, 4, 3, tma=True, programs_per_sm=2), KernelConfig(128, 64, 4, 4, tma=True, programs_per_sm=2),
-    KernelConfig(128, 64, 4, 3, programs_per_sm=2), KernelConfig(128, 64, 4, 2, tma=True),
-    KernelConfig(64, 64, 4, 3, tma=True, programs_per_sm=3), KernelConfig(64, 64, 4, 4, tma=True, programs_per_sm=3),
-    KernelConfig(128, 128, 8, 3, tma=True), KernelConfig(128, 128, 8, 3, tma=True, programs_per_sm=2),
-    KernelConfig(128, 32, 4, 4, tma=True, programs_per_sm=2),
+    PREFILL,  # pointer gathers (the portable kernel); every step row's error is against it
+    HOPPER_PREFILL, KernelConfig(128, 64, 4, 2, tma=True, programs_per_sm=2), KernelConfig(128, 64, 4, 2, programs_per_sm=2),
+    KernelConfig(128, 64, 4, 4, tma=True, programs_per_sm=2), KernelConfig(128, 64, 4, 3, programs_per_sm=2),
+    KernelConfig(64, 64, 4, 3, tma=True, programs_per_sm=3), KernelConfig(128, 128, 8, 3, tma=True),
+    KernelConfig(256, 64, 8, 3, tma=True), KernelConfig(128, 32, 4, 4, tma=True, programs_per_sm=2),
 ]
 
 
@@ -235,9 +235,6 @@ def filled_backend(spec, context: int, tokens: int, block: int, keys, values, **
 def sweep(step_context: int = 1 << 20, step_tokens: int = 16384, one_shot: int = 32768) -> None:
     """Time candidate prefill kernels (SWEEP_CONFIGS) on a one-shot causal prefill and on one engine step over a
     long context, pages of max(64, key tile) tokens; every output checked against the portable kernel's / SDPA's."""
-    import triton
-
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=DEV))
     spec = FullAttentionSpec(HKV, D, "bfloat16")
     n = one_shot
     q1 = torch.randn(n, HQ, D, device=DEV, dtype=torch.bfloat16)
@@ -301,16 +298,7 @@ def engine_step_rows(context: int, tokens: int, kv_dtype: str = "bfloat16") -> l
         seen_v.transpose(0, 1).unsqueeze(0).expand(1, HQ, -1, D)).squeeze(0).transpose(0, 1)
     flops = 4 * HQ * D * (tokens * context + tokens * (tokens + 1) // 2)
     for block in (16, 64):
-        layout = plan_layout([FullAttentionSpec(HKV, D, kv_dtype)], block)
-        num_blocks = (context + tokens) // block + 2
-        backend = TritonPagedAttention(layout, num_blocks + 1, kv_dtype, HQ, DEV)
-        gen = torch.Generator().manual_seed(0)
-        table = (torch.randperm(num_blocks, generator=gen) + 1).numpy().astype("int32")
-        piece = 1 << 16
-        for start in range(0, context, piece):
-            n = min(piece, context - start)
-            backend.begin_step([StepSequence(start, n, [table])])
-            backend.write(0, keys[start : start + n], values[start : start + n])
+        backend, table = filled_backend(FullAttentionSpec(HKV, D, kv_dtype), context, tokens, block, keys, values)
         chosen = backend._num_splits
         for forced in (1, None):
             backend._num_splits = chosen if forced is None else (lambda reach, heads: 1)
@@ -337,6 +325,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=BLOCK, help="page size of the prefill rows")
     ap.add_argument("--decode-block-size", type=int, default=DECODE_BLOCK, help="page size of the decode rows")
     ap.add_argument("--sweep", action="store_true", help="time candidate tile shapes instead")
+    ap.add_argument("--sweep-length", type=int, default=32768, help="the sweep's one-shot prefill length")
     ap.add_argument("--step-context", type=int, default=0,
                     help="also time one engine-sized prefill step (--step-tokens new tokens) over this many cached")
     ap.add_argument("--step-tokens", type=int, default=16384)
@@ -344,7 +333,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.sweep:
-        sweep()
+        sweep(one_shot=args.sweep_length)
         return
     copy_gbs = copy_bandwidth()
     rows = []

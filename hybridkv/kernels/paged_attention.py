@@ -45,40 +45,18 @@ def kv_write_kernel(
 
 
 @triton.jit
-def _exp2_poly(x):
-    """2^x for x <= 0 on the FMA pipe: a cubic on the fraction (relative error 1.7e-4, under bf16's 3.9e-3) with
-    the integer part added to the exponent bits."""
-    x = tl.maximum(x, -126.0)
-    j = tl.floor(x)
-    f = x - j
-    p = ((0.07632606 * f + 0.22830761) * f + 0.69503631) * f + 1.0
-    bits = p.to(tl.int32, bitcast=True) + (j.to(tl.int32) << 23)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _exp2_split(x):
-    """2^x with half the columns on the SFU (MUFU.EX2) and half on the FMA pipe: on Hopper the SFU's 16 results
-    per clock and SM are what a 64-key tile's softmax waits on."""
-    rows: tl.constexpr = x.shape[0]
-    cols: tl.constexpr = x.shape[1]
-    a, b = tl.split(tl.reshape(x, [rows, cols // 2, 2]))
-    return tl.reshape(tl.join(tl.exp2(a), _exp2_poly(b)), [rows, cols])
-
-
-@triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, q_pos, n, lo, end, cache_ptr, kv_desc, table, d, kv_head,
     stride_block, stride_tok, v_offset, qk_scale, rows_per_block,
     KIND: tl.constexpr, REACH: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr, QUANT: tl.constexpr,
-    DESC: tl.constexpr, POLY_EXP: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """One BLOCK_N tile of keys into the online softmax (base-2: ``qk_scale`` holds log2(e))."""
     k_pos = n + tl.arange(0, BLOCK_N)
     if MASKED:
         k_ok = (k_pos < end) & (k_pos >= lo)
-    if DESC:
+    if TMA:
         # Hopper: the tile is one page's rows [n % BLOCK_SIZE, + BLOCK_N), one TMA copy each for K and V
         row = tl.load(table + n // BLOCK_SIZE) * rows_per_block + n % BLOCK_SIZE
         k_raw = kv_desc.load([row, kv_head * D])
@@ -96,7 +74,7 @@ def _attend_tile(
     else:
         block = tl.load(table + k_pos // BLOCK_SIZE).to(tl.int64)
         kv_row = block * stride_block + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_tok
-    if not DESC:
+    if not TMA:
         kv_row += kv_head * D
         ptrs = cache_ptr + kv_row[:, None] + d[None, :]
         d_ok = d[None, :] < D
@@ -129,10 +107,7 @@ def _attend_tile(
         # interior tiles are most of a long prefill. qk_scale > 0, so the max of the scaled scores is the scaled
         # max, and scaling and subtracting the max is one FMA.
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        if POLY_EXP:
-            p = _exp2_split(qk * qk_scale - m_new[:, None])
-        else:
-            p = tl.exp2(qk * qk_scale - m_new[:, None])
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     # accumulate inside the tensor-core dot instead of adding its result in a separate pass
@@ -155,7 +130,7 @@ def _type_lo(pos, KIND: tl.constexpr, REACH: tl.constexpr):
 def paged_attention_kernel(
     q_ptr, out_ptr, part_out_ptr, part_lse_ptr, cache_ptr, kv_desc, table_ptr,
     tile_seq_ptr, tile_q0_ptr, q_loc_ptr, q_len_ptr, ctx_len_ptr,
-    scale, k_scale, v_scale, seg_lo, seg_hi, rows_per_block, kv_rows,
+    scale, k_scale, v_scale, seg_lo, seg_hi, rows_per_block,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
     stride_block, stride_tok, v_offset,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
@@ -164,7 +139,7 @@ def paged_attention_kernel(
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr, QUANT: tl.constexpr, FP16_DOT: tl.constexpr,
     SEGMENTED: tl.constexpr, ACCUMULATE: tl.constexpr,
-    DESC: tl.constexpr = 0, WARP_SPEC: tl.constexpr = False, POLY_EXP: tl.constexpr = False,
+    TMA: tl.constexpr = False,
 ):
     """Attention of one query tile over the keys it may see inside ``[seg_lo, seg_hi)``.
 
@@ -172,9 +147,9 @@ def paged_attention_kernel(
     partial outputs and their LSE, and with ACCUMULATE merges them into what earlier segments left in the same
     split slots; ``seg_lo`` is then a multiple of BLOCK_N.
 
-    DESC (Hopper, pages holding whole key tiles): K and V tiles arrive by TMA through a 2-D tensor descriptor over
-    the layer's token rows (``[kv_rows, kv_heads * D]``, a page = ``rows_per_block`` rows, V ``BLOCK_SIZE`` rows after
-    K): 1 = the descriptor is ``kv_desc``, built on the host; 2 = built here (what warp specialization needs)."""
+    TMA (Hopper, pages holding whole key tiles): K and V tiles arrive by TMA through ``kv_desc``, a 2-D tensor
+    descriptor over the layer's token rows (``[rows, kv_heads * D]``; a page is ``rows_per_block`` rows, its V
+    ``BLOCK_SIZE`` rows after its K)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -220,21 +195,18 @@ def paged_attention_kernel(
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
     table = table_ptr + seq.to(tl.int64) * stride_table
     qk_scale = scale * k_scale * 1.4426950408889634
-    if DESC == 2:
-        kv_desc = tl.make_tensor_descriptor(cache_ptr, shape=[kv_rows, stride_tok], strides=[stride_tok, 1],
-                                            block_shape=[BLOCK_N, D])
     for n in range(start, inner_lo, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, n, lo, end, cache_ptr, kv_desc, table, d, kv_head,
                                      stride_block, stride_tok, v_offset, qk_scale, rows_per_block,
-                                     KIND, REACH, BLOCK_SIZE, D, BLOCK_N, PRECISION, True, QUANT, DESC, False)
-    for n in tl.range(inner_lo, inner_hi, BLOCK_N, warp_specialize=WARP_SPEC):
+                                     KIND, REACH, BLOCK_SIZE, D, BLOCK_N, PRECISION, True, QUANT, TMA)
+    for n in range(inner_lo, inner_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, n, lo, end, cache_ptr, kv_desc, table, d, kv_head,
                                      stride_block, stride_tok, v_offset, qk_scale, rows_per_block,
-                                     KIND, REACH, BLOCK_SIZE, D, BLOCK_N, PRECISION, False, QUANT, DESC, POLY_EXP)
+                                     KIND, REACH, BLOCK_SIZE, D, BLOCK_N, PRECISION, False, QUANT, TMA)
     for n in range(inner_hi, end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, n, lo, end, cache_ptr, kv_desc, table, d, kv_head,
                                      stride_block, stride_tok, v_offset, qk_scale, rows_per_block,
-                                     KIND, REACH, BLOCK_SIZE, D, BLOCK_N, PRECISION, True, QUANT, DESC, False)
+                                     KIND, REACH, BLOCK_SIZE, D, BLOCK_N, PRECISION, True, QUANT, TMA)
 
     t_idx = (q_loc + tok).to(tl.int64)
     out = acc / tl.maximum(l_i, 1e-30)[:, None] * v_scale

@@ -184,7 +184,7 @@ def loads_by_tma(block_size: int, kv_dtype: str) -> bool:
     tri = TritonPagedAttention(plan_layout(specs(kv_dtype), block_size), 64, kv_dtype, HQ, DEVICE, prefill=TMA_TILES)
     tri.config = tri.prefill
     layer = tri.cache.layers[0]
-    return tri._descriptor(tri._base(layer), layer.spec, HKV * D, tri.cache.buffer.stride(0))[0] > 0
+    return tri._descriptor(tri._base(layer), layer.spec, HKV * D, tri.cache.buffer.stride(0)) is not None
 
 
 @pytest.mark.skipif(not HOPPER, reason="TMA tensor descriptors: Hopper (sm_90) only")

@@ -32,8 +32,6 @@ class KernelConfig:
     num_stages: int
     # Hopper: K/V tiles by TMA through a tensor descriptor, where a page holds whole key tiles (else gathered)
     tma: bool = False
-    warp_specialize: bool = False  # interior key tiles in Triton's warp-specialized loop (TMA only)
-    poly_exp: bool = False  # half of the interior tiles' exponentials on the FMA pipe
     programs_per_sm: int = 1  # resident at once (registers and shared memory allow): a wave is this x SMs
 
 
@@ -43,12 +41,12 @@ class KernelConfig:
 # with 256x64 tiles (299 with 128x64); decode 1M 3.4 TB/s with 128-key tiles and 256 splits (1.8 TB/s with 64).
 PREFILL = KernelConfig(rows=256, block_n=64, num_warps=8, num_stages=3)
 DECODE = KernelConfig(rows=16, block_n=128, num_warps=4, num_stages=3)
-# Head dims above 128 (Gemma-3: 256) need smaller tiles: a 256x64 tile of 256-wide rows overflows registers and
-# three stages of 64x256 K and V tiles overflow shared memory. Correct first; not yet tuned on a device.
 # Hopper (sm_90), pages of 64+ tokens: K/V tiles by TMA, one warpgroup of 128 rows per program and two programs
 # per SM, which desynchronise so one's softmax overlaps the other's dots. `benchmarks/gpu/attention.py --sweep`
 # on an H200 (docs/benchmarks.md, run 34): 32K one-shot 466 TFLOP/s, 16K step over 1M 498 (PREFILL: 382 / 450).
 HOPPER_PREFILL = KernelConfig(rows=128, block_n=64, num_warps=4, num_stages=3, tma=True, programs_per_sm=2)
+# Head dims above 128 (Gemma-3: 256) need smaller tiles: a 256x64 tile of 256-wide rows overflows registers and
+# three stages of 64x256 K and V tiles overflow shared memory. Correct first; not yet tuned on a device.
 WIDE_HEAD_PREFILL = KernelConfig(rows=64, block_n=32, num_warps=4, num_stages=2)
 WIDE_HEAD_DECODE = KernelConfig(rows=16, block_n=64, num_warps=4, num_stages=2)
 # FP8 cache, long prefill: the reach is widened to bf16 in segments of at most this many bytes per step (Scout's
@@ -180,11 +178,6 @@ class TritonPagedAttention:
         elif hopper and prefill is PREFILL and layout.block_size % HOPPER_PREFILL.block_n == 0 and all(
                 g.spec.head_dim in (64, 128) for g in layout.groups):
             prefill = HOPPER_PREFILL
-        if prefill.warp_specialize:
-            import triton
-
-            # descriptors built inside the kernel (what Triton's warp specialization takes) need global scratch
-            triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=self.device))
         self.prefill, self.decode, self.max_splits = prefill, decode, max_splits
         self.segment_bytes = segment_bytes
         if self.group > decode.rows:
@@ -379,11 +372,12 @@ class TritonPagedAttention:
         elif isinstance(spec, ChunkedLocalSpec):
             kind, reach = 2, spec.chunk
         part_strides = (0,) * 5 if part is None else (*part.stride()[:3], *lse.stride()[:2])
-        desc, kv_desc, kv_rows = self._descriptor(cache, spec, stride_tok, stride_block)
+        kv_desc = self._descriptor(cache, spec, stride_tok, stride_block)
         self.kernels.paged_attention_kernel[(self._num_tiles, spec.num_kv_heads, splits)](
-            q, out, out if part is None else part, out if lse is None else lse, cache, kv_desc, table,
+            q, out, out if part is None else part, out if lse is None else lse, cache,
+            cache if kv_desc is None else kv_desc, table,
             *self._seq,
-            scale, k_scale, v_scale, seg_lo, seg_hi, stride_block // stride_tok, kv_rows,
+            scale, k_scale, v_scale, seg_lo, seg_hi, stride_block // stride_tok,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), table.stride(0),
             stride_block, stride_tok, self.block_size * stride_tok,
             *part_strides,
@@ -392,22 +386,21 @@ class TritonPagedAttention:
             BLOCK_N=self.config.block_n, NUM_SPLITS=splits, QUANT=quant,
             FP16_DOT=quant and q.dtype == torch.bfloat16 and self.config is self.decode,
             SEGMENTED=segmented, ACCUMULATE=accumulate,
-            DESC=desc, WARP_SPEC=desc == 2, POLY_EXP=self.config.poly_exp,
+            TMA=kv_desc is not None,
             # float32 models stay exact (token parity with the CPU path); TF32 would round to 10 mantissa bits
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=self.config.num_warps, num_stages=self.config.num_stages,
         )
 
     def _descriptor(self, cache: torch.Tensor, spec, stride_tok: int, stride_block: int):
-        """(DESC mode, host descriptor or a placeholder, rows) for the kernel: TMA where the config asks for it, a
-        page holds whole key tiles, the head dim is one TMA box (64 or 128) and every row index fits in int32."""
+        """The TMA descriptor of a layer's (or a segment scratch's) token rows, or None (pointer gathers): TMA where
+        the config asks for it, a page holds whole key tiles, the head dim is one TMA box (64 or 128), pages are
+        whole rows and every row index fits in int32."""
         cfg = self.config
         rows = cache.numel() // stride_tok
         if not (cfg.tma and self.block_size % cfg.block_n == 0 and spec.head_dim in (64, 128) and rows < 2**31
                 and stride_block % stride_tok == 0 and cache.data_ptr() % 16 == 0):
-            return 0, cache, rows
-        if cfg.warp_specialize:
-            return 2, cache, rows
+            return None
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        return 1, TensorDescriptor(cache, [rows, stride_tok], [stride_tok, 1], [cfg.block_n, spec.head_dim]), rows
+        return TensorDescriptor(cache, [rows, stride_tok], [stride_tok, 1], [cfg.block_n, spec.head_dim])
