@@ -191,10 +191,11 @@ class KVCacheManager:
             if len(registry) > MAX_BRANCH_POINTS:
                 registry.popitem(last=False)
         points = set(hit.branch_points(self.block_size))
-        for i, h in enumerate(req.block_hashes):
-            if h in registry:
-                registry.move_to_end(h)
-                points.add(i + 1)
+        if registry:  # one dict probe per prompt block, once per admission (a 10M-token prompt: 625K at block 16)
+            for i, h in enumerate(req.block_hashes):
+                if h in registry:
+                    registry.move_to_end(h)
+                    points.add(i + 1)
         return tuple(sorted(points))
 
     def _hit_needs_evict_first(self, hit: CacheHit) -> bool:
