@@ -94,7 +94,7 @@ def make_trace(shape: TraceShape, seed: int = 0) -> list[TraceRequest]:
     # Interleave: each next request comes from a random stream that still has turns, so a conversation's turns
     # and a document's questions are separated by other traffic.
     out, heads = [], [0] * len(streams)
-    live = [i for i in range(len(streams))]
+    live = list(range(len(streams)))
     while live:
         i = live[int(rng.integers(len(live)))]
         out.append(streams[i][heads[i]])
@@ -179,7 +179,6 @@ class Running:
 class ReplayResult:
     prompt_tokens: int = 0
     hit_tokens: int = 0  # on each request's first admission
-    computed_tokens: int = 0  # every token the model would compute, recomputation after preemption included
     preemptions: int = 0
     per_request_hits: dict[str, int] = field(default_factory=dict)
 
@@ -239,7 +238,6 @@ def replay(cache: CacheUnderTest, trace: list[TraceRequest], max_running: int = 
             raise RuntimeError(f"pool too small for one request of {len(waiting[0].tokens)} tokens")
         for r, n in scheduled:
             r.num_computed += n
-            res.computed_tokens += n
             cache.computed(r.req.rid, r.num_computed)
             if r.num_computed < len(r.tokens):
                 continue

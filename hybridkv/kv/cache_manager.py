@@ -161,8 +161,8 @@ class KVCacheManager:
         while changed and length > 0:
             changed = False
             for i, m in enumerate(self.managers):
-                if i == self._num_full:
-                    shared = max(shared, length if self._num_full else 0)
+                if 0 < i == self._num_full and not shared:  # the full groups' first answer: the branch point
+                    shared = length
                 hits[i] = m.find_longest_cache_hit(req.block_hashes, length)
                 if len(hits[i]) < length:
                     length = len(hits[i])

@@ -226,7 +226,7 @@ class SingleTypeManager:
         their hash) and returned at their place in the sequence: the caller frees them with the rest, tail first.
         """
         table = self.tables.pop(req_id, None)
-        self._num_dropped.pop(req_id, None)
+        dropped = self._num_dropped.pop(req_id, 0)  # the table's nulls are exactly its first ``dropped`` entries
         self._num_cached.pop(req_id, None)
         ranges = self._branch_ranges.pop(req_id, ())
         if table is None:
@@ -238,8 +238,8 @@ class SingleTypeManager:
         retained = [self._retained(i, end_block, ranges) for i in range(len(ids))]
         gid = self.group.group_id
         revived = []
-        for i in range(min(len(ids), len(block_hashes))):
-            if ids[i] == NULL_BLOCK_ID and retained[i]:
+        for i in range(min(dropped, len(block_hashes))):
+            if retained[i]:
                 block = self.pool.lookup((block_hashes[i], gid))
                 if block is not None and block.ref_cnt == 0:
                     out[i] = block

@@ -14,21 +14,26 @@ def make(num_blocks, budget=8, max_num_seqs=8, block_size=4):
     return kv, Scheduler(kv, max_num_seqs, budget)
 
 
+def step(sched):
+    """One step with the stand-in model. Generated token = 1000 + (length of sequence)."""
+    out = sched.schedule()
+    assert out.scheduled, "no progress: the scheduler is stuck"
+    sched.on_step_done(out)
+    for s in out.scheduled:
+        if s.samples:
+            s.seq.append_token(1000 + s.seq.num_tokens)
+            if s.seq.num_output_tokens >= s.seq.max_tokens:
+                sched.finish(s.seq)
+    return out
+
+
 def run(sched, seqs, max_steps=10_000):
-    """Drive to completion; returns per-step token counts. Generated token = 1000 + (length of sequence)."""
+    """Drive to completion; returns every step's output."""
     for s in seqs:
         sched.add(s)
     steps = []
     while sched.has_unfinished:
-        out = sched.schedule()
-        assert out.scheduled, "no progress: the scheduler is stuck"
-        steps.append(out)
-        sched.on_step_done(out)
-        for s in out.scheduled:
-            if s.samples:
-                s.seq.append_token(1000 + s.seq.num_tokens)
-                if s.seq.num_output_tokens >= s.seq.max_tokens:
-                    sched.finish(s.seq)
+        steps.append(step(sched))
         assert len(steps) < max_steps
     return steps
 
@@ -128,4 +133,23 @@ def test_a_prompt_is_admitted_only_when_all_of_it_fits():
     assert kv.allocate_slots(b, 8, hit)  # without the check its first chunk fits
     kv.free(b)
     kv.free(a)
+    assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks
+
+
+def test_the_scheduler_keeps_a_prompt_waiting_until_all_of_it_fits():
+    """b's first chunk would fit beside a, its whole prefill would not: b waits for a instead of being admitted
+    and then preempting a (or itself) half-way."""
+    kv, sched = make(num_blocks=40, budget=8)
+    a = Sequence("a", list(range(48)), max_tokens=20, arrival=0)
+    sched.add(a)
+    while a.num_output_tokens == 0:
+        step(sched)
+    b = Sequence("b", list(range(100, 172)), max_tokens=1, arrival=1)
+    sched.add(b)
+    out = step(sched)
+    assert [s.seq.request_id for s in out.scheduled] == ["a"] and b.status == SequenceStatus.WAITING
+    assert kv.blocks_needed(b, 7, kv.find_cache_hit(b)) <= kv.pool.num_free_blocks  # its first chunk would fit
+    while sched.has_unfinished:
+        step(sched)
+    assert sched.num_preemptions == 0 and b.output_token_ids == [1072]
     assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks
