@@ -39,6 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="U")
     p.add_argument("--max-model-len", type=int, metavar="L", help="length to check; default: the longest that fits")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N")
+    p.add_argument(
+        "--max-num-seqs", type=int, default=256, metavar="N", help="sequences per step (sizes the sampler's reserve)"
+    )
     p.add_argument("--no-hybrid", action="store_true", help="plan a cache that keeps every layer in full")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=_run_plan)
@@ -92,7 +95,19 @@ def _plan_kwargs(args: argparse.Namespace) -> dict[str, object]:
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        segment_bytes=_fp8_segment_bytes(args),
     )
+
+
+def _fp8_segment_bytes(args: argparse.Namespace) -> int:
+    """The Triton backend's FP8 widening scratch, which ``serve`` on a GPU reserves with an FP8 cache (read from
+    the backend, which imports torch: only when it counts)."""
+    if args.gpu_memory_gib is None or not args.kv_cache_dtype.startswith("fp8"):
+        return 0
+    from hybridkv.model.attention.triton_paged import SEGMENT_BYTES
+
+    return SEGMENT_BYTES
 
 
 def format_plan(plan: CapacityPlan, hybrid: CapacityPlan, flat: CapacityPlan) -> str:
@@ -109,7 +124,8 @@ def format_plan(plan: CapacityPlan, hybrid: CapacityPlan, flat: CapacityPlan) ->
         lines += [
             "",
             f"estimate: {m.gpu_memory_bytes / GIB:.2f} GiB x {m.gpu_memory_utilization}"
-            f" - weights {m.weights_bytes / GIB:.2f} GiB - reserve {m.activation_reserve_bytes / GIB:.2f} GiB"
+            f" - weights {m.weights_bytes / GIB:.2f} GiB - runtime {m.runtime_bytes / GIB:.2f} GiB"
+            f" - step reserve {m.activation_reserve_bytes / GIB:.2f} GiB"
             f" = KV {m.kv_memory_bytes / GIB:.2f} GiB per rank",
         ]
     if plan.reason:

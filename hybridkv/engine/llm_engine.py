@@ -19,18 +19,22 @@ from hybridkv.engine.sampling_params import RequestOutputKind, SamplingParams
 from hybridkv.engine.scheduler import Scheduler, SchedulerOutput
 from hybridkv.engine.sequence import Sequence
 from hybridkv.engine.structured_output import StructuredOutputs
+from hybridkv.kv.capacity import longest_fitting
+from hybridkv.kv.capacity import step_reserve_bytes as _step_reserve_formula
 from hybridkv.kv.cache_manager import KVCacheManager
+from hybridkv.kv.dtypes import MODEL_DTYPES
 from hybridkv.kv.layer_specs import layer_specs_from_hf_config
-from hybridkv.kv.layout import plan_layout
+from hybridkv.kv.layout import KVLayout, plan_layout
+from hybridkv.kv.specs import AttentionSpec
 from hybridkv.model.attention.factory import make_paged_attention
 from hybridkv.model.attention.torch_paged import TorchPagedAttention
 from hybridkv.model.attention.triton_paged import SEGMENT_BYTES
 from hybridkv.model.checkpoint import LoadedModel, load_checkpoint
+from hybridkv.model.dtypes import dtype_name, torch_dtype
 from hybridkv.model.parallel import TPGroup
 
 log = logging.getLogger("hybridkv")
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
 
@@ -95,17 +99,56 @@ class _Request:
 
 
 def step_reserve_bytes(config: EngineConfig, hidden_size: int, vocab_size: int) -> int:
-    """GPU memory kept out of the KV cache for one step's working set.
+    """GPU memory kept out of the KV cache for one step's working set: ``hybridkv.kv.capacity``'s formula (the
+    planner's too), with an FP8 cache on the Triton kernels keeping room for a long prefill's bf16 segments."""
+    fp8_segments = config.kv_cache_dtype.startswith("fp8") and config.attention_backend != "torch"
+    return _step_reserve_formula(
+        config.max_num_batched_tokens, config.max_num_seqs, hidden_size, vocab_size,
+        SEGMENT_BYTES if fp8_segments else 0,
+    )
 
-    E.g. 8,192 batched tokens of width 2,048 and 256 sequences over a 49,152-token vocabulary: 1 GiB of slack,
-    1 GiB of activations and 144 MiB of logits; an FP8 cache on the Triton kernels adds 768 MiB for a long
-    prefill's bf16 segments."""
-    reserve = 1 << 30
-    reserve += config.max_num_batched_tokens * hidden_size * 4 * 16  # a few float32 hidden-sized buffers per token
-    reserve += config.max_num_seqs * vocab_size * 4 * 3  # logits, their softmax and the sampler's copy
-    if config.kv_cache_dtype.startswith("fp8") and config.attention_backend != "torch":
-        reserve += SEGMENT_BYTES * 3 // 2  # the segment's bf16 scratch, and its FP8 gather for a moment
-    return reserve
+
+def size_kv_cache(
+    config: EngineConfig, hf_config: dict, layer_specs: list[AttentionSpec], kv_bytes: int
+) -> tuple[KVLayout, int, int]:
+    """The engine's KV sizing for ``kv_bytes`` per rank: (layout, number of blocks with the null block,
+    max_model_len). ``hybridkv plan`` (``plan_capacity``) reaches the same numbers from the same inputs."""
+    layout = plan_layout(layer_specs, config.block_size)
+    num_blocks = layout.num_blocks(kv_bytes)
+    if num_blocks < 2:
+        raise ValueError(
+            f"kv_cache_memory_bytes={kv_bytes} holds {num_blocks} blocks of {layout.page_bytes} bytes; "
+            "at least 2 are needed"
+        )
+    return layout, num_blocks, resolve_max_model_len(config, hf_config, layout, num_blocks)
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config: dict, layout: KVLayout, num_blocks: int) -> int:
+    """The model's context (``max_position_embeddings``) or the asked length, within what the KV cache holds.
+
+    Too long for the model or the cache: raise naming the limit, or clamp and log it (``clamp_max_model_len``).
+    """
+    cfg = hf_config.get("text_config") or hf_config
+    model_len = int(cfg.get("max_position_embeddings") or 2048)
+    asked = config.max_model_len
+    wanted = model_len if asked is None else asked
+    limits = []
+    if wanted > model_len:
+        limits.append((model_len, f"the model's context (max_position_embeddings) is {model_len}"))
+    usable = num_blocks - 1  # block 0 is the null block
+    cache_fits = longest_fitting(layout, usable, config.max_num_batched_tokens, wanted)
+    if cache_fits < wanted:
+        limits.append((cache_fits, (
+            f"the KV cache ({usable} blocks of {layout.block_size} tokens, "
+            f"{layout.page_bytes} bytes each) holds at most {cache_fits} tokens for one request"
+        )))
+    if not limits:
+        return wanted
+    length, why = min(limits)
+    if asked is not None and not config.clamp_max_model_len:
+        raise ValueError(f"max_model_len {asked} is too long: {why}; lower it or raise kv_cache_memory_bytes")
+    log.warning("max_model_len %d clamped to %d: %s", wanted, length, why)
+    return length
 
 
 class LLMEngine:
@@ -123,16 +166,10 @@ class LLMEngine:
         hf_config = self.loaded.hf_config
         kv_dtype = config.kv_cache_dtype
         if kv_dtype == "auto":
-            kv_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+            kv_dtype = dtype_name(dtype)
         self.layer_specs = layer_specs_from_hf_config(hf_config, tp.size, kv_dtype)
-        self.layout = plan_layout(self.layer_specs, config.block_size)
         kv_bytes = config.kv_cache_memory_bytes or self._default_kv_bytes()
-        num_blocks = self.layout.num_blocks(kv_bytes)
-        if num_blocks < 2:
-            raise ValueError(
-                f"kv_cache_memory_bytes={kv_bytes} holds {num_blocks} blocks of {self.layout.page_bytes} bytes; "
-                "at least 2 are needed"
-            )
+        self.layout, num_blocks, self.max_model_len = size_kv_cache(config, hf_config, self.layer_specs, kv_bytes)
         self.kv = KVCacheManager(
             self.layout,
             num_blocks,
@@ -140,7 +177,6 @@ class LLMEngine:
             hash_algorithm=config.prefix_caching_hash_algo,
             max_step_tokens=config.max_num_batched_tokens,
         )
-        self.max_model_len = self._resolve_max_model_len(hf_config)
         self.backend = self._make_backend(num_blocks, kv_dtype)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv, self.backend)
@@ -155,32 +191,6 @@ class LLMEngine:
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.model.cfg.vocab_size, self.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()
-
-    def _resolve_max_model_len(self, hf_config: dict) -> int:
-        """The model's context (``max_position_embeddings``) or the asked length, within what the KV cache holds.
-
-        Too long for the model or the cache: raise naming the limit, or clamp and log it (``clamp_max_model_len``).
-        """
-        cfg = hf_config.get("text_config") or hf_config
-        model_len = int(cfg.get("max_position_embeddings") or 2048)
-        asked = self.config.max_model_len
-        wanted = model_len if asked is None else asked
-        limits = []
-        if wanted > model_len:
-            limits.append((model_len, f"the model's context (max_position_embeddings) is {model_len}"))
-        cache_fits = self.kv.max_tokens_that_fit(wanted)
-        if cache_fits < wanted:
-            limits.append((cache_fits, (
-                f"the KV cache ({self.kv.pool.num_usable_blocks} blocks of {self.block_size} tokens, "
-                f"{self.layout.page_bytes} bytes each) holds at most {cache_fits} tokens for one request"
-            )))
-        if not limits:
-            return wanted
-        length, why = min(limits)
-        if asked is not None and not self.config.clamp_max_model_len:
-            raise ValueError(f"max_model_len {asked} is too long: {why}; lower it or raise kv_cache_memory_bytes")
-        log.warning("max_model_len %d clamped to %d: %s", wanted, length, why)
-        return length
 
     def _default_kv_bytes(self) -> int:
         if not self.config.device.startswith("cuda"):
@@ -448,6 +458,6 @@ def _resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype == "auto":
         # CPUs compute float32 fastest and exactly; GPUs take the checkpoint's dtype (see the GPU path).
         return torch.float32 if device == "cpu" else torch.bfloat16
-    if dtype not in _TORCH_DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
-    return _TORCH_DTYPES[dtype]
+    if dtype not in MODEL_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(MODEL_DTYPES)}")
+    return torch_dtype(dtype)

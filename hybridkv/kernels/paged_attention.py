@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FULL, SLIDING, CHUNKED = 0, 1, 2
+from hybridkv.kv.specs import KERNEL_CHUNKED as CHUNKED, KERNEL_FULL as FULL, KERNEL_SLIDING as SLIDING  # noqa: F401
 
 
 @triton.jit

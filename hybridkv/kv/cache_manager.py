@@ -25,7 +25,8 @@ import numpy as np
 from hybridkv.kv.block_hash import BlockHasher
 from hybridkv.kv.block_pool import EVICT_FIRST, BlockPool, KVBlock
 from hybridkv.kv.layout import KVLayout
-from hybridkv.kv.managers import FullAttentionManager, SingleTypeManager, manager_for
+from hybridkv.kv.capacity import longest_fitting, peak_blocks
+from hybridkv.kv.managers import SingleTypeManager, default_retention_interval, manager_for
 
 
 class KVRequest(Protocol):
@@ -109,9 +110,9 @@ class KVCacheManager:
         # Full groups first: their left-to-right lookup bounds the hit cheaply for the others.
         self.managers: list[SingleTypeManager] = sorted(
             (manager_for(g, self.pool, self.block_size, retention_interval) for g in layout.groups),
-            key=lambda m: (not isinstance(m, FullAttentionManager), m.group.group_id),
+            key=lambda m: (not m.spec.keeps_every_token, m.group.group_id),
         )
-        self._num_full = sum(isinstance(m, FullAttentionManager) for m in self.managers)
+        self._num_full = sum(m.spec.keeps_every_token for m in self.managers)
         # Chained hashes of the last block before each known branch point (a bounded LRU set).
         self._branch_registry: OrderedDict[bytes, None] = OrderedDict()
         self.stats = PrefixCacheStats()
@@ -123,23 +124,14 @@ class KVCacheManager:
     # ---- admission ---------------------------------------------------------------------------------
     def peak_blocks(self, num_tokens: int) -> int:
         """Most blocks one request of ``num_tokens`` tokens holds at once, all groups together."""
-        return sum(
-            m.spec.max_live_blocks(num_tokens, self.block_size, self.max_step_tokens) for m in self.managers
-        )
+        return peak_blocks(self.layout, num_tokens, self.max_step_tokens)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         return self.peak_blocks(num_tokens) <= self.pool.num_usable_blocks
 
     def max_tokens_that_fit(self, upper: int) -> int:
-        """Longest request (<= upper) whose peak fits the whole pool; binary search, peak is monotone."""
-        lo, hi = 0, upper
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.can_ever_fit(mid):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        """Longest request (<= upper) whose peak fits the whole pool."""
+        return longest_fitting(self.layout, self.pool.num_usable_blocks, self.max_step_tokens, upper)
 
     # ---- prefix cache ------------------------------------------------------------------------------
     def _update_hashes(self, req: KVRequest) -> None:
@@ -328,11 +320,3 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 
-
-def default_retention_interval(layout: KVLayout) -> int:
-    """Retain a sliding hit point every 4 windows: at most ~25% extra cached sliding blocks per full block."""
-    windows = [g.spec.window for g in layout.groups if hasattr(g.spec, "window")]
-    if not windows:
-        return 0
-    b = layout.block_size
-    return max(4 * max(windows) // b * b, b)

@@ -21,9 +21,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hybridkv.kv.specs import AttentionSpec, ChunkedLocalSpec, FullAttentionSpec, SlidingWindowSpec
-
-_TORCH_TO_KV_DTYPE = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "half": "float16"}
+from hybridkv.kv.dtypes import KV_CACHE_DTYPES, MODEL_DTYPES, canonical_dtype
+from hybridkv.kv.specs import SPEC_TYPES, AttentionSpec
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -104,21 +103,24 @@ def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
     return 1
 
 
+def checkpoint_dtype(config: dict[str, Any]) -> str:
+    """The dtype the config says the weights are in (``torch_dtype``, or newer ``dtype``); bfloat16 if unsaid or
+    unknown. ``{"torch_dtype": "float16"}`` -> ``"float16"``."""
+    cfg = text_config(config)
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    return canonical_dtype(dtype) or "bfloat16"
+
+
 def resolve_kv_dtype(kv_cache_dtype: str, config: dict[str, Any]) -> str:
     """Map ``auto`` to the model's dtype; reject what we do not support with the list of what we do."""
-    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
-        return "fp8_e4m3"
     if kv_cache_dtype == "fp8_e5m2":
         raise ValueError("kv_cache_dtype fp8_e5m2 is not supported; use fp8_e4m3 (per-layer scales) or auto")
     if kv_cache_dtype == "auto":
-        cfg = text_config(config)
-        dtype = cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or "bfloat16"
-        return _TORCH_TO_KV_DTYPE.get(str(dtype).removeprefix("torch."), "bfloat16")
-    if kv_cache_dtype in ("bfloat16", "float16", "float32"):
-        return kv_cache_dtype
-    raise ValueError(
-        f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose auto, bfloat16, float16, float32 or fp8_e4m3"
-    )
+        dtype = checkpoint_dtype(config)
+        return dtype if dtype in MODEL_DTYPES else "bfloat16"
+    if kv_cache_dtype in ("fp8", *KV_CACHE_DTYPES):
+        return canonical_dtype(kv_cache_dtype)
+    raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose auto, {', '.join(KV_CACHE_DTYPES)}")
 
 
 def layer_specs_from_hf_config(
@@ -131,12 +133,4 @@ def layer_specs_from_hf_config(
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads)
     heads = kv_heads_per_rank(num_kv_heads, tensor_parallel_size)
     dtype = resolve_kv_dtype(kv_cache_dtype, config)
-    specs: list[AttentionSpec] = []
-    for kind in layer_kinds(config):
-        if kind == "full":
-            specs.append(FullAttentionSpec(heads, head_dim, dtype))
-        elif kind == "sliding":
-            specs.append(SlidingWindowSpec(heads, head_dim, dtype, window=int(cfg["sliding_window"])))
-        else:
-            specs.append(ChunkedLocalSpec(heads, head_dim, dtype, chunk=int(cfg["attention_chunk_size"])))
-    return specs
+    return [SPEC_TYPES[kind].from_hf_config(heads, head_dim, dtype, cfg) for kind in layer_kinds(config)]

@@ -33,13 +33,14 @@ evict-first, so the next request with the same system prompt resumes at token 12
 
 from __future__ import annotations
 
-from typing import Sequence
+from types import MappingProxyType
+from typing import ClassVar, Sequence
 
 import numpy as np
 
 from hybridkv.kv.block_pool import BlockPool, KVBlock
-from hybridkv.kv.layout import LayerGroup
-from hybridkv.kv.specs import FullAttentionSpec, SlidingWindowSpec, cdiv
+from hybridkv.kv.layout import KVLayout, LayerGroup
+from hybridkv.kv.specs import AttentionSpec, ChunkedLocalSpec, FullAttentionSpec, SlidingWindowSpec, cdiv
 
 NULL_BLOCK_ID = 0
 
@@ -77,7 +78,11 @@ class BlockTable:
 
 
 class SingleTypeManager:
-    """Block tables of one layer group. Subclasses say how far back a type reaches through their spec."""
+    """Block tables of one layer group; how far back the type reaches comes from its spec alone, so any type
+    that frees what falls below ``spec.first_needed_token`` needs no manager of its own."""
+
+    # Whether a hit point every ``retention_interval`` tokens is worth keeping resumable (see the module docstring).
+    periodic_retention: ClassVar[bool] = True
 
     def __init__(self, group: LayerGroup, pool: BlockPool, block_size: int, retention_interval: int = 0) -> None:
         self.group = group
@@ -85,7 +90,8 @@ class SingleTypeManager:
         self.pool = pool
         self.block_size = block_size
         # In blocks; 0 = no periodic retention (only the request's end is retained).
-        self.retention_blocks = retention_interval // block_size if retention_interval else 0
+        retain = retention_interval if self.periodic_retention else 0
+        self.retention_blocks = retain // block_size if retain else 0
         self.tables: dict[str, BlockTable] = {}
         self._num_dropped: dict[str, int] = {}  # leading entries already nulled
         self._num_cached: dict[str, int] = {}  # leading entries already published to the prefix cache
@@ -256,6 +262,8 @@ class SingleTypeManager:
 
 
 class FullAttentionManager(SingleTypeManager):
+    periodic_retention: ClassVar[bool] = False  # every block is retained anyway
+
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_blocks: int) -> list[KVBlock]:
         """Left to right up to the first miss: a chained hash hit implies its whole prefix is cached."""
         gid = self.group.group_id
@@ -282,16 +290,31 @@ class SlidingWindowManager(SingleTypeManager):
 
 
 class ChunkedLocalManager(SingleTypeManager):
-    def __init__(self, group: LayerGroup, pool: BlockPool, block_size: int, retention_interval: int = 0) -> None:
-        # A chunk boundary is a free hit point (nothing before it is needed): periodic retention buys nothing.
-        super().__init__(group, pool, block_size, 0)
+    # A chunk boundary is a free hit point (nothing before it is needed): periodic retention buys nothing.
+    periodic_retention: ClassVar[bool] = False
+
+
+# Which manager keeps each spec type's block tables; a type missing here gets the generic ``SingleTypeManager``.
+MANAGERS: MappingProxyType[type[AttentionSpec], type[SingleTypeManager]] = MappingProxyType({
+    FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
+    ChunkedLocalSpec: ChunkedLocalManager,
+})
+
+
+def manager_class(spec: AttentionSpec) -> type[SingleTypeManager]:
+    return MANAGERS.get(type(spec), SingleTypeManager)
 
 
 def manager_for(group: LayerGroup, pool: BlockPool, block_size: int, retention_interval: int) -> SingleTypeManager:
-    if isinstance(group.spec, FullAttentionSpec):
-        cls = FullAttentionManager
-    elif isinstance(group.spec, SlidingWindowSpec):
-        cls = SlidingWindowManager
-    else:
-        cls = ChunkedLocalManager
-    return cls(group, pool, block_size, retention_interval)
+    return manager_class(group.spec)(group, pool, block_size, retention_interval)
+
+
+def default_retention_interval(layout: KVLayout) -> int:
+    """Retain a hit point every 4 reaches of the widest periodically retained type (sliding windows): at most
+    ~25% extra cached blocks of that type per full block. Gemma-3 (window 512, block 16) -> 2,048 tokens."""
+    reaches = [g.spec.reach for g in layout.groups if manager_class(g.spec).periodic_retention]
+    if not reaches:
+        return 0
+    b = layout.block_size
+    return max(4 * max(reaches) // b * b, b)

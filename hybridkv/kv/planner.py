@@ -11,8 +11,11 @@ Llama-4 Scout, TP 8, bf16, 89.71 GiB of KV per rank::
     no-hybrid: pages of 384 KiB (48 layers), 1 group                   -> max_model_len  3,919,472
 
 Given GPU memory instead of KV memory, the KV budget is
-``gpu_memory * utilization - weights - activation reserve``, all per rank, and the plan says it is an estimate
-(see ``estimate_weights`` and ``activation_reserve``).
+``gpu_memory * utilization - weights - runtime - step reserve``, all per rank, and the plan says it is an estimate.
+The step reserve is the engine's own (``capacity.step_reserve_bytes``); weights and the runtime (CUDA context,
+NCCL buffers), which the engine measures as memory in use, are estimated (``estimate_weights``, ``RUNTIME_BYTES``).
+Given the same KV memory, ``plan_capacity`` and the engine size the same number of blocks and the same
+``max_model_len`` (``tests/kv/test_plan_matches_engine.py``).
 
 Pure Python: nothing here imports torch.
 """
@@ -22,19 +25,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from hybridkv.kv.layer_specs import kv_heads_per_rank, layer_specs_from_hf_config, text_config
+from hybridkv.kv.capacity import GIB, longest_fitting, peak_blocks, step_reserve_bytes
+from hybridkv.kv.dtypes import dtype_bytes
+from hybridkv.kv.layer_specs import checkpoint_dtype, kv_heads_per_rank, layer_specs_from_hf_config, text_config
 from hybridkv.kv.layout import KVLayout, plan_layout
-from hybridkv.kv.specs import AttentionSpec, FullAttentionSpec
+from hybridkv.kv.specs import ATTENTION_KINDS, AttentionSpec, FullAttentionSpec
 
-GIB = 1 << 30
 # Lengths at which concurrency is reported, besides the requested one: 8K, 128K, 1M tokens.
 CONCURRENCY_LENGTHS = (8 * 1024, 128 * 1024, 1024 * 1024)
-_MODEL_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
-# Activation reserve, per rank (see ``activation_reserve``).
-_RUNTIME_OVERHEAD_BYTES = 2 * GIB  # CUDA context, cuBLAS workspaces, NCCL buffers, CUDA graphs
-_SAMPLER_ROWS = 1024  # sequences sampled in one step; the sampler warm-up keeps float32 logits for each
-_SAMPLER_COPIES = 3  # logits, probabilities, sorted copy for top-p/top-k
-_ACTIVATION_SLACK = 2  # allocator fragmentation and temporaries the per-token count misses
+# Memory in use before the KV cache besides the weights, per rank: CUDA context (~0.5 GiB), NCCL buffers, CUDA
+# graphs. The engine measures it; the planner can only estimate it.
+RUNTIME_BYTES = GIB
 
 
 @dataclass(slots=True)
@@ -67,7 +68,8 @@ class MemoryEstimate:
     gpu_memory_utilization: float
     weights_bytes: int
     weights_breakdown: dict[str, int]
-    activation_reserve_bytes: int
+    runtime_bytes: int  # CUDA context, NCCL buffers (``RUNTIME_BYTES``)
+    activation_reserve_bytes: int  # one step's working set, the engine's formula (``capacity.step_reserve_bytes``)
     kv_memory_bytes: int
 
 
@@ -113,9 +115,17 @@ def plan_capacity(
     max_model_len: int | None = None,
     max_num_batched_tokens: int = 8192,
     hybrid: bool = True,
+    max_num_seqs: int = 256,
+    segment_bytes: int = 0,
 ) -> CapacityPlan:
-    """Plan the KV pool of one rank. Raises ValueError only for bad input, never because a length does not fit."""
+    """Plan the KV pool of one rank. Raises ValueError only for bad input, never because a length does not fit.
+
+    ``max_num_seqs`` and ``segment_bytes`` (the attention backend's FP8 widening scratch) only size the step
+    reserve when ``gpu_memory_bytes`` is given, as the engine's ``EngineConfig`` fields of the same names do.
+    """
     _check_inputs(kv_memory_bytes, gpu_memory_bytes, gpu_memory_utilization, max_model_len, max_num_batched_tokens)
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     cfg = text_config(hf_config)
     real_specs = layer_specs_from_hf_config(hf_config, tensor_parallel_size, kv_cache_dtype)
     specs = real_specs if hybrid else [FullAttentionSpec(s.num_kv_heads, s.head_dim, s.dtype) for s in real_specs]
@@ -124,7 +134,8 @@ def plan_capacity(
     memory = None
     if kv_memory_bytes is None:
         memory = estimate_memory(
-            hf_config, tensor_parallel_size, gpu_memory_bytes, gpu_memory_utilization, max_num_batched_tokens
+            hf_config, tensor_parallel_size, gpu_memory_bytes, gpu_memory_utilization, max_num_batched_tokens,
+            max_num_seqs, segment_bytes,
         )
         kv_memory_bytes = memory.kv_memory_bytes
     num_blocks = layout.num_blocks(kv_memory_bytes)
@@ -193,29 +204,11 @@ def _check_inputs(
         raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
 
 
-# ---- the peak formula, shared with KVCacheManager.peak_blocks -----------------------------------------------
-def peak_blocks(layout: KVLayout, num_tokens: int, max_step_tokens: int) -> int:
-    """Most blocks one request of ``num_tokens`` holds at once: ``KVCacheManager.peak_blocks`` without a pool."""
-    return sum(g.spec.max_live_blocks(num_tokens, layout.block_size, max_step_tokens) for g in layout.groups)
-
-
-def longest_fitting(layout: KVLayout, usable_blocks: int, max_step_tokens: int, upper: int) -> int:
-    """Longest request (<= upper) whose peak fits ``usable_blocks``; the peak is monotone in the length."""
-    lo, hi = 0, upper
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if peak_blocks(layout, mid, max_step_tokens) <= usable_blocks:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 def _search_upper(layout: KVLayout, usable: int, requested: int | None, max_pos: Any) -> int:
     # A full group alone needs cdiv(L, B) blocks, so no length beyond usable * B fits. Without full layers the
     # peak stops growing and KV never bounds the length: the bound is the trained one, or the length asked for.
     bound = usable * layout.block_size
-    if any(isinstance(g.spec, FullAttentionSpec) for g in layout.groups):
+    if any(g.spec.keeps_every_token for g in layout.groups):
         return bound
     return max(requested or 0, int(max_pos or 0)) or bound
 
@@ -229,7 +222,7 @@ def concurrency_at(layout: KVLayout, usable_blocks: int, max_step_tokens: int, n
 
 def physical_limit(specs: list[AttentionSpec], kv_memory_bytes: int) -> int | None:
     """Tokens an ideal cache reaches if local layers stored nothing: KV memory / full layers' bytes per token."""
-    full = sum(s.bytes_per_token for s in specs if isinstance(s, FullAttentionSpec))
+    full = sum(s.bytes_per_token for s in specs if s.keeps_every_token)
     if not full:
         return None
     fixed = sum(s.fixed_bytes_per_layer for s in specs)
@@ -255,8 +248,7 @@ def _type_usage(layout: KVLayout, num_tokens: int, max_step_tokens: int) -> list
         row.layers += len(g.layer_ids)
         row.groups += 1
         row.bytes_per_token += len(g.layer_ids) * spec.bytes_per_token
-    order = {"full": 0, "sliding": 1, "chunked": 2}
-    return sorted(rows.values(), key=lambda r: (order.get(r.kind, 3), r.label))
+    return sorted(rows.values(), key=lambda r: (ATTENTION_KINDS.index(r.kind), r.label))
 
 
 def _not_fit_reason(plan: CapacityPlan, layout: KVLayout) -> str:
@@ -276,12 +268,12 @@ def _notes(plan: CapacityPlan, hf_config: dict[str, Any], layout: KVLayout) -> l
         notes.append(f"max_model_len exceeds the config's max_position_embeddings {max_pos:,} (the trained bound)")
     if max_pos and plan.requested_max_model_len and plan.requested_max_model_len > max_pos:
         notes.append(f"requested length is above max_position_embeddings {max_pos:,}")
-    if not any(isinstance(g.spec, FullAttentionSpec) for g in layout.groups):
+    if not any(g.spec.keeps_every_token for g in layout.groups):
         notes.append("every layer is local: KV memory does not bound the length")
     if plan.padding_bytes:
         notes.append(f"{plan.padding_bytes:,} B of every page are padding: {layout.padding_bytes}")
     if plan.memory is not None:
-        notes.append("KV memory is an estimate: GPU memory x utilization - estimated weights - activation reserve")
+        notes.append("KV memory is an estimate: GPU memory x utilization - estimated weights, runtime - step reserve")
         if text_config(hf_config).get("quantization_config") or hf_config.get("quantization_config"):
             notes.append("the checkpoint is quantized; the weights estimate assumes unquantized weights")
     return notes
@@ -294,19 +286,22 @@ def estimate_memory(
     gpu_memory_bytes: int | None,
     utilization: float,
     max_num_batched_tokens: int,
+    max_num_seqs: int = 256,
+    segment_bytes: int = 0,
 ) -> MemoryEstimate:
     breakdown = estimate_weights(hf_config, tensor_parallel_size)
     weights = sum(breakdown.values())
-    reserve = activation_reserve(hf_config, tensor_parallel_size, max_num_batched_tokens)
+    cfg = text_config(hf_config)
+    reserve = step_reserve_bytes(
+        max_num_batched_tokens, max_num_seqs, int(cfg["hidden_size"]), int(cfg.get("vocab_size", 0)), segment_bytes
+    )
     budget = int((gpu_memory_bytes or 0) * utilization)
-    kv = max(0, budget - weights - reserve)
-    return MemoryEstimate(gpu_memory_bytes or 0, utilization, weights, breakdown, reserve, kv)
+    kv = max(0, budget - weights - RUNTIME_BYTES - reserve)
+    return MemoryEstimate(gpu_memory_bytes or 0, utilization, weights, breakdown, RUNTIME_BYTES, reserve, kv)
 
 
 def model_dtype_bytes(hf_config: dict[str, Any]) -> int:
-    cfg = text_config(hf_config)
-    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or hf_config.get("torch_dtype") or "bfloat16"
-    return _MODEL_DTYPE_BYTES.get(str(dtype).removeprefix("torch."), 2)
+    return dtype_bytes(checkpoint_dtype(hf_config))
 
 
 def estimate_weights(hf_config: dict[str, Any], tensor_parallel_size: int = 1) -> dict[str, int]:
@@ -376,29 +371,6 @@ def _moe_params(cfg: dict[str, Any]) -> tuple[int, int]:
     if str(cfg.get("model_type", "")).startswith("llama4"):
         shared = inter  # one shared expert the size of a routed one
     return 3 * hidden * (n * inter + shared), hidden * n
-
-
-def activation_reserve(hf_config: dict[str, Any], tensor_parallel_size: int, max_num_batched_tokens: int) -> int:
-    """Per-rank bytes kept free for everything but weights and KV. Defined as the sum of:
-
-    - a fixed 2 GiB runtime overhead: CUDA context, cuBLAS workspaces, NCCL buffers, CUDA graphs;
-    - one step of activations: ``max_num_batched_tokens`` x (4 hidden-size buffers + q/k/v of this rank + 3
-      MLP-intermediate buffers of this rank) in the model dtype, doubled for fragmentation and temporaries;
-    - the sampler: 1,024 rows of float32 logits over the whole vocabulary, 3 copies (logits, probs, sorted).
-
-    Deliberately on the safe side: Scout at 0.95 utilization OOMed in sampler warm-up (ANCHORS).
-    """
-    cfg = text_config(hf_config)
-    tp = tensor_parallel_size
-    hidden = int(cfg["hidden_size"])
-    heads = int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    qkv = head_dim * (-(-heads // tp) + 2 * kv_heads_per_rank(int(cfg.get("num_key_value_heads") or heads), tp))
-    inter = max(int(cfg.get(k) or 0) for k in ("intermediate_size", "intermediate_size_mlp", "moe_intermediate_size"))
-    per_token = (4 * hidden + qkv + 3 * (-(-inter // tp))) * model_dtype_bytes(hf_config)
-    step = max_num_batched_tokens * per_token * _ACTIVATION_SLACK
-    sampler = _SAMPLER_ROWS * int(cfg.get("vocab_size", 0)) * 4 * _SAMPLER_COPIES
-    return _RUNTIME_OVERHEAD_BYTES + step + sampler
 
 
 def plan_to_dict(plan: CapacityPlan) -> dict[str, Any]:

@@ -19,23 +19,40 @@ Worked example (sliding, window 4, block 2)::
     n = 11 -> first needed token 8 -> blocks 0-3 can be freed
 
 Chunked, chunk 4, block 2: n = 4 -> first needed 4 -> blocks 0-1; n = 12 -> blocks 0-5.
+
+A spec owns everything that differs between types, so a new type is a spec class here (plus, if its blocks need
+another bookkeeping, a manager in ``managers.py``, and its mask in the kernel):
+
+- bytes per token (``bytes_per_token``, ``fixed_bytes_per_layer``),
+- which keys a query sees: ``first_needed_token(p)``, the lowest key the token at position p sees (vectorised),
+  and ``visible(q, k)``, the mask built from it that the dense oracle and the torch backend apply,
+- its peak (``max_live_blocks``), which admission and the planner sum over groups (``capacity.py``),
+- the kernel's ``kernel_kind`` and ``reach``, and how a Hugging Face config sets it up (``from_hf_config``).
+
+Visibility of a sliding window of 3 (queries down, keys across), ``spec.visible(np.arange(5), np.arange(5))``::
+
+    q0  1 . . . .        first_needed_token(np.arange(5)) = [0, 0, 0, 1, 2]
+    q1  1 1 . . .
+    q2  1 1 1 . .
+    q3  . 1 1 1 .
+    q4  . . 1 1 1
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from types import MappingProxyType
+from typing import Any, ClassVar, TypeVar
 
-# Bytes of one element of the KV cache per dtype name. "auto" is resolved against the model dtype by the caller.
-KV_DTYPE_BYTES = {
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "fp8_e4m3": 1,
-}
+from hybridkv.kv.dtypes import DTYPE_BYTES, KV_CACHE_DTYPES
+
+# The paged attention kernel's KIND argument: its masks (hybridkv/kernels/paged_attention.py) branch on these.
+KERNEL_FULL, KERNEL_SLIDING, KERNEL_CHUNKED = 0, 1, 2
 # FP8 KV carries one float32 scale for K and one for V per layer (per-tensor scaling), independent of length.
 FP8_SCALE_BYTES_PER_LAYER = 2 * 4
+
+Positions = TypeVar("Positions")  # an int, a numpy array or a torch tensor of token positions
 
 
 def cdiv(a: int, b: int) -> int:
@@ -64,26 +81,54 @@ class AttentionSpec(ABC):
     dtype: str = "bfloat16"
 
     kind: ClassVar[str] = "abstract"
+    kernel_kind: ClassVar[int]
 
     def __post_init__(self) -> None:
-        if self.dtype not in KV_DTYPE_BYTES:
-            raise ValueError(f"unknown KV cache dtype {self.dtype!r}; choose one of {sorted(KV_DTYPE_BYTES)}")
+        if self.dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown KV cache dtype {self.dtype!r}; choose one of {sorted(KV_CACHE_DTYPES)}")
         if self.num_kv_heads < 1 or self.head_dim < 1:
             raise ValueError(f"num_kv_heads and head_dim must be >= 1, got {self.num_kv_heads}, {self.head_dim}")
+
+    @classmethod
+    @abstractmethod
+    def from_hf_config(cls, num_kv_heads: int, head_dim: int, dtype: str, text_config: dict[str, Any]):
+        """This type's spec for a layer of a Hugging Face text config (window, chunk read from it)."""
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token costs in one layer: K and V for every KV head on this rank."""
-        return 2 * self.num_kv_heads * self.head_dim * KV_DTYPE_BYTES[self.dtype]
+        return 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
     @property
     def fixed_bytes_per_layer(self) -> int:
         """Bytes a layer needs whatever the length (FP8 scales)."""
         return FP8_SCALE_BYTES_PER_LAYER if self.dtype.startswith("fp8") else 0
 
+    @property
     @abstractmethod
-    def first_needed_token(self, num_processed: int) -> int:
-        """Lowest position any future token can attend to once ``num_processed`` tokens are processed."""
+    def reach(self) -> int:
+        """Most keys one query sees, itself included; 0: no bound (every earlier token). The kernel's REACH."""
+
+    @property
+    def keeps_every_token(self) -> bool:
+        """Whether the layer needs every token for good (KV memory bounds the length only through such layers)."""
+        return self.reach == 0
+
+    @abstractmethod
+    def first_needed_token(self, pos: Positions) -> Positions:
+        """Lowest key position the token at ``pos`` sees: an int, or elementwise over a numpy array or torch tensor.
+
+        With ``n`` tokens processed the next token is at position ``n`` and no later one sees further back, so
+        ``first_needed_token(n)`` is also the lowest position still needed: the managers free what lies below.
+        """
+
+    def visible(self, q_pos: Positions, k_pos: Positions) -> Positions:
+        """[Q, K] bool mask: query i sees key j. ``q_pos`` and ``k_pos`` are 1-D numpy arrays or torch tensors.
+
+        Causal, intersected with the type's reach: ``first_needed_token(q) <= k <= q``.
+        """
+        q, k = q_pos[:, None], k_pos[None, :]
+        return (k <= q) & (k >= self.first_needed_token(q))
 
     def tokens_kept(self, num_processed: int) -> int:
         """Tokens that must stay cached for a sequence of ``num_processed`` processed tokens."""
@@ -91,7 +136,7 @@ class AttentionSpec(ABC):
 
     @abstractmethod
     def max_live_blocks(self, num_tokens: int, block_size: int, max_step_tokens: int) -> int:
-        """Most blocks one request of ``num_tokens`` tokens holds at once in one layer group.
+        """The peak: most blocks one request of ``num_tokens`` tokens holds at once in one layer group.
 
         ``max_step_tokens`` is the most tokens computed in one step (the prefill chunk): their slots are
         allocated before they are processed, so they are live together with the tokens they attend to.
@@ -105,9 +150,18 @@ class AttentionSpec(ABC):
 @dataclass(frozen=True, slots=True)
 class FullAttentionSpec(AttentionSpec):
     kind: ClassVar[str] = "full"
+    kernel_kind: ClassVar[int] = KERNEL_FULL
 
-    def first_needed_token(self, num_processed: int) -> int:
+    @classmethod
+    def from_hf_config(cls, num_kv_heads: int, head_dim: int, dtype: str, text_config: dict[str, Any]):
+        return cls(num_kv_heads, head_dim, dtype)
+
+    @property
+    def reach(self) -> int:
         return 0
+
+    def first_needed_token(self, pos: Positions) -> Positions:
+        return pos * 0
 
     def max_live_blocks(self, num_tokens: int, block_size: int, max_step_tokens: int) -> int:
         return cdiv(num_tokens, block_size)
@@ -118,14 +172,24 @@ class SlidingWindowSpec(AttentionSpec):
     window: int = 4096
 
     kind: ClassVar[str] = "sliding"
+    kernel_kind: ClassVar[int] = KERNEL_SLIDING
 
     def __post_init__(self) -> None:
         AttentionSpec.__post_init__(self)
         if self.window < 1:
             raise ValueError(f"sliding window must be >= 1, got {self.window}")
 
-    def first_needed_token(self, num_processed: int) -> int:
-        return max(0, num_processed - self.window + 1)
+    @classmethod
+    def from_hf_config(cls, num_kv_heads: int, head_dim: int, dtype: str, text_config: dict[str, Any]):
+        return cls(num_kv_heads, head_dim, dtype, window=int(text_config["sliding_window"]))
+
+    @property
+    def reach(self) -> int:
+        return self.window
+
+    def first_needed_token(self, pos: Positions) -> Positions:
+        lo = pos - (self.window - 1)
+        return (lo + abs(lo)) // 2  # max(lo, 0), on ints and arrays alike
 
     def max_live_blocks(self, num_tokens: int, block_size: int, max_step_tokens: int) -> int:
         # A step of k new tokens sees the window - 1 tokens before it plus itself; the run need not be aligned.
@@ -142,14 +206,23 @@ class ChunkedLocalSpec(AttentionSpec):
     chunk: int = 8192
 
     kind: ClassVar[str] = "chunked"
+    kernel_kind: ClassVar[int] = KERNEL_CHUNKED
 
     def __post_init__(self) -> None:
         AttentionSpec.__post_init__(self)
         if self.chunk < 1:
             raise ValueError(f"attention chunk must be >= 1, got {self.chunk}")
 
-    def first_needed_token(self, num_processed: int) -> int:
-        return (num_processed // self.chunk) * self.chunk
+    @classmethod
+    def from_hf_config(cls, num_kv_heads: int, head_dim: int, dtype: str, text_config: dict[str, Any]):
+        return cls(num_kv_heads, head_dim, dtype, chunk=int(text_config["attention_chunk_size"]))
+
+    @property
+    def reach(self) -> int:
+        return self.chunk
+
+    def first_needed_token(self, pos: Positions) -> Positions:
+        return pos // self.chunk * self.chunk
 
     def max_live_blocks(self, num_tokens: int, block_size: int, max_step_tokens: int) -> int:
         # Worst case: the step starts at the last token of a chunk, so the whole chunk but one is still live.
@@ -162,4 +235,8 @@ class ChunkedLocalSpec(AttentionSpec):
         return f"chunked({self.chunk})"
 
 
-ATTENTION_KINDS = ("full", "sliding", "chunked")
+# Every attention type by its name, in the order reports list them.
+SPEC_TYPES: MappingProxyType[str, type[AttentionSpec]] = MappingProxyType(
+    {cls.kind: cls for cls in (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalSpec)}
+)
+ATTENTION_KINDS = tuple(SPEC_TYPES)

@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 
 from hybridkv.kv.cache_manager import KVCacheManager
+from hybridkv.kv.capacity import peak_blocks, step_reserve_bytes
 from hybridkv.kv.layer_specs import layer_specs_from_hf_config
 from hybridkv.kv.layout import plan_layout
 from hybridkv.kv.planner import (
     GIB,
+    RUNTIME_BYTES,
     estimate_weights,
-    peak_blocks,
     plan_capacity,
     plan_to_dict,
 )
@@ -223,10 +224,15 @@ def test_gpu_memory_mode_is_an_estimate(scout):
     plan = scout_plan(scout, kv_memory_bytes=None, gpu_memory_bytes=139 * GIB, gpu_memory_utilization=0.9)
     m = plan.memory
     assert plan.kv_memory_is_estimate and m is not None
-    assert m.kv_memory_bytes == int(139 * GIB * 0.9) - m.weights_bytes - m.activation_reserve_bytes
+    assert m.kv_memory_bytes == int(139 * GIB * 0.9) - m.weights_bytes - RUNTIME_BYTES - m.activation_reserve_bytes
     assert plan.kv_memory_bytes == m.kv_memory_bytes
     assert any("estimate" in n for n in plan.notes)
-    assert 0 < m.activation_reserve_bytes < 10 * GIB
+    # the engine's step reserve: 1 GiB slack + 8,192 tokens x 5,120 x 4 B x 16 + 256 seqs x 202,048 x 4 B x 3
+    assert m.activation_reserve_bytes == GIB + 8192 * 5120 * 64 + 256 * 202_048 * 12
+    fp8 = scout_plan(scout, kv_memory_bytes=None, gpu_memory_bytes=139 * GIB, kv_cache_dtype="fp8_e4m3",
+                     max_num_seqs=8, segment_bytes=512 << 20).memory
+    assert fp8.activation_reserve_bytes == step_reserve_bytes(8192, 8, 5120, 202_048, 512 << 20)
+    assert fp8.activation_reserve_bytes - step_reserve_bytes(8192, 8, 5120, 202_048) == 768 << 20
 
 
 def test_gpu_too_small_gives_zero_not_an_error(scout):
@@ -254,3 +260,11 @@ def test_bad_input_raises_value_error(scout, kw, match):
 def test_plan_is_json_ready(scout):
     out = json.loads(json.dumps(plan_to_dict(scout_plan(scout))))
     assert out["max_model_len"] > 0 and out["types"][0]["label"] == "full"
+
+
+def test_capacity_docstring_example(scout):
+    from hybridkv.kv.capacity import longest_fitting
+
+    layout = plan_layout(layer_specs_from_hf_config(scout, 8), 16)
+    assert peak_blocks(layout, 131_072, 8192) == 8192 + 3 * 1024 == 11_264
+    assert longest_fitting(layout, 11_264, 8192, 10**7) == 131_072

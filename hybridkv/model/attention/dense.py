@@ -8,21 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from hybridkv.kv.specs import AttentionSpec, ChunkedLocalSpec, FullAttentionSpec, SlidingWindowSpec
+from hybridkv.kv.specs import AttentionSpec
 
 
 def allowed_mask(spec: AttentionSpec, n: int, device: torch.device | None = None) -> torch.Tensor:
-    """[n, n] bool, True where query position q may attend to key position k."""
-    q = torch.arange(n, device=device)[:, None]
-    k = torch.arange(n, device=device)[None, :]
-    mask = k <= q
-    if isinstance(spec, SlidingWindowSpec):
-        mask &= k > q - spec.window
-    elif isinstance(spec, ChunkedLocalSpec):
-        mask &= (k // spec.chunk) == (q // spec.chunk)
-    elif not isinstance(spec, FullAttentionSpec):
-        raise ValueError(f"unknown attention spec {spec!r}")
-    return mask
+    """[n, n] bool, True where query position q may attend to key position k (the spec's own rule)."""
+    positions = torch.arange(n, device=device)
+    return spec.visible(positions, positions)
 
 
 class DenseAttention:

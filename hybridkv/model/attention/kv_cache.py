@@ -12,13 +12,7 @@ import torch
 
 from hybridkv.kv.layout import KVLayout
 from hybridkv.kv.specs import AttentionSpec
-
-TORCH_KV_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp8_e4m3": torch.float8_e4m3fn,
-}
+from hybridkv.model.dtypes import torch_dtype
 
 
 @dataclass(slots=True)
@@ -33,7 +27,7 @@ class PagedKVCache:
     def __init__(self, layout: KVLayout, num_blocks: int, kv_dtype: str, device: torch.device | str) -> None:
         self.layout = layout
         self.block_size = layout.block_size
-        self.dtype = TORCH_KV_DTYPES[kv_dtype]
+        self.dtype = torch_dtype(kv_dtype)
         elem = torch.empty((), dtype=self.dtype).element_size()
         self.page_elems = layout.page_bytes // elem
         # zeros (not empty): untouched pages are never resident on CPU, and no read can see garbage

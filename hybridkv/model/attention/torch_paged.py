@@ -22,7 +22,7 @@ import torch
 
 from hybridkv.kv.layout import KVLayout
 from hybridkv.model.attention.kv_cache import PagedKVCache
-from hybridkv.kv.specs import AttentionSpec, ChunkedLocalSpec, SlidingWindowSpec
+from hybridkv.kv.specs import AttentionSpec
 
 @dataclass(slots=True)
 class StepSequence:
@@ -44,16 +44,6 @@ class _GroupStep:
 def _key_range(spec: AttentionSpec, context_len: int) -> int:
     """First key position any query of this step can see (the step's first query is at ``context_len``)."""
     return spec.first_needed_token(context_len)
-
-
-def _visible(spec: AttentionSpec, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-    """[Q, K] mask: causal, intersected with the layer type's reach."""
-    mask = k_pos[None, :] <= q_pos[:, None]
-    if isinstance(spec, SlidingWindowSpec):
-        mask &= k_pos[None, :] > q_pos[:, None] - spec.window
-    elif isinstance(spec, ChunkedLocalSpec):
-        mask &= (k_pos[None, :] // spec.chunk) == (q_pos[:, None] // spec.chunk)
-    return mask
 
 
 class TorchPagedAttention:
@@ -109,7 +99,7 @@ class TorchPagedAttention:
         for i, n in enumerate(self._seq_query_lens):
             keys = cache[step.read_blocks[i], 0, step.read_offsets[i]].to(q.dtype)
             values = cache[step.read_blocks[i], 1, step.read_offsets[i]].to(q.dtype)
-            mask = _visible(spec, self._seq_q_positions[i], step.key_positions[i])
+            mask = spec.visible(self._seq_q_positions[i], step.key_positions[i])  # causal and the type's reach
             out[start : start + n] = _masked_attention(q[start : start + n], keys, values, mask, scale)
             start += n
         return out

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from hybridkv.kv.layout import KVLayout
-from hybridkv.kv.specs import ChunkedLocalSpec, SlidingWindowSpec
 from hybridkv.model.attention.kv_cache import PagedKVCache
 from hybridkv.model.attention.torch_paged import StepSequence
 
@@ -216,8 +215,8 @@ class TritonPagedAttention:
         blocks = table[owner, new // bs]
         reach = int(seq_lens.max())
         spec = group.spec
-        if isinstance(spec, (SlidingWindowSpec, ChunkedLocalSpec)):
-            reach = min(reach, (spec.window if isinstance(spec, SlidingWindowSpec) else spec.chunk) + 64)
+        if spec.reach:
+            reach = min(reach, spec.reach + 64)
         meta = _GroupMeta(as_dev(table), as_dev(blocks), as_dev((new % bs).astype(np.int32)),
                           self._num_splits(reach, spec.num_kv_heads))
         if self.quantized and self.config is self.prefill and reach >= 256 * self.prefill.block_n:
@@ -282,9 +281,8 @@ class TritonPagedAttention:
             st.slot_block[g][:padded].copy_(torch.from_numpy(slot))
             st.slot_offset[g][:padded].copy_(torch.from_numpy(offset))
             reach = st.max_model_len
-            if isinstance(group.spec, (SlidingWindowSpec, ChunkedLocalSpec)):
-                local = group.spec.window if isinstance(group.spec, SlidingWindowSpec) else group.spec.chunk
-                reach = min(reach, local + 64)
+            if group.spec.reach:
+                reach = min(reach, group.spec.reach + 64)
             # a function of ``padded`` alone: the split count a graph was captured with is the one it replays with
             splits = self._num_splits(reach, group.spec.num_kv_heads)
             self._groups.append(_GroupMeta(st.tables[g][:padded], st.slot_block[g][:padded],
@@ -366,11 +364,7 @@ class TritonPagedAttention:
     def _launch(self, q, out, part, lse, spec, scale, k_scale, v_scale, splits, cache, table, stride_block, quant,
                 seg_lo=0, seg_hi=2**31 - 1, segmented=False, accumulate=False) -> None:
         stride_tok = spec.num_kv_heads * spec.head_dim
-        kind, reach = 0, 0
-        if isinstance(spec, SlidingWindowSpec):
-            kind, reach = 1, spec.window
-        elif isinstance(spec, ChunkedLocalSpec):
-            kind, reach = 2, spec.chunk
+        kind, reach = spec.kernel_kind, spec.reach
         part_strides = (0,) * 5 if part is None else (*part.stride()[:3], *lse.stride()[:2])
         kv_desc = self._descriptor(cache, spec, stride_tok, stride_block)
         self.kernels.paged_attention_kernel[(self._num_tiles, spec.num_kv_heads, splits)](
