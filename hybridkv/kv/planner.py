@@ -15,7 +15,7 @@ Given GPU memory instead of KV memory, the KV budget is
 The step reserve is the engine's own (``capacity.step_reserve_bytes``); weights and the runtime (CUDA context,
 NCCL buffers), which the engine measures as memory in use, are estimated (``estimate_weights``, ``RUNTIME_BYTES``).
 Given the same KV memory, ``plan_capacity`` and the engine size the same number of blocks and the same
-``max_model_len`` (``tests/kv/test_plan_matches_engine.py``).
+``max_model_len`` (``tests/engine/test_plan_matches_engine.py``).
 
 Pure Python: nothing here imports torch.
 """

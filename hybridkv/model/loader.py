@@ -17,11 +17,12 @@ from tqdm import tqdm
 
 from hybridkv.kv.layer_specs import load_hf_config
 from hybridkv.model.config import ModelConfig
+from hybridkv.model.dtypes import MODEL_TORCH_DTYPES
 from hybridkv.model.gemma3 import GEMMA3_MODEL_TYPES, Gemma3Config, Gemma3ForCausalLM
 from hybridkv.model.llama import LlamaForCausalLM
 from hybridkv.model.parallel import shard_for_rank
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = MODEL_TORCH_DTYPES
 # Parts of multimodal checkpoints (Llama4ForConditionalGeneration, llava-style) that are not the text model.
 _SKIPPED_PREFIXES = ("vision_model.", "vision_tower.", "multi_modal_projector.")
 # Wrappers around the text model's names, outermost first: (prefix, replacement).
