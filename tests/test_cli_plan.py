@@ -105,3 +105,18 @@ def test_every_subcommand_is_wired(capsys):
             parser.parse_args([command, "--help"])
         assert exit_info.value.code == 0
         assert command in capsys.readouterr().out
+
+
+def test_gpu_memory_reserve_is_the_engines_for_the_same_flags(capsys):
+    """--max-num-seqs and an FP8 cache size the step reserve exactly as ``serve`` with the same flags on a GPU."""
+    from hybridkv.engine.llm_engine import EngineConfig, step_reserve_bytes
+
+    gpu = ["plan", "--model", str(SCOUT), "--tensor-parallel-size", "8", "--gpu-memory-gib", "139", "--json"]
+    for extra, config in [
+        ([], EngineConfig()),
+        (["--max-num-seqs", "32", "--kv-cache-dtype", "fp8_e4m3"], EngineConfig(max_num_seqs=32,
+                                                                                 kv_cache_dtype="fp8_e4m3")),
+    ]:
+        assert main([*gpu, *extra]) == 0
+        memory = json.loads(capsys.readouterr().out)["memory"]
+        assert memory["activation_reserve_bytes"] == step_reserve_bytes(config, 5120, 202_048)

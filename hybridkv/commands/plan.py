@@ -11,6 +11,7 @@ import json
 import sys
 from typing import Callable
 
+from hybridkv.kv.dtypes import KV_CACHE_DTYPES
 from hybridkv.kv.layer_specs import load_hf_config
 from hybridkv.kv.planner import CONCURRENCY_LENGTHS, CapacityPlan, plan_capacity, plan_to_dict
 
@@ -30,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N")
     p.add_argument(
-        "--kv-cache-dtype", default="auto", metavar="DTYPE", help="auto | bfloat16 | float16 | fp8_e4m3 (auto)"
+        "--kv-cache-dtype", default="auto", metavar="DTYPE", help=f"auto | {' | '.join(KV_CACHE_DTYPES)} (auto)"
     )
     p.add_argument("--block-size", type=int, default=16, metavar="B", help="tokens per block, a power of two")
     mem = p.add_mutually_exclusive_group(required=True)
