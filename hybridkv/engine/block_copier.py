@@ -1,0 +1,111 @@
+"""Runs the host tier's page copies (``hybridkv.kv.host_tier.BlockCopy``) on one rank, before the step's forward.
+
+Each rank holds its own host pages (its own KV heads: the same slots as every other rank, pages of its size) next
+to its device KV buffer, and runs the step's ``block_ops`` in order:
+
+- on CUDA, on a copy stream, through pinned host memory: the copy stream first waits for the work already queued on
+  the compute stream (a write-back reads a page an earlier forward wrote), then the compute stream waits for the
+  copies (the forward reads loaded pages and overwrites pages just written back). The copies of a step run as
+  one batch ahead of the whole forward, not layer by layer: a page holds every layer of its group, so a layer's
+  pages arrive with its group's, and the forward of a loading step is short next to the recompute it replaces.
+- on the CPU, as plain tensor copies in order (what the tests run).
+
+Pages are moved in runs of consecutive host slots: a run is one contiguous host copy, gathered from or scattered to
+its device blocks by index on the device. On CUDA the run goes through a device staging buffer of at most
+``STAGING_BYTES`` (a copy engine transfer per chunk, then a device-side scatter), so bandwidth does not depend on
+where the fresh device blocks happen to lie.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hybridkv.kv.host_tier import BlockCopy
+
+STAGING_BYTES = 64 << 20
+
+
+class BlockCopier:
+    def __init__(self, device_buffer: torch.Tensor, num_host_blocks: int) -> None:
+        """``device_buffer``: the rank's KV pages ``[num_blocks, page_elems]`` (``PagedKVCache.buffer``)."""
+        self.device_buffer = device_buffer
+        page_elems = device_buffer.shape[1]
+        self.cuda = device_buffer.is_cuda
+        shape = (num_host_blocks, page_elems)
+        if self.cuda:  # pinned: the copy engine reads and writes it directly, asynchronously
+            self.host = torch.empty(shape, dtype=device_buffer.dtype, pin_memory=True)
+            page_bytes = page_elems * device_buffer.element_size()
+            stage_pages = max(1, min(num_host_blocks, STAGING_BYTES // page_bytes))
+            self.stage = torch.empty((stage_pages, page_elems), dtype=device_buffer.dtype, device=device_buffer.device)
+            self.stream = torch.cuda.Stream(device_buffer.device)
+        else:  # zeros: pages never written stay unresident
+            self.host = torch.zeros(shape, dtype=device_buffer.dtype)
+            self.stage = self.stream = None
+        self.last_run: tuple[torch.cuda.Event, torch.cuda.Event, int] | None = None  # CUDA: for benchmarks
+
+    def run(self, ops: list[BlockCopy]) -> None:
+        """Issue ``ops`` in order; the next work on the current stream sees their results."""
+        if not ops:
+            return
+        if not self.cuda:
+            for op in ops:
+                self._copy(op)
+            return
+        compute = torch.cuda.current_stream(self.device_buffer.device)
+        self.stream.wait_stream(compute)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            start.record()
+            for op in ops:
+                self._copy(op)
+            end.record()
+        compute.wait_stream(self.stream)
+        self.last_run = (start, end, sum(len(op) for op in ops) * self.page_bytes)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.device_buffer.shape[1] * self.device_buffer.element_size()
+
+    def last_run_seconds(self) -> float:
+        """Wall time of the copies of the last ``run`` on the copy stream (waits for them)."""
+        start, end, _ = self.last_run
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
+
+    def _copy(self, op: BlockCopy) -> None:
+        for slot, blocks in _runs(op.host_slots, op.device_blocks):
+            step = len(blocks) if self.stage is None else len(self.stage)
+            for i in range(0, len(blocks), step):
+                idx = torch.from_numpy(blocks[i : i + step]).to(self.device_buffer.device, non_blocking=True)
+                host = self.host[slot + i : slot + i + len(idx)]
+                if op.to_host:
+                    self._store(idx, host)
+                else:
+                    self._load(idx, host)
+
+    def _store(self, idx: torch.Tensor, host: torch.Tensor) -> None:
+        if self.stage is None:
+            torch.index_select(self.device_buffer, 0, idx, out=host)
+            return
+        stage = self.stage[: len(idx)]
+        torch.index_select(self.device_buffer, 0, idx, out=stage)
+        host.copy_(stage, non_blocking=True)
+
+    def _load(self, idx: torch.Tensor, host: torch.Tensor) -> None:
+        if self.stage is None:
+            self.device_buffer.index_copy_(0, idx, host)
+            return
+        stage = self.stage[: len(idx)]
+        stage.copy_(host, non_blocking=True)
+        self.device_buffer.index_copy_(0, idx, stage)
+
+
+def _runs(slots: np.ndarray, blocks: np.ndarray):
+    """(first host slot, device blocks) per run of consecutive host slots, in slot order. A slot written twice in
+    one batch (the host tier reused it) falls in two runs, in the order the copies were recorded: the last wins."""
+    order = np.argsort(slots, kind="stable")
+    slots, blocks = slots[order], blocks[order]
+    breaks = np.flatnonzero(np.diff(slots) != 1) + 1
+    for lo, hi in zip(np.concatenate(([0], breaks)), np.concatenate((breaks, [len(slots)]))):
+        yield int(slots[lo]), blocks[lo:hi]

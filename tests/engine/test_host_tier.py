@@ -1,0 +1,80 @@
+"""The host-memory tier through the whole engine: multi-turn conversations under a device pool too small to keep
+the previous turn, greedy output identical with the tier on and off, and the tier really serving the hits."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import random_prompts
+
+from hybridkv import LLM, SamplingParams
+
+TURNS = 4
+REPLY = 6
+
+
+def conversations(llm: LLM, num: int = 3) -> list[list[int]]:
+    """``num`` conversations, their turns interleaved (A1 B1 C1 A2 B2 ...): each turn's prompt is the previous
+    prompt, its greedy reply and a new user message; every output, in order."""
+    histories = random_prompts([22, 19, 25][:num], seed=7)
+    news = [random_prompts([5] * TURNS, seed=10 + c) for c in range(num)]
+    params = SamplingParams(temperature=0, max_tokens=REPLY, ignore_eos=True)
+    outputs = []
+    for turn in range(TURNS):
+        for c in range(num):
+            prompt = histories[c] + news[c][turn]
+            out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
+            outputs.append(out)
+            histories[c] = prompt + out
+    return outputs
+
+
+def pool_pages(path: str) -> tuple[int, int]:
+    """(page bytes, pages): the longest turn (66 tokens) fits at its peak, the three conversations' histories do
+    not, so each turn's allocation evicts what the other conversations' previous turns left in the pool."""
+    probe = LLM(model=path, block_size=4, max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20).engine
+    return probe.layout.page_bytes, probe.kv.peak_blocks(72) + 1  # + the null block
+
+
+@pytest.mark.parametrize("name", ["llama4", "gemma3"])  # chunked (chunk 8) and sliding (window 8) layers
+def test_greedy_output_is_the_same_with_the_tier_and_the_tier_serves_the_hits(tiny_model, name):
+    path = str(tiny_model(name).path)
+    page, pages = pool_pages(path)
+    kw = dict(model=path, block_size=4, max_num_batched_tokens=16, kv_cache_memory_bytes=pages * page)
+    off = LLM(**kw)
+    on = LLM(**kw, kv_offload_bytes=4096 * page)
+    assert conversations(on) == conversations(off)
+
+    kv_on, kv_off = on.engine.kv, off.engine.kv
+    host = kv_on.host.stats
+    assert kv_off.pool.num_evictions > 0 and kv_on.pool.num_evictions > 0
+    assert host.hit_tokens > 0 and host.bytes_read > 0 and host.bytes_written > 0
+    # the tier turned evictions into hits: fewer prompt tokens recomputed (its loads also change what the device
+    # pool holds later, so the difference is not exactly what it served)
+    assert kv_on.stats.query_tokens == kv_off.stats.query_tokens
+    assert kv_on.stats.hit_tokens > kv_off.stats.hit_tokens
+    assert host.hit_tokens <= kv_on.stats.hit_tokens
+    assert host.fallbacks == 0
+    for kv in (kv_on, kv_off):
+        assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks
+        assert not kv.take_block_ops()  # every copy ran with the step it was recorded for
+
+
+def test_a_full_host_tier_evicts_its_own_lru_and_output_is_unchanged(tiny_model):
+    path = str(tiny_model("llama4").path)
+    page, pages = pool_pages(path)
+    kw = dict(model=path, block_size=4, max_num_batched_tokens=16, kv_cache_memory_bytes=pages * page)
+    small = LLM(**kw, kv_offload_bytes=12 * page)
+    assert conversations(small) == conversations(LLM(**kw))
+    stats = small.engine.kv.host.stats
+    assert stats.evictions > 0 and small.engine.kv.host.num_free_blocks == 0
+    assert small.engine.kv.pool.num_free_blocks == small.engine.kv.pool.num_usable_blocks
+
+
+def test_offload_size_is_checked(tiny_model):
+    path = str(tiny_model("llama3").path)
+    with pytest.raises(ValueError, match="holds no page"):
+        LLM(model=path, block_size=4, kv_offload_bytes=10)
+    with pytest.raises(ValueError, match="needs prefix caching"):
+        LLM(model=path, block_size=4, kv_offload_bytes=1 << 20, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match=">= 0"):
+        LLM(model=path, block_size=4, kv_offload_bytes=-1)
