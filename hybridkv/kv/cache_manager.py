@@ -192,18 +192,12 @@ class KVCacheManager:
         return self.pool.lookup(key) or self.host.lookup(key)
 
     def _two_tier_hit(self, req: KVRequest) -> CacheHit:
-        """The longest hit over device and host blocks. Where it needs host pages but the device pool cannot give
-        them blocks now (and could give the device-only hit its blocks), the device-only hit is taken: the rest is
-        recomputed rather than waited for."""
+        """The longest hit over device and host blocks (each host entry costs one fresh device block at admission,
+        as recomputing that block would: a hit whose loads cannot get blocks waits exactly where a recompute would,
+        and nothing is taken until ``allocate_slots`` succeeds)."""
         hit = self._longest_hit(req, self._lookup_both_tiers)
-        if not any(type(b) is HostBlock for blocks in hit.blocks for b in blocks):
-            return hit
-        device = self._longest_hit(req)
-        free = self.pool.num_free_blocks
-        if self.blocks_for_all_tokens(req, hit) > free and self.blocks_for_all_tokens(req, device) <= free:
-            self.host.stats.fallbacks += 1
-            return device
-        hit.host_tokens = hit.num_tokens - device.num_tokens
+        if any(type(b) is HostBlock for blocks in hit.blocks for b in blocks):
+            hit.host_tokens = hit.num_tokens - self._longest_hit(req).num_tokens
         return hit
 
     def _fetch_host_blocks(self, hit: CacheHit) -> list[KVBlock]:
@@ -220,14 +214,15 @@ class KVCacheManager:
             device = [b for b in blocks if type(b) is not HostBlock]
             self.pool.touch(device, gid)
             held += device
+        # Every fresh block is taken before any load is recorded: the write-backs of the blocks they evict then
+        # cannot reuse the pages being loaded, and the loaded pages stay the host tier's most recent.
         self.host.hold([b for _, _, b in wanted])
-        for gid, i, host_block in wanted:
-            block = self.pool.get_new_blocks(1, gid)[0]
+        fresh = [self.pool.get_new_blocks(1, gid)[0] for gid, _, _ in wanted]
+        for (gid, i, host_block), block in zip(wanted, fresh):
             self.pool.cache_block(block, host_block.key)
             self.host.load(host_block, block.block_id)
             hit.blocks[gid][i] = block
-            held.append(block)
-        return held
+        return held + fresh
 
     def take_block_ops(self) -> list[BlockCopy]:
         """Page copies between the tiers that must run before the next step's forward (empty without a host tier)."""

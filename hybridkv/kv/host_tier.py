@@ -64,7 +64,6 @@ class HostTierStats:
     bytes_written: int = 0  # device -> host (one rank's pages)
     bytes_read: int = 0  # host -> device
     evictions: int = 0  # host pages dropped for newer ones (the host tier's LRU)
-    fallbacks: int = 0  # hits that could not get device blocks for their host pages: recomputed instead
 
 
 class HostTier:
