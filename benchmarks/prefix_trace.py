@@ -136,8 +136,8 @@ class HybridKV:
 
     name = "hybridkv"
 
-    def __init__(self, layout, num_blocks: int, chunk: int) -> None:
-        self.kv = KVCacheManager(layout, num_blocks, max_step_tokens=chunk)
+    def __init__(self, layout, num_blocks: int, chunk: int, host_blocks: int = 0) -> None:
+        self.kv = KVCacheManager(layout, num_blocks, max_step_tokens=chunk, host_blocks=host_blocks)
         self.num_groups = self.kv.num_groups
         self.reqs: dict[str, CacheRequest] = {}
 
@@ -158,6 +158,7 @@ class HybridKV:
         req = self.reqs[rid]
         req.num_computed_tokens = num_computed
         self.kv.on_tokens_computed(req)
+        self.kv.take_block_ops()  # the host tier's page copies (none without one): no pages to copy here
 
     def free(self, rid: str) -> None:
         self.kv.free(self.reqs.pop(rid))

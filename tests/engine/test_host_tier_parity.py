@@ -77,3 +77,20 @@ def test_offload_size_is_checked(tiny_model):
         LLM(model=path, block_size=4, kv_offload_bytes=1 << 20, enable_prefix_caching=False)
     with pytest.raises(ValueError, match=">= 0"):
         LLM(model=path, block_size=4, kv_offload_bytes=-1)
+
+
+def test_tensor_parallel_ranks_copy_their_own_heads(tiny_model):
+    """TP 2 (this process and a spawned worker, gloo): the step's copies reach the worker, which loads its own
+    heads' pages; output equals one rank's without the tier."""
+    path = str(tiny_model("llama4").path)
+    page, pages = pool_pages(path)
+    one = LLM(model=path, block_size=4, max_num_batched_tokens=16, kv_cache_memory_bytes=pages * page)
+    # each rank holds 1 of the 2 KV heads: half the page, the same number of pages
+    two = LLM(model=path, block_size=4, max_num_batched_tokens=16, kv_cache_memory_bytes=pages * page // 2,
+              kv_offload_bytes=4096 * page // 2, tensor_parallel_size=2)
+    try:
+        assert two.engine.kv.pool.num_blocks == one.engine.kv.pool.num_blocks
+        assert conversations(two) == conversations(one)
+        assert two.engine.kv.host.stats.hit_tokens > 0
+    finally:
+        two.shutdown()
