@@ -4,8 +4,8 @@ The same seeded trace (conversations sharing system prompts, long documents aske
 replayed by the same small scheduler through our ``KVCacheManager``, the device pool too small for the trace, with
 no host tier and with host tiers of two sizes. Sizes are shares of the trace's unique tokens stored in every layer
 group (as ``prefix_trace.py`` sizes the device pool). The replay records the page copies the engine would run
-(bytes are one rank's: one tensor-parallel rank of each layout; "written back" is the share of the pages the device
-pool evicted that the tier kept: every full-attention page, only the retained windows of sliding/chunked groups)
+(bytes are one rank's: one tensor-parallel rank of each layout; "kept" is the share of the pages the device pool evicted
+that the tier holds afterwards: every full-attention page, only the retained windows of sliding/chunked groups)
 but moves no data: hit rates and recomputed tokens
 are those of the bookkeeping the engine runs, whose loads the engine tests check token for token.
 
@@ -56,7 +56,7 @@ def main() -> None:
     print(f"trace: {len(trace)} requests, {prompt:,} prompt tokens, {unique:,} unique tokens, seed {args.seed}",
           flush=True)
     head = ("layout", "device pool", "host tier", "hit rate", "prompt tokens recomputed", "from host",
-            "evicted pages written back", "GiB written / read", "preemptions")
+            "evicted pages kept", "GiB written / read", "preemptions")
     rows = []
     for lname, layout in layouts().items():
         for dname, dshare in DEVICE.items():
@@ -67,8 +67,7 @@ def main() -> None:
                 res = replay(cache, trace, args.max_running, args.chunk)
                 host = cache.kv.host.stats if cache.kv.host is not None else None
                 moved = f"{host.bytes_written / 2**30:.2f} / {host.bytes_read / 2**30:.2f}" if host else "-"
-                evicted = cache.kv.pool.num_evictions
-                kept = f"{host.bytes_written // layout.page_bytes / evicted:.0%} of {evicted:,}" if host else "-"
+                kept = f"{host.kept / host.device_evictions:.0%} of {host.device_evictions:,}" if host else "-"
                 rows.append((lname, f"{dname} ({n:,})", f"{hname} ({h:,})" if h else "off",
                              f"{res.hit_rate:.1%}", f"{res.prompt_tokens - res.hit_tokens:,}",
                              f"{host.hit_tokens:,}" if host else "-", kept, moved, str(res.preemptions)))

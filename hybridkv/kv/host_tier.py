@@ -64,6 +64,8 @@ class HostTierStats:
     bytes_written: int = 0  # device -> host (one rank's pages)
     bytes_read: int = 0  # host -> device
     evictions: int = 0  # host pages dropped for newer ones (the host tier's LRU)
+    device_evictions: int = 0  # cached blocks the device pool evicted
+    kept: int = 0  # of those, the ones a future hit can use, now held here (written back, or already here)
 
 
 class HostTier:
@@ -106,14 +108,17 @@ class HostTier:
         Only blocks the managers freed to the LRU queue qualify (the retention rule of ``managers.py``); one
         already here is only refreshed in the LRU order. A full host tier drops its least recently used page.
         """
+        self.stats.device_evictions += 1
         if block.free_list != LRU:
             return
+        self.stats.kept += 1
         key = block.hash_key
         if key in self._slots:
             self._slots.move_to_end(key)
             return
         if not self._free:
             if not self._slots:  # every page is being loaded by the admission in progress
+                self.stats.kept -= 1
                 return
             _, slot = self._slots.popitem(last=False)
             self._free.append(slot)

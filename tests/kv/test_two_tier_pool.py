@@ -101,6 +101,7 @@ def test_sliding_groups_write_back_only_the_window_before_a_hit_point():
     full_gid = 1 - sliding_gid
     assert stored[full_gid] == 8  # every full block whole
     assert stored[sliding_gid] == 2  # the window before the end point (tokens 12..15), nothing else
+    assert kv.host.stats.kept == 10 < kv.host.stats.device_evictions
     b = req("b", list(range(1, 17)) + [77, 78])
     hit = kv.find_cache_hit(b)
     assert hit.num_tokens == 16 and hit.host_tokens == 16
