@@ -16,7 +16,7 @@ sliding). Admission counts what each group will really hold: ``peak_blocks(n)`` 
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -217,7 +217,10 @@ class KVCacheManager:
         # Every fresh block is taken before any load is recorded: the write-backs of the blocks they evict then
         # cannot reuse the pages being loaded, and the loaded pages stay the host tier's most recent.
         self.host.hold([b for _, _, b in wanted])
-        fresh = [self.pool.get_new_blocks(1, gid)[0] for gid, _, _ in wanted]
+        per_group = Counter(gid for gid, _, _ in wanted)
+        fresh: list[KVBlock] = []
+        for gid in range(self.num_groups):  # ``wanted`` is in group order
+            fresh += self.pool.get_new_blocks(per_group[gid], gid)
         for (gid, i, host_block), block in zip(wanted, fresh):
             self.pool.cache_block(block, host_block.key)
             self.host.load(host_block, block.block_id)
