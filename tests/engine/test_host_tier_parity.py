@@ -14,16 +14,21 @@ REPLY = 6
 
 def conversations(llm: LLM, num: int = 3) -> list[list[int]]:
     """``num`` conversations, their turns interleaved (A1 B1 C1 A2 B2 ...): each turn's prompt is the previous
-    prompt, its greedy reply and a new user message; every output, in order."""
+    prompt, its greedy reply and a new user message; every output, in order. ``llm.lost_turns``: the later turns
+    whose prefix hit fell short of the previous turn's computed blocks (evicted in between)."""
     histories = random_prompts([22, 19, 25][:num], seed=7)
     news = [random_prompts([5] * TURNS, seed=10 + c) for c in range(num)]
     params = SamplingParams(temperature=0, max_tokens=REPLY, ignore_eos=True)
     outputs = []
+    llm.lost_turns = 0
     for turn in range(TURNS):
         for c in range(num):
             prompt = histories[c] + news[c][turn]
-            out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
+            result = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+            out = result.outputs[0].token_ids
             outputs.append(out)
+            computed = len(histories[c]) - 1  # the previous reply's last token was sampled, never computed
+            llm.lost_turns += turn > 0 and result.num_cached_tokens < computed // 4 * 4
             histories[c] = prompt + out
     return outputs
 
@@ -44,6 +49,9 @@ def test_greedy_output_is_the_same_with_the_tier_and_the_tier_serves_the_hits(ti
     on = LLM(**kw, kv_offload_bytes=4096 * page)
     assert conversations(on) == conversations(off)
 
+    # without the tier at least every second later turn lost part of its history (in fact all do); with it none
+    later = (TURNS - 1) * 3
+    assert off.lost_turns >= later // 2 and on.lost_turns == 0, (off.lost_turns, on.lost_turns)
     kv_on, kv_off = on.engine.kv, off.engine.kv
     host = kv_on.host.stats
     assert kv_off.pool.num_evictions > 0 and kv_on.pool.num_evictions > 0
