@@ -29,18 +29,18 @@ STAGING_BYTES = 64 << 20
 class BlockCopier:
     def __init__(self, device_buffer: torch.Tensor, num_host_blocks: int) -> None:
         """``device_buffer``: the rank's KV pages ``[num_blocks, page_elems]`` (``PagedKVCache.buffer``)."""
-        self.device_buffer = device_buffer
-        page_elems = device_buffer.shape[1]
+        # Pages are copied as bytes: every KV dtype (fp8 included) moves the same way.
+        self.device_buffer = device_buffer.view(torch.uint8)
+        self.page_bytes = self.device_buffer.shape[1]
         self.cuda = device_buffer.is_cuda
-        shape = (num_host_blocks, page_elems)
+        shape = (num_host_blocks, self.page_bytes)
         if self.cuda:  # pinned: the copy engine reads and writes it directly, asynchronously
-            self.host = torch.empty(shape, dtype=device_buffer.dtype, pin_memory=True)
-            page_bytes = page_elems * device_buffer.element_size()
-            stage_pages = max(1, min(num_host_blocks, STAGING_BYTES // page_bytes))
-            self.stage = torch.empty((stage_pages, page_elems), dtype=device_buffer.dtype, device=device_buffer.device)
+            self.host = torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+            stage_pages = max(1, min(num_host_blocks, STAGING_BYTES // self.page_bytes))
+            self.stage = torch.empty((stage_pages, self.page_bytes), dtype=torch.uint8, device=device_buffer.device)
             self.stream = torch.cuda.Stream(device_buffer.device)
         else:  # zeros: pages never written stay unresident
-            self.host = torch.zeros(shape, dtype=device_buffer.dtype)
+            self.host = torch.zeros(shape, dtype=torch.uint8)
             self.stage = self.stream = None
         self.last_run: tuple[torch.cuda.Event, torch.cuda.Event, int] | None = None  # CUDA: for benchmarks
 
@@ -62,10 +62,6 @@ class BlockCopier:
             end.record()
         compute.wait_stream(self.stream)
         self.last_run = (start, end, sum(len(op) for op in ops) * self.page_bytes)
-
-    @property
-    def page_bytes(self) -> int:
-        return self.device_buffer.shape[1] * self.device_buffer.element_size()
 
     def last_run_seconds(self) -> float:
         """Wall time of the copies of the last ``run`` on the copy stream (waits for them)."""

@@ -20,9 +20,10 @@ def copy(to_host, blocks, slots):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_pages_go_to_host_slots_and_come_back_into_other_blocks(device, monkeypatch):
-    monkeypatch.setattr(block_copier, "STAGING_BYTES", 3 * 64 * 2)  # 3 pages: runs are split into chunks
-    pages = torch.randn(12, 64, device=device, dtype=torch.bfloat16)
-    copier = BlockCopier(pages, num_host_blocks=8)
+    monkeypatch.setattr(block_copier, "STAGING_BYTES", 3 * 64)  # 3 pages: runs are split into chunks
+    cache = torch.randn(12, 64, device=device).to(torch.float8_e4m3fn)  # an fp8 cache: copied as bytes
+    copier = BlockCopier(cache, num_host_blocks=8)
+    pages = cache.view(torch.uint8)
     original = pages.clone()
     # slot 2 is written twice in one batch: the later write (block 9) wins
     copier.run([copy(True, [3, 7, 1, 4, 5, 9], [0, 1, 2, 3, 4, 2])])
@@ -45,4 +46,4 @@ def test_a_write_back_runs_before_a_load_into_the_same_block(device):
     if device == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(pages[2], old)
-    assert torch.equal(copier.host[1], torch.arange(16, 24, dtype=torch.float32))
+    assert torch.equal(copier.host[1].view(torch.float32), torch.arange(16, 24, dtype=torch.float32))
