@@ -70,11 +70,14 @@ class BlockCopier:
         return start.elapsed_time(end) / 1000
 
     def _copy(self, op: BlockCopy) -> None:
-        for slot, blocks in _runs(op.host_slots, op.device_blocks):
-            step = len(blocks) if self.stage is None else len(self.stage)
-            for i in range(0, len(blocks), step):
-                idx = torch.from_numpy(blocks[i : i + step]).to(self.device_buffer.device, non_blocking=True)
-                host = self.host[slot + i : slot + i + len(idx)]
+        slots, blocks = _sorted_by_slot(op)
+        blocks = torch.from_numpy(blocks).to(self.device_buffer.device)  # one transfer of the op's block ids
+        for lo, hi in _runs(slots):
+            first = int(slots[lo]) - lo  # run entry i is host slot first + i
+            step = hi - lo if self.stage is None else len(self.stage)
+            for i in range(lo, hi, step):
+                idx = blocks[i : min(i + step, hi)]
+                host = self.host[first + i : first + i + len(idx)]
                 if op.to_host:
                     self._store(idx, host)
                 else:
@@ -97,11 +100,14 @@ class BlockCopier:
         self.device_buffer.index_copy_(0, idx, stage)
 
 
-def _runs(slots: np.ndarray, blocks: np.ndarray):
-    """(first host slot, device blocks) per run of consecutive host slots, in slot order. A slot written twice in
-    one batch (the host tier reused it) falls in two runs, in the order the copies were recorded: the last wins."""
-    order = np.argsort(slots, kind="stable")
-    slots, blocks = slots[order], blocks[order]
+def _sorted_by_slot(op: BlockCopy) -> tuple[np.ndarray, np.ndarray]:
+    """Host slots and their device blocks in slot order. A slot written twice in one batch (the host tier reused
+    it) keeps the order the copies were recorded in, so the last write wins."""
+    order = np.argsort(op.host_slots, kind="stable")
+    return op.host_slots[order], np.ascontiguousarray(op.device_blocks[order])
+
+
+def _runs(slots: np.ndarray):
+    """``[lo, hi)`` index ranges of consecutive host slots (a repeated slot starts a new run)."""
     breaks = np.flatnonzero(np.diff(slots) != 1) + 1
-    for lo, hi in zip(np.concatenate(([0], breaks)), np.concatenate((breaks, [len(slots)]))):
-        yield int(slots[lo]), blocks[lo:hi]
+    yield from zip(np.concatenate(([0], breaks)).tolist(), np.concatenate((breaks, [len(slots)])).tolist())
