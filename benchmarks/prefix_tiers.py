@@ -15,22 +15,12 @@ are those of the bookkeeping the engine runs, whose loads the engine tests check
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from prefix_trace import (  # noqa: E402
-    BLOCK,
-    HybridKV,
-    TraceShape,
-    layouts,
-    make_trace,
-    pool_blocks,
-    replay,
-    unique_tokens,
-)
+from prefix_trace import BLOCK, HybridKV, layouts, pool_blocks, replay, trace_from_args  # noqa: E402
 
 from hybridkv.bench.tables import markdown_table  # noqa: E402
 
@@ -43,18 +33,7 @@ def host_blocks(layout, unique: int, share: float) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a small trace")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-running", type=int, default=8)
-    ap.add_argument("--chunk", type=int, default=2048, help="tokens computed per step (max_num_batched_tokens)")
-    args = ap.parse_args()
-    shape = TraceShape(conversations=12, documents=2, document_len=(9000, 20_000)) if args.quick else TraceShape()
-    trace = make_trace(shape, args.seed)
-    unique = unique_tokens(trace)
-    prompt = sum(len(r.prompt) for r in trace)
-    print(f"trace: {len(trace)} requests, {prompt:,} prompt tokens, {unique:,} unique tokens, seed {args.seed}",
-          flush=True)
+    args, trace, unique = trace_from_args(__doc__.splitlines()[0])
     head = ("layout", "device pool", "host tier", "hit rate", "prompt tokens recomputed", "from host",
             "evicted pages kept", "GiB written / read", "preemptions")
     rows = []
