@@ -136,8 +136,8 @@ class HybridKV:
 
     name = "hybridkv"
 
-    def __init__(self, layout, num_blocks: int, chunk: int) -> None:
-        self.kv = KVCacheManager(layout, num_blocks, max_step_tokens=chunk)
+    def __init__(self, layout, num_blocks: int, chunk: int, host_blocks: int = 0) -> None:
+        self.kv = KVCacheManager(layout, num_blocks, max_step_tokens=chunk, host_blocks=host_blocks)
         self.num_groups = self.kv.num_groups
         self.reqs: dict[str, CacheRequest] = {}
 
@@ -158,6 +158,7 @@ class HybridKV:
         req = self.reqs[rid]
         req.num_computed_tokens = num_computed
         self.kv.on_tokens_computed(req)
+        self.kv.take_block_ops()  # the host tier's page copies (none without one): no pages to copy here
 
     def free(self, rid: str) -> None:
         self.kv.free(self.reqs.pop(rid))
@@ -286,8 +287,9 @@ def cache_factories(chunk: int) -> list:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def trace_from_args(description: str) -> tuple[argparse.Namespace, list[TraceRequest], int]:
+    """The command line shared with ``prefix_tiers.py``: (arguments, the trace, its unique tokens), trace printed."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--quick", action="store_true", help="a small trace")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-running", type=int, default=8)
@@ -299,6 +301,11 @@ def main() -> None:
     prompt = sum(len(r.prompt) for r in trace)
     print(f"trace: {len(trace)} requests, {prompt:,} prompt tokens, {unique:,} unique tokens, seed {args.seed}",
           flush=True)
+    return args, trace, unique
+
+
+def main() -> None:
+    args, trace, unique = trace_from_args(__doc__.splitlines()[0])
     head = ("layout", "pool", "blocks", "manager", "hit rate", "prompt tokens recomputed", "preemptions")
     rows = []
     for lname, layout in layouts().items():

@@ -49,11 +49,11 @@ def rank_config(tp: int) -> dict:
     return cfg
 
 
-def random_model(cfg: dict) -> LlamaForCausalLM:
+def random_model(cfg: dict, device: str = "cuda") -> LlamaForCausalLM:
     torch.manual_seed(0)
     with torch.device("meta"):
         model = LlamaForCausalLM(ModelConfig.from_hf(cfg), dtype=torch.bfloat16)
-    model = model.to_empty(device="cuda").eval()
+    model = model.to_empty(device=device).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -12,6 +12,7 @@ import sys
 from typing import Callable
 
 from hybridkv.kv.dtypes import KV_CACHE_DTYPES
+from hybridkv.kv.host_tier import host_tier_tokens
 from hybridkv.kv.layer_specs import load_hf_config
 from hybridkv.kv.planner import CONCURRENCY_LENGTHS, CapacityPlan, plan_capacity, plan_to_dict
 
@@ -44,6 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--max-num-seqs", type=int, default=256, metavar="N", help="sequences per step (sizes the sampler's reserve)"
     )
     p.add_argument("--no-hybrid", action="store_true", help="plan a cache that keeps every layer in full")
+    p.add_argument("--kv-offload-gib", type=float, default=0.0, metavar="G",
+                   help="host-memory tier per rank: prints how many tokens of context it holds")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=_run_plan)
 
@@ -60,14 +63,38 @@ def _run_plan(args: argparse.Namespace) -> int:
         return _fail(str(e))
     except KeyError as e:
         return _fail(f"{args.model}: config lacks {e.args[0]!r}")
+    if args.kv_offload_gib < 0:
+        return _fail(f"--kv-offload-gib must be >= 0, got {args.kv_offload_gib}")
+    host = host_tier_summary(plan, int(args.kv_offload_gib * GIB)) if args.kv_offload_gib else None
     if args.json:
         out = plan_to_dict(plan)
         out["comparison"] = plan_to_dict(other)
+        if host is not None:
+            out["host_tier"] = host
         print(json.dumps(out, indent=2))
     else:
         hybrid, flat = (plan, other) if plan.hybrid else (other, plan)
         print(format_plan(plan, hybrid, flat))
+        if host is not None:
+            print(format_host_tier(host))
     return 0
+
+
+def host_tier_summary(plan: CapacityPlan, host_bytes: int) -> dict[str, int | None]:
+    """The host tier's pages and the tokens of context they hold (full-attention layers whole)."""
+    full_groups = sum(r.groups for r in plan.types if r.kind == "full")
+    return {
+        "bytes": host_bytes,
+        "pages": host_bytes // plan.page_bytes,
+        "tokens": host_tier_tokens(host_bytes, plan.page_bytes, plan.block_size, full_groups),
+    }
+
+
+def format_host_tier(host: dict[str, int | None]) -> str:
+    tokens = host["tokens"]
+    held = (f"{tokens:,} tokens of context (full-attention layers whole, sliding/chunked windows at hit points)"
+            if tokens is not None else "windows at hit points only (no full-attention layers)")
+    return f"\nhost tier: {host['bytes'] / GIB:.2f} GiB per rank = {host['pages']:,} pages = {held}"
 
 
 def _load_config(model: str) -> dict:

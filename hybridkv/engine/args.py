@@ -26,6 +26,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache budget in bytes")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="GPU only")
+    add_kv_offload_arg(p)
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (processes) to split the model over")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto (CUDA when available) | cpu | cuda (Triton kernels)")
@@ -33,6 +34,19 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                    help="load no tokenizer: prompts and outputs are token ids")
     p.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs for decode steps")
     p.add_argument("--load-format", default="auto", help="auto | dummy (random weights from config.json alone)")
+
+
+def add_kv_offload_arg(p: argparse.ArgumentParser) -> None:
+    """The host-memory tier's size (vLLM: --kv-offloading-size GiB; SGLang: --hicache-size GB)."""
+    p.add_argument("--kv-offload-gib", type=float, default=0.0, metavar="G",
+                   help="host memory per rank for KV blocks evicted from the GPU pool, found again by prefix hits "
+                        "(0: off)")
+
+
+def kv_offload_bytes(gib: float) -> int:
+    if gib < 0:
+        raise ValueError(f"--kv-offload-gib must be >= 0, got {gib}")
+    return int(gib * (1 << 30))
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -57,4 +71,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         load_format=args.load_format,
         tensor_parallel_size=args.tensor_parallel_size,
         skip_tokenizer_init=args.skip_tokenizer_init,
+        kv_offload_bytes=kv_offload_bytes(args.kv_offload_gib),
     )

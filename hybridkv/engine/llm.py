@@ -41,6 +41,7 @@ class LLM:
         enforce_eager: bool = False,
         load_format: str = "auto",
         skip_tokenizer_init: bool = False,
+        kv_offload_bytes: int = 0,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -59,6 +60,7 @@ class LLM:
             enforce_eager=enforce_eager,
             load_format=load_format,
             skip_tokenizer_init=skip_tokenizer_init,
+            kv_offload_bytes=kv_offload_bytes,
         )
         self.engine = LLMEngine(config, loaded)
         self._ids = itertools.count()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from hybridkv.engine.block_copier import BlockCopier
 from hybridkv.engine.model_runner import ModelRunner
 from hybridkv.engine.output_processing import Logprobs, RequestOutputState
 from hybridkv.engine.sampler import Sampler, make_generator
@@ -60,6 +61,7 @@ class EngineConfig:
     skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs token ids (text stays "")
     tensor_parallel_size: int = 1  # > 1: one process per rank, this one being rank 0 (see tp_workers.py)
     distributed_timeout_s: float = 300.0  # a collective that waits this long raises: a rank has hung
+    kv_offload_bytes: int = 0  # host-memory tier of the prefix cache, per rank (0: off); see kv/host_tier.py
 
 
 @dataclass(slots=True)
@@ -170,18 +172,21 @@ class LLMEngine:
         self.layer_specs = layer_specs_from_hf_config(hf_config, tp.size, kv_dtype)
         kv_bytes = config.kv_cache_memory_bytes or self._default_kv_bytes()
         self.layout, num_blocks, self.max_model_len = size_kv_cache(config, hf_config, self.layer_specs, kv_bytes)
+        host_blocks = self._host_blocks()
         self.kv = KVCacheManager(
             self.layout,
             num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
             hash_algorithm=config.prefix_caching_hash_algo,
             max_step_tokens=config.max_num_batched_tokens,
+            host_blocks=host_blocks,
         )
         self.backend = self._make_backend(num_blocks, kv_dtype)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv, self.backend)
+        copier = BlockCopier(self.backend.cache.buffer, host_blocks) if self.kv.host is not None else None
+        self.runner = ModelRunner(self.model, self.kv, self.backend, copier)
         if tp.size > 1:
-            self.runner = self._start_workers(tp, dtype, kv_dtype, num_blocks)
+            self.runner = self._start_workers(tp, dtype, kv_dtype, num_blocks, copier)
         elif self._use_cuda_graphs():
             from hybridkv.engine.cuda_graphs import DecodeGraphs
 
@@ -191,6 +196,20 @@ class LLMEngine:
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.model.cfg.vocab_size, self.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()
+
+    def _host_blocks(self) -> int:
+        """Host tier pages (``kv_offload_bytes`` per rank, in pages of the device pool's size); 0: no tier."""
+        want = self.config.kv_offload_bytes
+        if want < 0:
+            raise ValueError(f"kv_offload_bytes must be >= 0, got {want}")
+        if want and not self.config.enable_prefix_caching:
+            raise ValueError("kv_offload_bytes needs prefix caching: the host tier keeps evicted cached blocks")
+        pages = want // self.layout.page_bytes
+        if want and pages < 1:
+            raise ValueError(
+                f"kv_offload_bytes={want} holds no page of {self.layout.page_bytes} bytes; give at least one page"
+            )
+        return pages
 
     def _default_kv_bytes(self) -> int:
         if not self.config.device.startswith("cuda"):
@@ -218,7 +237,8 @@ class LLMEngine:
         return make_paged_attention(self.config.attention_backend, self.layout, num_blocks, kv_dtype, heads,
                                     self.config.device)
 
-    def _start_workers(self, tp: TPGroup, dtype: torch.dtype, kv_dtype: str, num_blocks: int) -> ModelRunner:
+    def _start_workers(self, tp: TPGroup, dtype: torch.dtype, kv_dtype: str, num_blocks: int,
+                       copier: BlockCopier | None) -> ModelRunner:
         from hybridkv.engine.tp_workers import TPDriverRunner, TPWorkers, WorkerSpec
 
         c = self.config
@@ -226,9 +246,10 @@ class LLMEngine:
             model=c.model, dtype=dtype, device=c.device, rank=0, size=tp.size, port=0,
             timeout_s=c.distributed_timeout_s, block_size=c.block_size, kv_dtype=kv_dtype, num_blocks=num_blocks,
             attention_backend=c.attention_backend, load_format=c.load_format, seed=c.seed,
+            host_blocks=copier.host.shape[0] if copier is not None else 0,
         )
         self.workers = TPWorkers(spec, tp)
-        return TPDriverRunner(self.model, self.kv, self.backend, self.workers)
+        return TPDriverRunner(self.model, self.kv, self.backend, self.workers, copier)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (a no-op without them); the engine cannot step afterwards."""

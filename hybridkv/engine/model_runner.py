@@ -6,13 +6,15 @@ parallelism the driver sends the same ``StepInput`` to every worker rank, which 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from hybridkv.engine.block_copier import BlockCopier
 from hybridkv.engine.scheduler import SchedulerOutput
 from hybridkv.kv.cache_manager import KVCacheManager
+from hybridkv.kv.host_tier import BlockCopy
 from hybridkv.model.attention.torch_paged import StepSequence, TorchPagedAttention
 
 
@@ -23,6 +25,8 @@ class StepInput:
     input_ids: np.ndarray  # [T] int64, every scheduled token of every sequence, flattened
     seqs: list[StepSequence]  # per sequence: cached tokens, new tokens, block table per layer group
     sample_rows: np.ndarray  # [N] int64, the token rows whose logits are wanted
+    # Host tier: page copies between device and host memory to run, in order, before this step's forward.
+    block_ops: list[BlockCopy] = field(default_factory=list)
 
     def positions(self) -> np.ndarray:
         return np.concatenate([np.arange(s.context_len, s.context_len + s.query_len) for s in self.seqs])
@@ -30,11 +34,16 @@ class StepInput:
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, kv: KVCacheManager | None, backend: TorchPagedAttention
+        self,
+        model: torch.nn.Module,
+        kv: KVCacheManager | None,
+        backend: TorchPagedAttention,
+        copier: BlockCopier | None = None,
     ) -> None:
         self.model = model
         self.kv = kv  # None on worker ranks: they only execute
         self.backend = backend
+        self.copier = copier  # this rank's host pages (None without a host tier)
         self.device = next(model.parameters()).device
         self.graphs = None  # DecodeGraphs when decode steps replay from CUDA graphs
 
@@ -55,11 +64,15 @@ class ModelRunner:
             offset += s.num_new_tokens
             if s.samples:
                 last.append(offset - 1)
-        return StepInput(np.array(input_ids, dtype=np.int64), seqs, np.array(last, dtype=np.int64))
+        return StepInput(
+            np.array(input_ids, dtype=np.int64), seqs, np.array(last, dtype=np.int64), self.kv.take_block_ops()
+        )
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor | None:
         """Logits of ``step.sample_rows``; None on tensor-parallel ranks other than 0."""
+        if step.block_ops:  # host tier: before anything reads a loaded page or overwrites a written-back one
+            self.copier.run(step.block_ops)
         if self.graphs is not None:
             logits = self.graphs.run(step.input_ids, step.seqs, step.sample_rows)
             if logits is not None:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hybridkv.engine.block_copier import BlockCopier
 from hybridkv.engine.model_runner import ModelRunner, StepInput
 from hybridkv.kv.layer_specs import layer_specs_from_hf_config
 from hybridkv.kv.layout import plan_layout
@@ -67,6 +68,7 @@ class WorkerSpec:
     attention_backend: str = "auto"
     load_format: str = "auto"
     seed: int = 0
+    host_blocks: int = 0  # host tier pages per rank (each rank keeps its own heads' pages)
 
 
 def device_for_rank(device: str, rank: int) -> str:
@@ -108,7 +110,8 @@ def _build_runner(spec: WorkerSpec, tp: TPGroup) -> ModelRunner:
     layout = plan_layout(layer_specs_from_hf_config(loaded.hf_config, tp.size, spec.kv_dtype), spec.block_size)
     heads = loaded.model.cfg.num_heads // tp.size
     backend = make_paged_attention(spec.attention_backend, layout, spec.num_blocks, spec.kv_dtype, heads, device)
-    return ModelRunner(model, None, backend)
+    copier = BlockCopier(backend.cache.buffer, spec.host_blocks) if spec.host_blocks else None
+    return ModelRunner(model, None, backend, copier)
 
 
 class TPWorkers:
@@ -231,8 +234,9 @@ def _stop_workers(procs: list, conns: list[Connection], tp: TPGroup) -> None:
 class TPDriverRunner(ModelRunner):
     """Rank 0's runner: each step it prepares goes to every worker, then runs here."""
 
-    def __init__(self, model: torch.nn.Module, kv, backend: TorchPagedAttention, workers: TPWorkers) -> None:
-        super().__init__(model, kv, backend)
+    def __init__(self, model: torch.nn.Module, kv, backend: TorchPagedAttention, workers: TPWorkers,
+                 copier: BlockCopier | None = None) -> None:
+        super().__init__(model, kv, backend, copier)
         self.workers = workers
 
     def run(self, out) -> torch.Tensor:

@@ -20,7 +20,7 @@ Block 0 is the null block: never allocated, never freed, referenced by tables wh
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 BlockHashKey = tuple[bytes, int]  # (chained content hash, layer group id)
 
@@ -96,6 +96,9 @@ class BlockPool:
         self._cached: dict[BlockHashKey, KVBlock] = {}
         self.num_evictions = 0
         self.in_use_by_group: dict[int, int] = {}
+        # Host tier hook (kv/host_tier.py): sees each cached block about to be reused, while its queue and page
+        # still say what it holds, so it can copy the page out first.
+        self.evict_listener: Callable[[KVBlock], None] | None = None
 
     # ---- sizes -------------------------------------------------------------------------------------
     @property
@@ -134,6 +137,8 @@ class BlockPool:
         return out
 
     def _evict(self, block: KVBlock) -> None:
+        if self.evict_listener is not None:
+            self.evict_listener(block)
         del self._cached[block.hash_key]
         block.hash_key = None
         self.num_evictions += 1

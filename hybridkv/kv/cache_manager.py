@@ -16,14 +16,15 @@ sliding). Admission counts what each group will really hold: ``peak_blocks(n)`` 
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
 from hybridkv.kv.block_hash import BlockHasher
-from hybridkv.kv.block_pool import EVICT_FIRST, BlockPool, KVBlock
+from hybridkv.kv.block_pool import EVICT_FIRST, BlockHashKey, BlockPool, KVBlock
+from hybridkv.kv.host_tier import BlockCopy, HostBlock, HostTier
 from hybridkv.kv.layout import KVLayout
 from hybridkv.kv.capacity import longest_fitting, peak_blocks
 from hybridkv.kv.managers import SingleTypeManager, default_retention_interval, manager_for
@@ -66,6 +67,7 @@ class CacheHit:
     # Blocks of the prompt an earlier request already computed (the full-attention match): the branch point,
     # which may lie beyond ``num_tokens`` when a sliding or chunked group could not resume there.
     shared_blocks: int = 0
+    host_tokens: int = 0  # of ``num_tokens``, those only the host tier made a hit (its pages are loaded)
 
     @staticmethod
     def none(num_groups: int) -> CacheHit:
@@ -98,6 +100,7 @@ class KVCacheManager:
         hash_algorithm: str = "xxh3_128",
         max_step_tokens: int = 8192,
         retention_interval: int | None = None,
+        host_blocks: int = 0,
     ) -> None:
         self.layout = layout
         self.block_size = layout.block_size
@@ -116,6 +119,11 @@ class KVCacheManager:
         # Chained hashes of the last block before each known branch point (a bounded LRU set).
         self._branch_registry: OrderedDict[bytes, None] = OrderedDict()
         self.stats = PrefixCacheStats()
+        # Host tier (kv/host_tier.py): pages the pool evicts are written back to RAM and found again by lookups.
+        self.host: HostTier | None = None
+        if host_blocks and enable_prefix_caching:
+            self.host = HostTier(host_blocks, layout.page_bytes)
+            self.pool.evict_listener = self.host.write_back
 
     @property
     def num_groups(self) -> int:
@@ -145,6 +153,11 @@ class KVCacheManager:
         if not self.enable_prefix_caching or req.num_computed_tokens:
             return CacheHit.none(self.num_groups)
         self._update_hashes(req)
+        if self.host is None:
+            return self._longest_hit(req)
+        return self._two_tier_hit(req)
+
+    def _longest_hit(self, req: KVRequest, lookup=None) -> CacheHit:
         max_blocks = max(0, min((len(req.all_token_ids) - 1) // self.block_size, len(req.block_hashes)))
         hits: list[list[KVBlock]] = [[] for _ in self.managers]
         length = max_blocks
@@ -155,7 +168,7 @@ class KVCacheManager:
             for i, m in enumerate(self.managers):
                 if 0 < i == self._num_full and not shared:  # the full groups' first answer: the branch point
                     shared = length
-                hits[i] = m.find_longest_cache_hit(req.block_hashes, length)
+                hits[i] = m.find_longest_cache_hit(req.block_hashes, length, lookup)
                 if len(hits[i]) < length:
                     length = len(hits[i])
                     changed = True
@@ -165,6 +178,50 @@ class KVCacheManager:
         for m, h in zip(self.managers, hits):
             blocks[m.group.group_id] = h
         return CacheHit(length * self.block_size, blocks, shared_blocks=max(shared, length))
+
+    # ---- host tier ---------------------------------------------------------------------------------
+    def _lookup_both_tiers(self, key: BlockHashKey) -> KVBlock | HostBlock | None:
+        return self.pool.lookup(key) or self.host.lookup(key)
+
+    def _two_tier_hit(self, req: KVRequest) -> CacheHit:
+        """The longest hit over device and host blocks (each host entry costs one fresh device block at admission,
+        as recomputing that block would: a hit whose loads cannot get blocks waits exactly where a recompute would,
+        and nothing is taken until ``allocate_slots`` succeeds)."""
+        hit = self._longest_hit(req, self._lookup_both_tiers)
+        if any(type(b) is HostBlock for blocks in hit.blocks for b in blocks):
+            hit.host_tokens = hit.num_tokens - self._longest_hit(req).num_tokens
+        return hit
+
+    def _fetch_host_blocks(self, hit: CacheHit) -> list[KVBlock]:
+        """Turn the hit's host entries into fresh device blocks, published under their hashes, whose pages the
+        next step loads. Returns every block of the hit with one temporary reference, which the caller drops
+        once the managers hold theirs: the hit's device blocks are taken first, so that allocating the fresh
+        ones (which may evict) cannot evict them."""
+        wanted = [(gid, i, b) for gid, blocks in enumerate(hit.blocks) for i, b in enumerate(blocks)
+                  if type(b) is HostBlock]
+        if not wanted:
+            return []
+        held: list[KVBlock] = []
+        for gid, blocks in enumerate(hit.blocks):
+            device = [b for b in blocks if type(b) is not HostBlock]
+            self.pool.touch(device, gid)
+            held += device
+        # Every fresh block is taken before any load is recorded: the write-backs of the blocks they evict then
+        # cannot reuse the pages being loaded, and the loaded pages stay the host tier's most recent.
+        self.host.hold([b for _, _, b in wanted])
+        per_group = Counter(gid for gid, _, _ in wanted)
+        fresh: list[KVBlock] = []
+        for gid in range(self.num_groups):  # ``wanted`` is in group order
+            fresh += self.pool.get_new_blocks(per_group[gid], gid)
+        for (gid, i, host_block), block in zip(wanted, fresh):
+            self.pool.cache_block(block, host_block.key)
+            self.host.load(host_block, block.block_id)
+            hit.blocks[gid][i] = block
+        return held + fresh
+
+    def take_block_ops(self) -> list[BlockCopy]:
+        """Page copies between the tiers that must run before the next step's forward (empty without a host tier)."""
+        return self.host.take_ops() if self.host is not None else []
 
     def _branch_points(self, req: KVRequest, hit: CacheHit) -> tuple[int, ...]:
         """Hit points (in blocks) whose windows this request keeps: its own hit, the branch point, and every
@@ -208,6 +265,8 @@ class KVCacheManager:
         self.stats.query_tokens += len(req.all_token_ids)
         self.stats.hits += hit.num_tokens > 0
         self.stats.hit_tokens += hit.num_tokens
+        if self.host is not None:
+            self.host.stats.hit_tokens += hit.host_tokens
 
     # ---- allocation --------------------------------------------------------------------------------
     def blocks_needed(self, req: KVRequest, num_new_tokens: int, hit: CacheHit | None = None) -> int:
@@ -252,10 +311,12 @@ class KVCacheManager:
                 return False
         if hit is not None:
             points = self._branch_points(req, hit)
+            held = self._fetch_host_blocks(hit) if self.host is not None else []
             for m in self.managers:
                 m.set_branch_points(req.request_id, points)
                 if hit.num_tokens:
                     m.add_hit_blocks(req.request_id, hit.blocks[m.group.group_id])
+            self.pool.free_blocks(held)  # the fetch's temporary references: the managers hold theirs now
         total = req.num_computed_tokens + (hit.num_tokens if hit else 0) + num_new_tokens
         for m in self.managers:
             m.allocate(req.request_id, total)
@@ -318,5 +379,9 @@ class KVCacheManager:
         return out
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.host is not None:
+            self.host.reset()
+        return True
 

@@ -34,15 +34,16 @@ evict-first, so the next request with the same system prompt resumes at token 12
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import ClassVar, Sequence
+from typing import Callable, ClassVar, Sequence
 
 import numpy as np
 
-from hybridkv.kv.block_pool import BlockPool, KVBlock
+from hybridkv.kv.block_pool import BlockHashKey, BlockPool, KVBlock
 from hybridkv.kv.layout import KVLayout, LayerGroup
 from hybridkv.kv.specs import AttentionSpec, ChunkedLocalSpec, FullAttentionSpec, SlidingWindowSpec, cdiv
 
 NULL_BLOCK_ID = 0
+Lookup = Callable[[BlockHashKey], KVBlock | None]  # cached block by (hash, group id), or None
 
 
 class BlockTable:
@@ -102,19 +103,23 @@ class SingleTypeManager:
     def first_needed_block(self, num_tokens: int) -> int:
         return self.spec.first_needed_token(num_tokens) // self.block_size
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_blocks: int) -> list[KVBlock]:
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_blocks: int, lookup: Lookup | None = None
+    ) -> list[KVBlock]:
         """Longest cached prefix of at most ``max_blocks`` blocks this type can resume from.
 
         Scans right to left: a hit ending at block e needs blocks ``first_needed_block(e*B) .. e-1`` cached; the
         ones before may be null. Window 4, block 2 (needs 2 blocks), cached ``[T,T,F,T,F,F,T,T,F,F,F]`` -> 8 blocks,
-        ``[null]*6 + [b6, b7]``. Each block is looked up at most once.
+        ``[null]*6 + [b6, b7]``. Each block is looked up at most once. ``lookup``: the device pool's by default
+        (the host tier passes one that also finds its own pages).
         """
         gid = self.group.group_id
+        lookup = lookup or self.pool.lookup
         found: dict[int, KVBlock | None] = {}
 
         def cached(i: int) -> KVBlock | None:
             if i not in found:
-                found[i] = self.pool.lookup((block_hashes[i], gid))
+                found[i] = lookup((block_hashes[i], gid))
             return found[i]
 
         pos = max_blocks - 1  # every index above pos (and below the current end) is known to be cached
@@ -264,12 +269,15 @@ class SingleTypeManager:
 class FullAttentionManager(SingleTypeManager):
     periodic_retention: ClassVar[bool] = False  # every block is retained anyway
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_blocks: int) -> list[KVBlock]:
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_blocks: int, lookup: Lookup | None = None
+    ) -> list[KVBlock]:
         """Left to right up to the first miss: a chained hash hit implies its whole prefix is cached."""
         gid = self.group.group_id
+        lookup = lookup or self.pool.lookup
         hits = []
         for i in range(max_blocks):
-            block = self.pool.lookup((block_hashes[i], gid))
+            block = lookup((block_hashes[i], gid))
             if block is None:
                 break
             hits.append(block)

@@ -45,6 +45,7 @@ class _Seen:
     query_tokens: int = 0
     hit_tokens: int = 0
     preemptions: int = 0
+    host: tuple[int, int, int] = (0, 0, 0)  # host tier: hit tokens, bytes written, bytes read
 
 
 class ServerMetrics:
@@ -65,6 +66,15 @@ class ServerMetrics:
                                       labels, registry=reg).labels(model_name)
         self.prefix_hits = Counter("hybridkv:prefix_cache_hits", "Prefix cache hits, in tokens",
                                    labels, registry=reg).labels(model_name)
+        # host tier (kv/host_tier.py); bytes are one rank's (every rank moves as many of its own heads' bytes)
+        self.host_hits = Counter("hybridkv:host_cache_hit_tokens", "Prefix-hit tokens served from the host tier",
+                                 labels, registry=reg).labels(model_name)
+        self.host_written = Counter("hybridkv:host_cache_bytes_written", "KV bytes written back to the host tier",
+                                    labels, registry=reg).labels(model_name)
+        self.host_read = Counter("hybridkv:host_cache_bytes_read", "KV bytes loaded from the host tier",
+                                 labels, registry=reg).labels(model_name)
+        self.host_usage = Gauge("hybridkv:host_cache_usage_perc", "Share of host tier pages in use (0-1)",
+                                labels, registry=reg).labels(model_name)
         self.prompt_tokens = Counter("hybridkv:prompt_tokens", "Prefill tokens processed", labels,
                                      registry=reg).labels(model_name)
         self.generation_tokens = Counter("hybridkv:generation_tokens", "Generation tokens processed", labels,
@@ -115,7 +125,14 @@ class ServerMetrics:
         self.preemptions.inc(scheduler.num_preemptions - self._seen.preemptions)
         self._interval.query_tokens += queries
         self._interval.hit_tokens += hits
-        self._seen = _Seen(stats.query_tokens, stats.hit_tokens, scheduler.num_preemptions)
+        host = self._seen.host
+        if kv.host is not None:
+            h = kv.host.stats
+            host = (h.hit_tokens, h.bytes_written, h.bytes_read)
+            for counter, now, seen in zip((self.host_hits, self.host_written, self.host_read), host, self._seen.host):
+                counter.inc(now - seen)
+            self.host_usage.set(kv.host.usage())
+        self._seen = _Seen(stats.query_tokens, stats.hit_tokens, scheduler.num_preemptions, host)
 
     # ---- the log line ---------------------------------------------------------------------------------------
     def seconds_to_next_log(self) -> float | None:
