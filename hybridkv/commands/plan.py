@@ -69,10 +69,10 @@ def _run_plan(args: argparse.Namespace) -> int:
 def _load_config(model: str) -> dict:
     """config.json of a directory or file; for a known model name or a .gguf file, the HF-style config its
     GGUF metadata gives (reading metadata only; this imports torch, so only then)."""
-    from hybridkv.model.registry import KNOWN_MODELS
+    from hybridkv.model.loading.known_models import KNOWN_MODELS
 
     if model in KNOWN_MODELS or model.endswith(".gguf"):
-        from hybridkv.model.registry import model_hf_config
+        from hybridkv.model.loading.known_models import model_hf_config
 
         return model_hf_config(model)
     return load_hf_config(model)

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from hybridkv.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from hybridkv.engine.sampling_params import RequestOutputKind, SamplingParams
-from hybridkv.model.checkpoint import LoadedModel
+from hybridkv.model.loading.checkpoint import LoadedModel
 
 Prompt = str | dict[str, Any]
 Message = dict[str, Any]

@@ -25,8 +25,8 @@ from hybridkv.kv.layout import plan_layout
 from hybridkv.model.attention.factory import make_paged_attention
 from hybridkv.model.attention.torch_paged import TorchPagedAttention
 from hybridkv.model.attention.triton_paged import SEGMENT_BYTES
-from hybridkv.model.checkpoint import LoadedModel, load_checkpoint
-from hybridkv.model.parallel import TPGroup
+from hybridkv.model.loading.checkpoint import LoadedModel, load_checkpoint
+from hybridkv.model.architectures.parallel import TPGroup
 
 log = logging.getLogger("hybridkv")
 
@@ -410,7 +410,7 @@ def _advance_grammar(seq: Sequence, token: int) -> str | None:
 
 def _load_rank0(config: EngineConfig, dtype: torch.dtype, tp: TPGroup) -> LoadedModel:
     if config.load_format == "dummy":
-        from hybridkv.model.dummy_weights import dummy_checkpoint
+        from hybridkv.model.loading.dummy_weights import dummy_checkpoint
 
         if config.model is None:
             raise ValueError("load_format dummy needs a model directory with config.json")
@@ -420,7 +420,7 @@ def _load_rank0(config: EngineConfig, dtype: torch.dtype, tp: TPGroup) -> Loaded
         raise ValueError(f"unknown load_format {config.load_format!r}; choose auto or dummy")
     if tp.size == 1:
         return load_checkpoint(config.model, dtype, tokenizer=not config.skip_tokenizer_init)
-    from hybridkv.model.tp_checkpoint import load_rank_checkpoint
+    from hybridkv.model.loading.tp_checkpoint import load_rank_checkpoint
 
     return load_rank_checkpoint(config.model, dtype, tp, tokenizer=not config.skip_tokenizer_init)
 

@@ -36,10 +36,10 @@ from hybridkv.engine.model_runner import ModelRunner, StepInput
 from hybridkv.kv.layer_specs import layer_specs_from_hf_config
 from hybridkv.kv.layout import plan_layout
 from hybridkv.model.attention.factory import make_paged_attention
-from hybridkv.model.dummy_weights import dummy_checkpoint
+from hybridkv.model.loading.dummy_weights import dummy_checkpoint
 from hybridkv.model.attention.torch_paged import TorchPagedAttention
-from hybridkv.model.parallel import TPGroup
-from hybridkv.model.tp_checkpoint import load_rank_checkpoint
+from hybridkv.model.architectures.parallel import TPGroup
+from hybridkv.model.loading.tp_checkpoint import load_rank_checkpoint
 
 _HOST = "127.0.0.1"
 _GRACE_S = 2.0  # how long a failing step waits for a dying worker to be reaped, so the error can name it

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridkv.engine.llm_engine import CompletionOutput, EngineConfig, LLMEngine, RequestOutput
 from hybridkv.engine.output_processing import Logprobs
-from hybridkv.model.tokenizer import Tokenizer
+from hybridkv.model.loading.tokenizer import Tokenizer
 from hybridkv.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from hybridkv.server.auth import add_access_middleware
 from hybridkv.server.errors import APIError, error_response

@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hybridkv import LLM, SamplingParams  # noqa: E402
-from hybridkv.model.registry import resolve_model  # noqa: E402
+from hybridkv.model.loading.known_models import resolve_model  # noqa: E402
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],

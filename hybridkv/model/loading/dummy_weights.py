@@ -15,11 +15,11 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models, pre_tokenizers
 
 from hybridkv.kv.layer_specs import load_hf_config
-from hybridkv.model.checkpoint import LoadedModel
-from hybridkv.model.config import ModelConfig
-from hybridkv.model.llama import LlamaForCausalLM
-from hybridkv.model.parallel import TPGroup
-from hybridkv.model.tokenizer import Tokenizer
+from hybridkv.model.loading.checkpoint import LoadedModel
+from hybridkv.model.architectures.llama_config import ModelConfig
+from hybridkv.model.architectures.llama import LlamaForCausalLM
+from hybridkv.model.architectures.parallel import TPGroup
+from hybridkv.model.loading.tokenizer import Tokenizer
 
 
 def dummy_checkpoint(path: str, dtype: torch.dtype, device: str, tp: TPGroup | None = None, seed: int = 0,

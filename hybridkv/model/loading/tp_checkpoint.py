@@ -16,14 +16,14 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from hybridkv.kv.layer_specs import load_hf_config
-from hybridkv.model.checkpoint import LoadedModel
-from hybridkv.model.config import SUPPORTED_MODEL_TYPES, ModelConfig
-from hybridkv.model.gguf_reader import read_gguf
-from hybridkv.model.llama import LlamaForCausalLM
-from hybridkv.model.loader import SUPPORTED_DTYPES, load_weights, safetensors_files
-from hybridkv.model.parallel import TPGroup
-from hybridkv.model.registry import resolve_model
-from hybridkv.model.tokenizer import Tokenizer
+from hybridkv.model.loading.checkpoint import LoadedModel
+from hybridkv.model.architectures.llama_config import SUPPORTED_MODEL_TYPES, ModelConfig
+from hybridkv.model.loading.gguf_reader import read_gguf
+from hybridkv.model.architectures.llama import LlamaForCausalLM
+from hybridkv.model.loading.weights import SUPPORTED_DTYPES, load_weights, safetensors_files
+from hybridkv.model.architectures.parallel import TPGroup
+from hybridkv.model.loading.known_models import resolve_model
+from hybridkv.model.loading.tokenizer import Tokenizer
 
 
 def iter_safetensors_slices(files: list[Path], progress: bool = True) -> Iterator[tuple[str, Any]]:

@@ -32,8 +32,8 @@ from torch import nn
 
 from hybridkv.kv.layer_specs import layer_kinds, text_config
 from hybridkv.model.attention.base import AttentionBackend
-from hybridkv.model.config import ROPE_TYPES, RopeConfig
-from hybridkv.model.llama import rope_cos_sin, rope_halves, rope_inv_freq
+from hybridkv.model.architectures.llama_config import ROPE_TYPES, RopeConfig
+from hybridkv.model.architectures.llama import rope_cos_sin, rope_halves, rope_inv_freq
 
 GEMMA3_MODEL_TYPES = ("gemma3", "gemma3_text")
 _GLOBAL_THETA = 1_000_000.0  # transformers' Gemma3TextConfig.default_theta

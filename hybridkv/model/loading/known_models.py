@@ -87,7 +87,7 @@ def model_hf_config(model: str, cache_dir: str | os.PathLike | None = None) -> d
         return load_hf_config(resolved.path)
     import gguf
 
-    from hybridkv.model.gguf_reader import hf_config  # imports torch: only for GGUF models
+    from hybridkv.model.loading.gguf_reader import hf_config  # imports torch: only for GGUF models
 
     return hf_config(gguf.GGUFReader(resolved.path))
 

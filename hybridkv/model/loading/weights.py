@@ -16,10 +16,10 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from hybridkv.kv.layer_specs import load_hf_config
-from hybridkv.model.config import ModelConfig
-from hybridkv.model.gemma3 import GEMMA3_MODEL_TYPES, Gemma3Config, Gemma3ForCausalLM
-from hybridkv.model.llama import LlamaForCausalLM
-from hybridkv.model.parallel import shard_for_rank
+from hybridkv.model.architectures.llama_config import ModelConfig
+from hybridkv.model.architectures.gemma3 import GEMMA3_MODEL_TYPES, Gemma3Config, Gemma3ForCausalLM
+from hybridkv.model.architectures.llama import LlamaForCausalLM
+from hybridkv.model.architectures.parallel import shard_for_rank
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Parts of multimodal checkpoints (Llama4ForConditionalGeneration, llava-style) that are not the text model.

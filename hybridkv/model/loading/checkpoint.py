@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from hybridkv.model.gguf_reader import read_gguf
-from hybridkv.model.llama import LlamaForCausalLM
-from hybridkv.model.loader import build_model, load_safetensors_model, load_weights
-from hybridkv.model.registry import resolve_model
-from hybridkv.model.tokenizer import Tokenizer
+from hybridkv.model.loading.gguf_reader import read_gguf
+from hybridkv.model.architectures.llama import LlamaForCausalLM
+from hybridkv.model.loading.weights import build_model, load_safetensors_model, load_weights
+from hybridkv.model.loading.known_models import resolve_model
+from hybridkv.model.loading.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)

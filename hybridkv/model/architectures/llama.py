@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.model.attention.base import AttentionBackend
-from hybridkv.model.config import ModelConfig, RopeConfig
-from hybridkv.model.parallel import (
+from hybridkv.model.architectures.llama_config import ModelConfig, RopeConfig
+from hybridkv.model.architectures.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,

@@ -23,7 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from hybridkv.model.gguf_reader import gguf_metadata
+from hybridkv.model.loading.gguf_reader import gguf_metadata
 
 # llama.cpp's token_type values.
 _CONTROL = 3
