@@ -34,7 +34,7 @@ from hybridkv.kv.planner import plan_capacity
 from hybridkv.model.loading.checkpoint import LoadedModel
 from hybridkv.model.architectures.llama_config import ModelConfig
 from hybridkv.model.architectures.llama import LlamaForCausalLM
-from hybridkv.model.loading.dummy_weights import word_tokenizer
+from hybridkv.model.loading.tokenizer import word_tokenizer
 
 CONFIG = Path(__file__).resolve().parents[2] / "tests" / "data" / "scout-text-config.json"
 

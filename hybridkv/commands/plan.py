@@ -11,8 +11,8 @@ import json
 import sys
 from typing import Callable
 
-from hybridkv.kv.layer_specs import load_hf_config
 from hybridkv.kv.planner import CONCURRENCY_LENGTHS, CapacityPlan, plan_capacity, plan_to_dict
+from hybridkv.model.loading.hf_config import load_hf_config, model_hf_config
 
 GIB = 1 << 30
 EXIT_USAGE = 2
@@ -72,8 +72,6 @@ def _load_config(model: str) -> dict:
     from hybridkv.model.loading.known_models import KNOWN_MODELS
 
     if model in KNOWN_MODELS or model.endswith(".gguf"):
-        from hybridkv.model.loading.known_models import model_hf_config
-
         return model_hf_config(model)
     return load_hf_config(model)
 

@@ -6,14 +6,16 @@ parallelism the driver sends the same ``StepInput`` to every worker rank, which 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from hybridkv.engine.scheduler import SchedulerOutput
 from hybridkv.kv.cache_manager import KVCacheManager
-from hybridkv.model.attention.torch_paged import StepSequence, TorchPagedAttention
+from hybridkv.model.attention.base import PagedAttentionBackend, StepSequence
+from hybridkv.model.causal_lm import CausalLM
 
 
 @dataclass(slots=True)
@@ -23,20 +25,29 @@ class StepInput:
     input_ids: np.ndarray  # [T] int64, every scheduled token of every sequence, flattened
     seqs: list[StepSequence]  # per sequence: cached tokens, new tokens, block table per layer group
     sample_rows: np.ndarray  # [N] int64, the token rows whose logits are wanted
+    # Block copies a host-memory tier sends (its swap-ins and swap-outs), issued by the runner before the forward.
+    block_ops: list[Any] = field(default_factory=list)
 
     def positions(self) -> np.ndarray:
         return np.concatenate([np.arange(s.context_len, s.context_len + s.query_len) for s in self.seqs])
 
 
 class ModelRunner:
-    def __init__(
-        self, model: torch.nn.Module, kv: KVCacheManager | None, backend: TorchPagedAttention
-    ) -> None:
+    def __init__(self, model: CausalLM, kv: KVCacheManager | None, backend: PagedAttentionBackend) -> None:
         self.model = model
         self.kv = kv  # None on worker ranks: they only execute
         self.backend = backend
         self.device = next(model.parameters()).device
         self.graphs = None  # DecodeGraphs when decode steps replay from CUDA graphs
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
+        """Replay decode steps from CUDA graphs from now on, where the backend and the model both can."""
+        if not (self.backend.capabilities.cuda_graphs and self.model.supports_cuda_graphs):
+            return False
+        from hybridkv.engine.cuda_graphs import DecodeGraphs  # CUDA only
+
+        self.graphs = DecodeGraphs(self.model, self.backend, max_num_seqs, max_model_len)
+        return True
 
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """Compute every scheduled token; return float32 logits ``[num sampling sequences, vocab]``.

@@ -51,6 +51,20 @@ def test_chat_greedy_matches_transformers_token_for_token(llm, hf_model):
     assert "Paris" in outs[0].outputs[0].text
 
 
+def test_one_chat_template_helper_renders_and_tokenizes_without_special_tokens(llm):
+    """``chat_token_ids`` (used by LLM.chat, the server and ``hybridkv generate``): the template writes the
+    conversation's special tokens, so none are added; the text prompt's length check applies."""
+    engine, tok = llm.engine, llm.get_tokenizer()
+    conv = CONVERSATIONS[1]
+    ids = engine.chat_token_ids(conv)
+    assert ids == tok.encode(tok.apply_chat_template(conv), add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=False).startswith("<|im_start|>system\nYou are a terse")
+    bare = engine.chat_token_ids(conv, add_generation_prompt=False)
+    assert len(bare) < len(ids) and ids[: len(bare)] == bare
+    with pytest.raises(ValueError, match="more than max_model_len"):
+        engine.chat_token_ids([{"role": "user", "content": "word " * 10_000_000}])
+
+
 def test_second_round_is_served_from_the_prefix_cache(llm):
     params = SamplingParams(temperature=0, max_tokens=4)
     first = llm.chat(CONVERSATIONS[1], params, use_tqdm=False)[0]

@@ -199,6 +199,14 @@ class Tokenizer:
             raise ValueError(f"chat template rejected the conversation (roles {roles}): {error}") from error
 
 
+def word_tokenizer(vocab: int) -> Tokenizer:
+    """A stand-in over a model's vocabulary (dummy weights without tokenizer files): token i is the word "w<i>",
+    EOS is w1."""
+    backend = BackendTokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(backend, eos_token="w1", eos_token_ids=[1])
+
+
 def _byte_level_bpe(
     tokens: list[str], merges: list[str], token_types: list[int], pre: str | None
 ) -> BackendTokenizer:
