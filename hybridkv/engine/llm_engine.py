@@ -16,11 +16,11 @@ import torch
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.model_runner import ModelRunner
 from hybridkv.engine.output_processing import Logprobs, RequestOutputState
+from hybridkv.engine.runtime import build_runtime, rank_layout
 from hybridkv.engine.sampler import Sampler, make_generator
 from hybridkv.engine.sampling_params import RequestOutputKind, SamplingParams
 from hybridkv.engine.scheduler import Scheduler, SchedulerOutput
 from hybridkv.engine.sequence import Sequence
-from hybridkv.engine.runtime import build_runtime, rank_layout
 from hybridkv.engine.structured_output import StructuredOutputs
 from hybridkv.kv.cache_manager import KVCacheManager
 from hybridkv.kv.layer_specs import text_config

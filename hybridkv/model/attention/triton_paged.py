@@ -306,7 +306,7 @@ class TritonPagedAttention:
             # a function of ``padded`` alone: the split count a graph was captured with is the one it replays with
             splits = self._num_splits(reach, group.spec.num_kv_heads)
             self.step_state.groups.append(_GroupMeta(st.tables[g][:padded], st.slot_block[g][:padded],
-                                           st.slot_offset[g][:padded], splits))
+                                                     st.slot_offset[g][:padded], splits))
 
     def _num_splits(self, longest_reach: int, kv_heads: int) -> int:
         """Split the KV range only when too few programs would run otherwise (decode of few long sequences)."""
