@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 from hybridkv.bench.tables import markdown_table
-from hybridkv.kv import CacheRequest, KVCacheManager, layer_specs_from_hf_config, load_hf_config, plan_layout
+from hybridkv.kv import CacheRequest, KVCacheManager, layer_specs_from_hf_config, plan_layout
+from hybridkv.model.loading.hf_config import load_hf_config
 
 CONFIG = Path(__file__).resolve().parent.parent / "tests" / "data" / "scout-text-config.json"
 CHUNK = 8192

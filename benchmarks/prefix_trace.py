@@ -35,10 +35,10 @@ from hybridkv.kv import (
     KVCacheManager,
     SlidingWindowSpec,
     layer_specs_from_hf_config,
-    load_hf_config,
     plan_layout,
 )
 from hybridkv.kv.block_hash import BlockHasher
+from hybridkv.model.loading.hf_config import load_hf_config
 
 SCOUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "scout-text-config.json"
 BLOCK = 16

@@ -29,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hybridkv.kv.layout import plan_layout
 from hybridkv.kv.specs import ChunkedLocalSpec, FullAttentionSpec
-from hybridkv.model.attention.torch_paged import StepSequence
+from hybridkv.model.attention.base import StepSequence
 from hybridkv.model.attention.triton_paged import DECODE, HOPPER_PREFILL, PREFILL, KernelConfig, TritonPagedAttention
 
 HQ, HKV, D, CHUNK = 5, 1, 128, 8192
@@ -271,7 +271,7 @@ def sweep(step_context: int = 1 << 20, step_tokens: int = 16384, one_shot: int =
             t2 = bench(run)
             assert err1 <= 1e-2 and err2 <= 1e-2 and not out2.isnan().any(), (err1, err2)
             rows.append([str(cfg), f"{flops1 / t1 / 1e9:.0f}", f"{flops2 / t2 / 1e9:.0f}",
-                         f"{err1:.1e} / {err2:.1e}, splits {step._groups[0].num_splits}"])
+                         f"{err1:.1e} / {err2:.1e}, splits {step.step_state.groups[0].num_splits}"])
         except Exception as e:  # noqa: BLE001 - report what failed to compile or check, keep sweeping
             rows.append([str(cfg), "", "", f"error {type(e).__name__}: {str(e)[:200]}"])
         print(rows[-1], flush=True)
@@ -307,7 +307,7 @@ def engine_step_rows(context: int, tokens: int, kv_dtype: str = "bfloat16") -> l
             err = rel_err(run()[:1], ref)
             assert err <= 1e-2, f"step over {context}: relative error {err:.2e}"
             ms = bench(run)
-            splits = backend._groups[0].num_splits
+            splits = backend.step_state.groups[0].num_splits
             rows.append([f"prefill step, {kv_dtype} KV, {block}-token pages, {splits} split(s)",
                          f"{tokens:,} over {context:,}",
                          f"{ms:.1f}", f"{flops / ms / 1e9:.0f}", "", "", "", f"{err:.1e}"])

@@ -39,8 +39,8 @@ from scout_rank import BLOCK_SIZE, engine_for, prompt, random_model, rank_config
 from hybridkv.bench.tables import markdown_table  # noqa: E402
 from hybridkv.engine.sampling_params import SamplingParams  # noqa: E402
 from hybridkv.kv import KVCacheManager, layer_specs_from_hf_config, plan_layout  # noqa: E402
-from hybridkv.model.checkpoint import LoadedModel  # noqa: E402
-from hybridkv.model.dummy_weights import word_tokenizer  # noqa: E402
+from hybridkv.model.loading.checkpoint import LoadedModel  # noqa: E402
+from hybridkv.model.loading.tokenizer import word_tokenizer  # noqa: E402
 
 STEP = 16384
 QUESTION = 64

@@ -31,10 +31,10 @@ from hybridkv.engine.llm_engine import EngineConfig, LLMEngine
 from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.engine.sequence import SequenceStatus
 from hybridkv.kv.planner import plan_capacity
-from hybridkv.model.checkpoint import LoadedModel
-from hybridkv.model.config import ModelConfig
-from hybridkv.model.llama import LlamaForCausalLM
-from hybridkv.model.dummy_weights import word_tokenizer
+from hybridkv.model.loading.checkpoint import LoadedModel
+from hybridkv.model.architectures.llama_config import ModelConfig
+from hybridkv.model.architectures.llama import LlamaForCausalLM
+from hybridkv.model.loading.tokenizer import word_tokenizer
 
 CONFIG = Path(__file__).resolve().parents[2] / "tests" / "data" / "scout-text-config.json"
 

@@ -20,9 +20,10 @@ import torch
 import transformers
 
 from hybridkv import LLM, SamplingParams
-from hybridkv.model.checkpoint import LoadedModel
-from hybridkv.model.loader import build_model, load_weights
-from hybridkv.model.dummy_weights import word_tokenizer
+from hybridkv.model.loading.checkpoint import LoadedModel
+from hybridkv.model.factory import build_model
+from hybridkv.model.loading.weights import load_weights
+from hybridkv.model.loading.tokenizer import word_tokenizer
 
 SMOLLM2 = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,

@@ -83,8 +83,8 @@ def _load_tokenizer(name: str | None, model: str):
     """The bench tokenizer, without loading weights: --tokenizer, else the served model if we can resolve it."""
     from pathlib import Path
 
-    from hybridkv.model.registry import DEFAULT_MODEL, resolve_model
-    from hybridkv.model.tokenizer import Tokenizer
+    from hybridkv.model.loading.known_models import DEFAULT_MODEL, resolve_model
+    from hybridkv.model.loading.tokenizer import Tokenizer
 
     if name is not None and (Path(name) / "tokenizer.json").is_file():
         return Tokenizer.from_hf_dir(name), name

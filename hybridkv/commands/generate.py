@@ -45,7 +45,7 @@ def _generate(args: argparse.Namespace) -> int:
     tok = engine.tokenizer
     prompt: str | list[int] = args.prompt
     if args.chat and tok is not None and tok.chat_template:
-        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}]), False)
+        prompt = engine.chat_token_ids([{"role": "user", "content": args.prompt}])
     engine.add_request("cli", prompt, params)
     result = None
     while engine.has_unfinished_requests():

@@ -13,8 +13,8 @@ from typing import Callable
 
 from hybridkv.kv.dtypes import KV_CACHE_DTYPES
 from hybridkv.kv.host_tier import host_tier_tokens
-from hybridkv.kv.layer_specs import load_hf_config
 from hybridkv.kv.planner import CONCURRENCY_LENGTHS, CapacityPlan, plan_capacity, plan_to_dict
+from hybridkv.model.loading.hf_config import load_hf_config, model_hf_config
 
 GIB = 1 << 30
 EXIT_USAGE = 2
@@ -100,11 +100,9 @@ def format_host_tier(host: dict[str, int | None]) -> str:
 def _load_config(model: str) -> dict:
     """config.json of a directory or file; for a known model name or a .gguf file, the HF-style config its
     GGUF metadata gives (reading metadata only; this imports torch, so only then)."""
-    from hybridkv.model.registry import KNOWN_MODELS
+    from hybridkv.model.loading.known_models import KNOWN_MODELS
 
     if model in KNOWN_MODELS or model.endswith(".gguf"):
-        from hybridkv.model.registry import model_hf_config
-
         return model_hf_config(model)
     return load_hf_config(model)
 
@@ -131,11 +129,11 @@ def _plan_kwargs(args: argparse.Namespace) -> dict[str, object]:
 def _fp8_segment_bytes(args: argparse.Namespace) -> int:
     """The Triton backend's FP8 widening scratch, which ``serve`` on a GPU reserves with an FP8 cache (read from
     the backend, which imports torch: only when it counts)."""
-    if args.gpu_memory_gib is None or not args.kv_cache_dtype.startswith("fp8"):
+    if args.gpu_memory_gib is None:
         return 0
-    from hybridkv.model.attention.triton_paged import SEGMENT_BYTES
+    from hybridkv.model.attention.factory import paged_attention_capabilities
 
-    return SEGMENT_BYTES
+    return paged_attention_capabilities("auto", "cuda", args.kv_cache_dtype).segment_bytes
 
 
 def format_plan(plan: CapacityPlan, hybrid: CapacityPlan, flat: CapacityPlan) -> str:

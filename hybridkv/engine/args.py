@@ -1,39 +1,42 @@
-"""Engine flags with vLLM's names, shared by ``hybridkv generate`` and ``hybridkv serve``."""
+"""Engine flags with vLLM's names, shared by ``hybridkv generate`` and ``hybridkv serve``: one per
+``EngineConfig`` field (``max_num_seqs`` -> ``--max-num-seqs``), its help text and type from the field."""
 
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+import dataclasses
+import typing
+from dataclasses import replace
+from typing import Any
 
-if TYPE_CHECKING:
-    from hybridkv.engine.llm_engine import EngineConfig
+from hybridkv.engine.config import EngineConfig
+
+
+def engine_flags() -> list[dataclasses.Field]:
+    """The config fields that are command-line flags, in declaration order."""
+    return [f for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli", True)]
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
-    if model_positional:
-        p.add_argument("model", nargs="?", default=None, help="known name, .gguf file or HF directory")
-    else:
-        p.add_argument("--model", default=None, help="known name, .gguf file or HF directory (default: SmolLM2)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-        help="reuse KV blocks of shared prefixes",
-    )
-    p.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16 | float16 | float32 | fp8_e4m3")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache budget in bytes")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="GPU only")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in engine_flags():
+        if f.name == "model" and model_positional:
+            p.add_argument("model", nargs="?", default=None, help="known name, .gguf file or HF directory")
+            continue
+        flag, kind = "--" + f.name.replace("_", "-"), _value_type(hints[f.name])
+        help_text = f.metadata["help"]
+        if kind is bool:
+            action = argparse.BooleanOptionalAction if f.default else "store_true"
+            p.add_argument(flag, action=action, default=f.default, help=help_text)
+        else:
+            p.add_argument(flag, type=kind, default=f.default, help=help_text)
     add_kv_offload_arg(p)
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (processes) to split the model over")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", help="auto (CUDA when available) | cpu | cuda (Triton kernels)")
-    p.add_argument("--skip-tokenizer-init", action="store_true",
-                   help="load no tokenizer: prompts and outputs are token ids")
-    p.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs for decode steps")
-    p.add_argument("--load-format", default="auto", help="auto | dummy (random weights from config.json alone)")
+
+
+def _value_type(hint: Any) -> type:
+    """``int | None`` -> int: a flag left out keeps the field's default (None)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
 
 
 def add_kv_offload_arg(p: argparse.ArgumentParser) -> None:
@@ -50,26 +53,7 @@ def kv_offload_bytes(gib: float) -> int:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    from hybridkv.engine.llm_engine import EngineConfig  # torch loads only when an engine is built
-
     if args.tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}")
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_dtype=args.kv_cache_dtype,
-        seed=args.seed,
-        device=args.device,
-        enforce_eager=args.enforce_eager,
-        load_format=args.load_format,
-        tensor_parallel_size=args.tensor_parallel_size,
-        skip_tokenizer_init=args.skip_tokenizer_init,
-        kv_offload_bytes=kv_offload_bytes(args.kv_offload_gib),
-    )
+    config = EngineConfig(**{f.name: getattr(args, f.name) for f in engine_flags()})
+    return replace(config, kv_offload_bytes=kv_offload_bytes(args.kv_offload_gib))

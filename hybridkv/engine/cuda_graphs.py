@@ -15,19 +15,20 @@ import numpy as np
 import torch
 
 from hybridkv.model.attention.triton_paged import TritonPagedAttention
+from hybridkv.model.causal_lm import CausalLM
 
 log = logging.getLogger("hybridkv")
 TABLE_BUDGET_BYTES = 512 << 20  # static block tables grow with batch x max_model_len: cap the batch they allow
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, backend: TritonPagedAttention, max_num_seqs: int,
+    def __init__(self, model: CausalLM, backend: TritonPagedAttention, max_num_seqs: int,
                  max_model_len: int) -> None:
         self.model = model
         self.backend = backend
         width = -(-max_model_len // backend.block_size)
         by_tables = TABLE_BUDGET_BYTES // (width * 4 * len(backend.layout.groups))
-        most = max(1, min(max_num_seqs, by_tables, getattr(model, "max_graph_tokens", max_num_seqs)))
+        most = max(1, min(max_num_seqs, by_tables, model.max_graph_tokens))
         self.buckets = sorted({min(1 << i, most) for i in range(most.bit_length() + 1)})
         self.max_seqs = self.buckets[-1]
         device = backend.device

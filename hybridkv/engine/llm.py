@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from hybridkv.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.llm_engine import LLMEngine, RequestOutput
 from hybridkv.engine.sampling_params import RequestOutputKind, SamplingParams
-from hybridkv.model.checkpoint import LoadedModel
+from hybridkv.model.loading.checkpoint import LoadedModel
 
 Prompt = str | dict[str, Any]
 Message = dict[str, Any]
+ENGINE_ARGS = tuple(f.name for f in fields(EngineConfig) if f.name != "model")
 
 
 class LLM:
@@ -22,47 +24,13 @@ class LLM:
     >>> llm.generate("Hi", SamplingParams(temperature=0))[0].outputs[0].text  # doctest: +SKIP
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        dtype: str = "auto",
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
-        kv_cache_memory_bytes: int | None = None,
-        kv_cache_dtype: str = "auto",
-        seed: int = 0,
-        device: str = "auto",
-        loaded: LoadedModel | None = None,
-        tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float = 0.9,
-        enforce_eager: bool = False,
-        load_format: str = "auto",
-        skip_tokenizer_init: bool = False,
-        kv_offload_bytes: int = 0,
-    ) -> None:
-        config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            kv_cache_dtype=kv_cache_dtype,
-            seed=seed,
-            device=device,
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager,
-            load_format=load_format,
-            skip_tokenizer_init=skip_tokenizer_init,
-            kv_offload_bytes=kv_offload_bytes,
-        )
-        self.engine = LLMEngine(config, loaded)
+    def __init__(self, model: str | None = None, loaded: LoadedModel | None = None, **engine_args: Any) -> None:
+        """``engine_args``: any ``EngineConfig`` field (``dtype``, ``max_model_len``, ``tensor_parallel_size``,
+        ... -- see ``engine/config.py`` for each one's meaning); ``loaded``: an already-loaded model to serve."""
+        unknown = sorted(set(engine_args) - set(ENGINE_ARGS))
+        if unknown:
+            raise TypeError(f"LLM got unknown engine arguments {unknown}; known: {', '.join(ENGINE_ARGS)}")
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), loaded)
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
@@ -115,9 +83,8 @@ class LLM:
             raise ValueError("chat needs a tokenizer: this LLM was made with skip_tokenizer_init=True")
         if chat_template is not None:
             tok = replace(tok, chat_template=chat_template)
-        extra = {"tools": tools} if tools else {}
         prompts = [
-            {"prompt_token_ids": tok.encode(tok.apply_chat_template(list(c), add_generation_prompt, **extra), False)}
+            {"prompt_token_ids": self.engine.chat_token_ids(list(c), add_generation_prompt, tools, tok)}
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -9,12 +9,14 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
-from hybridkv.engine.block_copier import BlockCopier
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.model_runner import ModelRunner
 from hybridkv.engine.output_processing import Logprobs, RequestOutputState
+from hybridkv.engine.runtime import build_runtime
 from hybridkv.engine.sampler import Sampler, make_generator
 from hybridkv.engine.sampling_params import RequestOutputKind, SamplingParams
 from hybridkv.engine.scheduler import Scheduler, SchedulerOutput
@@ -24,44 +26,18 @@ from hybridkv.kv.capacity import longest_fitting
 from hybridkv.kv.capacity import step_reserve_bytes as _step_reserve_formula
 from hybridkv.kv.cache_manager import KVCacheManager
 from hybridkv.kv.dtypes import MODEL_DTYPES
-from hybridkv.kv.layer_specs import layer_specs_from_hf_config
+from hybridkv.kv.layer_specs import layer_specs_from_hf_config, text_config
 from hybridkv.kv.layout import KVLayout, plan_layout
 from hybridkv.kv.specs import AttentionSpec
-from hybridkv.model.attention.factory import make_paged_attention
-from hybridkv.model.attention.torch_paged import TorchPagedAttention
-from hybridkv.model.attention.triton_paged import SEGMENT_BYTES
-from hybridkv.model.checkpoint import LoadedModel, load_checkpoint
+from hybridkv.model.architectures.parallel import TPGroup
+from hybridkv.model.attention.factory import paged_attention_capabilities
 from hybridkv.model.dtypes import dtype_name, torch_dtype
-from hybridkv.model.parallel import TPGroup
+from hybridkv.model.loading.checkpoint import LoadedModel, load_checkpoint
+from hybridkv.model.loading.tokenizer import Tokenizer
 
 log = logging.getLogger("hybridkv")
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    model: str | None = None
-    dtype: str = "auto"  # float32 on CPU; the checkpoint's dtype on GPU
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: str = "xxh3_128"
-    max_model_len: int | None = None  # None: the model's context, clamped to what the KV budget holds
-    clamp_max_model_len: bool = False  # an explicit max_model_len that does not fit: clamp (serve) or raise
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    kv_cache_memory_bytes: int | None = None  # None: 2 GiB on CPU; on GPU what gpu_memory_utilization leaves
-    gpu_memory_utilization: float = 0.9
-    attention_backend: str = "auto"  # torch (reference) | triton (GPU kernels) | auto: triton on CUDA
-    enforce_eager: bool = False  # GPU: no CUDA graphs for decode steps
-    load_format: str = "auto"  # auto: the checkpoint's weights | dummy: random weights from config.json alone
-    kv_cache_dtype: str = "auto"
-    seed: int = 0
-    device: str = "auto"  # auto: CUDA when torch sees a GPU, else the CPU
-    skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs token ids (text stays "")
-    tensor_parallel_size: int = 1  # > 1: one process per rank, this one being rank 0 (see tp_workers.py)
-    distributed_timeout_s: float = 300.0  # a collective that waits this long raises: a rank has hung
-    kv_offload_bytes: int = 0  # host-memory tier of the prefix cache, per rank (0: off); see kv/host_tier.py
 
 
 @dataclass(slots=True)
@@ -103,10 +79,10 @@ class _Request:
 def step_reserve_bytes(config: EngineConfig, hidden_size: int, vocab_size: int) -> int:
     """GPU memory kept out of the KV cache for one step's working set: ``hybridkv.kv.capacity``'s formula (the
     planner's too), with an FP8 cache on the Triton kernels keeping room for a long prefill's bf16 segments."""
-    fp8_segments = config.kv_cache_dtype.startswith("fp8") and config.attention_backend != "torch"
+    # what the backend declares it widens beside the cache (an FP8 cache's prefill segments on the kernels)
+    segments = paged_attention_capabilities(config.attention_backend, "cuda", config.kv_cache_dtype).segment_bytes
     return _step_reserve_formula(
-        config.max_num_batched_tokens, config.max_num_seqs, hidden_size, vocab_size,
-        SEGMENT_BYTES if fp8_segments else 0,
+        config.max_num_batched_tokens, config.max_num_seqs, hidden_size, vocab_size, segments
     )
 
 
@@ -130,7 +106,7 @@ def resolve_max_model_len(config: EngineConfig, hf_config: dict, layout: KVLayou
 
     Too long for the model or the cache: raise naming the limit, or clamp and log it (``clamp_max_model_len``).
     """
-    cfg = hf_config.get("text_config") or hf_config
+    cfg = text_config(hf_config)
     model_len = int(cfg.get("max_position_embeddings") or 2048)
     asked = config.max_model_len
     wanted = model_len if asked is None else asked
@@ -169,9 +145,9 @@ class LLMEngine:
         kv_dtype = config.kv_cache_dtype
         if kv_dtype == "auto":
             kv_dtype = dtype_name(dtype)
-        self.layer_specs = layer_specs_from_hf_config(hf_config, tp.size, kv_dtype)
+        layer_specs = layer_specs_from_hf_config(hf_config, tp.size, kv_dtype)
         kv_bytes = config.kv_cache_memory_bytes or self._default_kv_bytes()
-        self.layout, num_blocks, self.max_model_len = size_kv_cache(config, hf_config, self.layer_specs, kv_bytes)
+        self.layout, num_blocks, self.max_model_len = size_kv_cache(config, hf_config, layer_specs, kv_bytes)
         host_blocks = self._host_blocks()
         self.kv = KVCacheManager(
             self.layout,
@@ -181,16 +157,14 @@ class LLMEngine:
             max_step_tokens=config.max_num_batched_tokens,
             host_blocks=host_blocks,
         )
-        self.backend = self._make_backend(num_blocks, kv_dtype)
+        runtime = build_runtime(self.model, self.layout, num_blocks, kv_dtype, config.attention_backend,
+                                config.device, self.kv, host_blocks)
+        self.backend, self.runner = runtime.backend, runtime.runner
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        copier = BlockCopier(self.backend.cache.buffer, host_blocks) if self.kv.host is not None else None
-        self.runner = ModelRunner(self.model, self.kv, self.backend, copier)
         if tp.size > 1:
-            self.runner = self._start_workers(tp, dtype, kv_dtype, num_blocks, copier)
-        elif self._use_cuda_graphs():
-            from hybridkv.engine.cuda_graphs import DecodeGraphs
-
-            self.runner.graphs = DecodeGraphs(self.model, self.backend, config.max_num_seqs, self.max_model_len)
+            self.runner = self._start_workers(tp, dtype, kv_dtype, num_blocks, host_blocks)
+        elif not config.enforce_eager:
+            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, hf_config)
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.model.cfg.vocab_size, self.eos_token_ids)
@@ -224,32 +198,12 @@ class LLMEngine:
             )
         return budget
 
-    def _use_cuda_graphs(self) -> bool:
-        return (
-            self.config.device.startswith("cuda")
-            and not self.config.enforce_eager
-            and not isinstance(self.backend, TorchPagedAttention)
-            and getattr(self.model, "supports_cuda_graphs", False)
-        )
-
-    def _make_backend(self, num_blocks: int, kv_dtype: str):
-        heads = self.model.cfg.num_heads // self.config.tensor_parallel_size
-        return make_paged_attention(self.config.attention_backend, self.layout, num_blocks, kv_dtype, heads,
-                                    self.config.device)
-
     def _start_workers(self, tp: TPGroup, dtype: torch.dtype, kv_dtype: str, num_blocks: int,
-                       copier: BlockCopier | None) -> ModelRunner:
+                       host_blocks: int) -> ModelRunner:
         from hybridkv.engine.tp_workers import TPDriverRunner, TPWorkers, WorkerSpec
 
-        c = self.config
-        spec = WorkerSpec(
-            model=c.model, dtype=dtype, device=c.device, rank=0, size=tp.size, port=0,
-            timeout_s=c.distributed_timeout_s, block_size=c.block_size, kv_dtype=kv_dtype, num_blocks=num_blocks,
-            attention_backend=c.attention_backend, load_format=c.load_format, seed=c.seed,
-            host_blocks=copier.host.shape[0] if copier is not None else 0,
-        )
-        self.workers = TPWorkers(spec, tp)
-        return TPDriverRunner(self.model, self.kv, self.backend, self.workers, copier)
+        self.workers = TPWorkers(WorkerSpec(self.config, dtype, kv_dtype, num_blocks, host_blocks=host_blocks), tp)
+        return TPDriverRunner(self.model, self.kv, self.backend, self.workers, self.runner.copier)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (a no-op without them); the engine cannot step afterwards."""
@@ -259,6 +213,12 @@ class LLMEngine:
     @property
     def block_size(self) -> int:
         return self.layout.block_size
+
+    @property
+    def layer_specs(self) -> list[AttentionSpec]:
+        """One spec per layer, sized for one tensor-parallel rank."""
+        by_layer = {layer: group.spec for group in self.layout.groups for layer in group.layer_ids}
+        return [by_layer[layer] for layer in sorted(by_layer)]
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(
@@ -297,6 +257,20 @@ class LLMEngine:
             req.seqs.append(seq)
             self.scheduler.add(seq)
         self._requests[request_id] = req
+
+    def chat_token_ids(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None, tokenizer: Tokenizer | None = None,
+    ) -> list[int]:
+        """Token ids of a conversation rendered by the chat template, tokenized like a text prompt (with its length
+        check) but without special tokens: the template writes any BOS itself. ``tools`` (OpenAI's tool
+        definitions) go to the template. ``tokenizer``: this engine's with another chat template."""
+        tok = tokenizer or self.tokenizer
+        if tok is None:
+            raise ValueError("chat needs a tokenizer, and this engine has none (skip_tokenizer_init)")
+        extra = {"tools": tools} if tools else {}
+        text = tok.apply_chat_template(messages, add_generation_prompt, **extra)
+        return self.tokenize(text, add_special_tokens=False)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt. Text too long for ``max_model_len`` however it tokenizes is refused before
@@ -440,20 +414,8 @@ def _advance_grammar(seq: Sequence, token: int) -> str | None:
 
 
 def _load_rank0(config: EngineConfig, dtype: torch.dtype, tp: TPGroup) -> LoadedModel:
-    if config.load_format == "dummy":
-        from hybridkv.model.dummy_weights import dummy_checkpoint
-
-        if config.model is None:
-            raise ValueError("load_format dummy needs a model directory with config.json")
-        return dummy_checkpoint(config.model, dtype, config.device, tp, config.seed,
-                                tokenizer=not config.skip_tokenizer_init)
-    if config.load_format != "auto":
-        raise ValueError(f"unknown load_format {config.load_format!r}; choose auto or dummy")
-    if tp.size == 1:
-        return load_checkpoint(config.model, dtype, tokenizer=not config.skip_tokenizer_init)
-    from hybridkv.model.tp_checkpoint import load_rank_checkpoint
-
-    return load_rank_checkpoint(config.model, dtype, tp, tokenizer=not config.skip_tokenizer_init)
+    return load_checkpoint(config.model, dtype, tokenizer=not config.skip_tokenizer_init, tp=tp,
+                           load_format=config.load_format, device=config.device, seed=config.seed)
 
 
 def resolve_device(device: str) -> str:
@@ -471,7 +433,7 @@ def _eos_token_ids(tokenizer, hf_config: dict) -> list[int]:
     """The tokenizer's end ids; without a tokenizer, the checkpoint config's ``eos_token_id`` (one or a list)."""
     if tokenizer is not None:
         return list(tokenizer.eos_token_ids)
-    eos = (hf_config.get("text_config") or {}).get("eos_token_id", hf_config.get("eos_token_id"))
+    eos = text_config(hf_config).get("eos_token_id", hf_config.get("eos_token_id"))
     return [int(t) for t in (eos if isinstance(eos, list) else [eos]) if t is not None]
 
 

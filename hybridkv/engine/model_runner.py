@@ -15,7 +15,8 @@ from hybridkv.engine.block_copier import BlockCopier
 from hybridkv.engine.scheduler import SchedulerOutput
 from hybridkv.kv.cache_manager import KVCacheManager
 from hybridkv.kv.host_tier import BlockCopy
-from hybridkv.model.attention.torch_paged import StepSequence, TorchPagedAttention
+from hybridkv.model.attention.base import PagedAttentionBackend, StepSequence
+from hybridkv.model.causal_lm import CausalLM
 
 
 @dataclass(slots=True)
@@ -34,10 +35,7 @@ class StepInput:
 
 class ModelRunner:
     def __init__(
-        self,
-        model: torch.nn.Module,
-        kv: KVCacheManager | None,
-        backend: TorchPagedAttention,
+        self, model: CausalLM, kv: KVCacheManager | None, backend: PagedAttentionBackend,
         copier: BlockCopier | None = None,
     ) -> None:
         self.model = model
@@ -46,6 +44,15 @@ class ModelRunner:
         self.copier = copier  # this rank's host pages (None without a host tier)
         self.device = next(model.parameters()).device
         self.graphs = None  # DecodeGraphs when decode steps replay from CUDA graphs
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
+        """Replay decode steps from CUDA graphs from now on, where the backend and the model both can."""
+        if not (self.backend.capabilities.cuda_graphs and self.model.supports_cuda_graphs):
+            return False
+        from hybridkv.engine.cuda_graphs import DecodeGraphs  # CUDA only
+
+        self.graphs = DecodeGraphs(self.model, self.backend, max_num_seqs, max_model_len)
+        return True
 
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """Compute every scheduled token; return float32 logits ``[num sampling sequences, vocab]``.

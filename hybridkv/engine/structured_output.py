@@ -23,7 +23,7 @@ from hybridkv.engine.sampling_params import StructuredOutputsParams
 if TYPE_CHECKING:
     import xgrammar
 
-    from hybridkv.model.tokenizer import Tokenizer
+    from hybridkv.model.loading.tokenizer import Tokenizer
 
 # Compiled grammars kept by the compiler: a JSON schema over a 49K vocabulary takes about 40-120 KB.
 GRAMMAR_CACHE_BYTES = 256 << 20

@@ -33,14 +33,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybridkv.engine.block_copier import BlockCopier
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.model_runner import ModelRunner, StepInput
-from hybridkv.kv.layer_specs import layer_specs_from_hf_config
-from hybridkv.kv.layout import plan_layout
-from hybridkv.model.attention.factory import make_paged_attention
-from hybridkv.model.dummy_weights import dummy_checkpoint
-from hybridkv.model.attention.torch_paged import TorchPagedAttention
-from hybridkv.model.parallel import TPGroup
-from hybridkv.model.tp_checkpoint import load_rank_checkpoint
+from hybridkv.engine.runtime import build_runtime, rank_layout
+from hybridkv.model.architectures.parallel import TPGroup
+from hybridkv.model.attention.base import PagedAttentionBackend
+from hybridkv.model.loading.checkpoint import load_checkpoint
 
 _HOST = "127.0.0.1"
 _GRACE_S = 2.0  # how long a failing step waits for a dying worker to be reaped, so the error can name it
@@ -55,20 +53,28 @@ class TensorParallelError(RuntimeError):
 
 @dataclass(slots=True)
 class WorkerSpec:
-    model: str | None
+    """What a worker rank is started with: the engine's whole config (so a new knob reaches the workers by itself)
+    and what rank 0 resolved from it, which every rank must share."""
+
+    config: EngineConfig  # its device resolved (cpu or cuda)
     dtype: torch.dtype
-    device: str
-    rank: int
-    size: int
-    port: int  # of the driver's TCPStore, where ranks meet
-    timeout_s: float
-    block_size: int
     kv_dtype: str
     num_blocks: int
-    attention_backend: str = "auto"
-    load_format: str = "auto"
-    seed: int = 0
+    rank: int = 0
+    port: int = 0  # of the driver's TCPStore, where ranks meet
     host_blocks: int = 0  # host tier pages per rank (each rank keeps its own heads' pages)
+
+    @property
+    def size(self) -> int:
+        return self.config.tensor_parallel_size
+
+    @property
+    def timeout_s(self) -> float:
+        return self.config.distributed_timeout_s
+
+    @property
+    def device(self) -> str:
+        return self.config.device
 
 
 def device_for_rank(device: str, rank: int) -> str:
@@ -100,18 +106,14 @@ def _worker_main(spec: WorkerSpec, conn: Connection) -> None:
 
 
 def _build_runner(spec: WorkerSpec, tp: TPGroup) -> ModelRunner:
-    device = device_for_rank(spec.device, spec.rank)
-    if spec.load_format == "dummy":
-        loaded = dummy_checkpoint(spec.model, spec.dtype, device, tp, spec.seed, tokenizer=False)
-    else:
-        loaded = load_rank_checkpoint(spec.model, spec.dtype, tp, progress=False, tokenizer=False)
+    c, device = spec.config, device_for_rank(spec.device, spec.rank)
+    loaded = load_checkpoint(c.model, spec.dtype, progress=False, tokenizer=False, tp=tp, load_format=c.load_format,
+                             device=device, seed=c.seed)
     model = loaded.model.to(device=device, dtype=spec.dtype).eval()
     # the same layout and block count as the driver's, so its block tables address this rank's cache
-    layout = plan_layout(layer_specs_from_hf_config(loaded.hf_config, tp.size, spec.kv_dtype), spec.block_size)
-    heads = loaded.model.cfg.num_heads // tp.size
-    backend = make_paged_attention(spec.attention_backend, layout, spec.num_blocks, spec.kv_dtype, heads, device)
-    copier = BlockCopier(backend.cache.buffer, spec.host_blocks) if spec.host_blocks else None
-    return ModelRunner(model, None, backend, copier)
+    layout = rank_layout(loaded.hf_config, tp.size, spec.kv_dtype, c.block_size)
+    return build_runtime(model, layout, spec.num_blocks, spec.kv_dtype, c.attention_backend, device,
+                         host_blocks=spec.host_blocks).runner
 
 
 class TPWorkers:
@@ -234,7 +236,7 @@ def _stop_workers(procs: list, conns: list[Connection], tp: TPGroup) -> None:
 class TPDriverRunner(ModelRunner):
     """Rank 0's runner: each step it prepares goes to every worker, then runs here."""
 
-    def __init__(self, model: torch.nn.Module, kv, backend: TorchPagedAttention, workers: TPWorkers,
+    def __init__(self, model: torch.nn.Module, kv, backend: PagedAttentionBackend, workers: TPWorkers,
                  copier: BlockCopier | None = None) -> None:
         super().__init__(model, kv, backend, copier)
         self.workers = workers

@@ -1,7 +1,7 @@
 """Fused RMSNorm for CUDA: one pass over each row instead of eager torch's seven (upcast, square, mean, rsqrt,
 scale, downcast, weight), which made norms the largest non-GEMM cost of a long prefill.
 
-Same arithmetic as ``hybridkv.model.llama.unit_rms`` followed by the weight: statistics in float32, the normalised
+Same arithmetic as ``hybridkv.model.architectures.llama.unit_rms`` followed by the weight: statistics in float32, the normalised
 row rounded to the input dtype, then multiplied by the weight and rounded again (transformers' order).
 """
 

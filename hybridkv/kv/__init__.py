@@ -5,7 +5,7 @@ Pure Python + numpy: nothing here imports torch.
 
 from hybridkv.kv.block_pool import BlockPool, KVBlock
 from hybridkv.kv.cache_manager import CacheHit, CacheRequest, KVCacheManager, KVRequest, PrefixCacheStats
-from hybridkv.kv.layer_specs import layer_specs_from_hf_config, load_hf_config
+from hybridkv.kv.layer_specs import layer_specs_from_hf_config
 from hybridkv.kv.layout import KVLayout, LayerGroup, plan_layout
 from hybridkv.kv.specs import AttentionSpec, ChunkedLocalSpec, FullAttentionSpec, SlidingWindowSpec
 
@@ -24,6 +24,5 @@ __all__ = [
     "PrefixCacheStats",
     "SlidingWindowSpec",
     "layer_specs_from_hf_config",
-    "load_hf_config",
     "plan_layout",
 ]

@@ -17,8 +17,6 @@ replicated head (Llama-4 Scout: 8 KV heads, TP 8 -> 1 per rank; TP 16 -> still 1
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from hybridkv.kv.dtypes import KV_CACHE_DTYPES, MODEL_DTYPES, canonical_dtype
@@ -30,14 +28,17 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return config.get("text_config") or config
 
 
-def load_hf_config(path: str | Path) -> dict[str, Any]:
-    """Read ``config.json`` from a model directory or a path to the file itself."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"no config.json at {path}")
-    return json.loads(path.read_text())
+def llama4_rope_layers(cfg: dict[str, Any]) -> list[bool]:
+    """Llama-4 text config: True for each RoPE layer (chunked attention), False for a NoPE one (full attention),
+    from ``no_rope_layers`` (1 = RoPE) or, when that is empty, every ``no_rope_layer_interval``-th layer NoPE."""
+    n = int(cfg["num_hidden_layers"])
+    rope = cfg.get("no_rope_layers")
+    if not rope:
+        interval = int(cfg.get("no_rope_layer_interval", 4))
+        rope = [int((i + 1) % interval != 0) for i in range(n)]
+    if len(rope) < n:
+        raise ValueError(f"no_rope_layers has {len(rope)} entries but num_hidden_layers is {n}")
+    return [bool(r) for r in rope[:n]]
 
 
 def layer_kinds(config: dict[str, Any]) -> list[str]:
@@ -56,11 +57,7 @@ def layer_kinds(config: dict[str, Any]) -> list[str]:
     if cfg.get("attention_chunk_size") and (
         "no_rope_layers" in cfg or "no_rope_layer_interval" in cfg or cfg.get("model_type", "").startswith("llama4")
     ):
-        rope = cfg.get("no_rope_layers")
-        if not rope:
-            interval = int(cfg.get("no_rope_layer_interval", 4))
-            rope = [int((i + 1) % interval != 0) for i in range(n)]
-        return ["chunked" if r else "full" for r in rope[:n]]
+        return ["chunked" if r else "full" for r in llama4_rope_layers(cfg)]
     model_type = cfg.get("model_type", "")
     window = cfg.get("sliding_window")
     if window:

@@ -19,9 +19,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hybridkv.engine.llm_engine import CompletionOutput, EngineConfig, LLMEngine, RequestOutput
+from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.llm_engine import CompletionOutput, LLMEngine, RequestOutput
 from hybridkv.engine.output_processing import Logprobs
-from hybridkv.model.tokenizer import Tokenizer
+from hybridkv.model.loading.tokenizer import Tokenizer
 from hybridkv.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from hybridkv.server.auth import add_access_middleware
 from hybridkv.server.errors import APIError, error_response
@@ -186,13 +187,12 @@ def _check_model(state: ServerState, model: str | None) -> None:
         raise APIError(404, f"The model `{model}` does not exist. Served: `{state.model_name}`.", "model")
 
 
-async def _prompt_ids(state: ServerState, prompt: str | list[int], max_tokens: int | None, max_tokens_name: str,
-                      add_special_tokens: bool = True) -> list[int]:
+async def _prompt_ids(state: ServerState, prompt: str | list[int], max_tokens: int | None,
+                      max_tokens_name: str) -> list[int]:
     """Tokenized off the event loop (other requests keep streaming), then ``max_tokens`` checked against it."""
     engine = state.engine.engine
     try:
-        ids = prompt if isinstance(prompt, list) else await asyncio.to_thread(engine.tokenize, prompt,
-                                                                             add_special_tokens)
+        ids = prompt if isinstance(prompt, list) else await asyncio.to_thread(engine.tokenize, prompt)
     except ValueError as error:
         raise APIError.bad_request(error) from None
     check_max_tokens(max_tokens, len(ids), engine.max_model_len, max_tokens_name)
@@ -298,14 +298,13 @@ async def create_chat_completion(request: Request) -> Response:
     try:
         plan = plan_tools(body, state.tools, state.template_renders_tools)
         params = body.sampling_params(plan.constraint)
-        tools = {"tools": plan.template_tools} if plan.template_tools else {}
-        text = tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt,
-                                             **tools)
+        # rendered and tokenized off the event loop (other requests keep streaming)
+        prompt = await asyncio.to_thread(state.engine.engine.chat_token_ids, body.template_messages(),
+                                         body.add_generation_prompt, plan.template_tools, tokenizer)
     except ValueError as error:
         raise APIError.bad_request(error) from None
     name = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
-    # add_special_tokens=False: the template writes any BOS itself
-    prompt = await _prompt_ids(state, text, params.max_tokens, name, add_special_tokens=False)
+    check_max_tokens(params.max_tokens, len(prompt), state.engine.engine.max_model_len, name)
     request_id = random_id("chatcmpl")
     stream = await _submit(state, request_id, prompt, params, body.cache_salt)
     if body.stream:

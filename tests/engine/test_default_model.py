@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hybridkv import LLM, SamplingParams  # noqa: E402
-from hybridkv.model.registry import resolve_model  # noqa: E402
+from hybridkv.model.loading.known_models import resolve_model  # noqa: E402
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -49,6 +49,20 @@ def test_chat_greedy_matches_transformers_token_for_token(llm, hf_model):
         # transformers stops after emitting EOS; so do we (the EOS id is the last token of both)
         assert got == expected, conv
     assert "Paris" in outs[0].outputs[0].text
+
+
+def test_one_chat_template_helper_renders_and_tokenizes_without_special_tokens(llm):
+    """``chat_token_ids`` (used by LLM.chat, the server and ``hybridkv generate``): the template writes the
+    conversation's special tokens, so none are added; the text prompt's length check applies."""
+    engine, tok = llm.engine, llm.get_tokenizer()
+    conv = CONVERSATIONS[1]
+    ids = engine.chat_token_ids(conv)
+    assert ids == tok.encode(tok.apply_chat_template(conv), add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=False).startswith("<|im_start|>system\nYou are a terse")
+    bare = engine.chat_token_ids(conv, add_generation_prompt=False)
+    assert len(bare) < len(ids) and ids[: len(bare)] == bare
+    with pytest.raises(ValueError, match="more than max_model_len"):
+        engine.chat_token_ids([{"role": "user", "content": "word " * 10_000_000}])
 
 
 def test_second_round_is_served_from_the_prefix_cache(llm):

@@ -19,7 +19,7 @@ from hybridkv.kv.capacity import GIB
 from hybridkv.kv.layer_specs import layer_specs_from_hf_config
 from hybridkv.kv.planner import plan_capacity
 from hybridkv.model.attention.triton_paged import SEGMENT_BYTES
-from hybridkv.model.checkpoint import load_checkpoint
+from hybridkv.model.loading.checkpoint import load_checkpoint
 
 SCOUT = Path(__file__).parents[1] / "data" / "scout-text-config.json"
 MIB = 1 << 20

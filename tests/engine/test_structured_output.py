@@ -15,8 +15,8 @@ import torch
 from hybridkv import LLM, SamplingParams, StructuredOutputsParams
 from hybridkv.engine.sampler import Sampler
 from hybridkv.engine.structured_output import StructuredOutputs, choice_grammar
-from hybridkv.model.registry import resolve_model
-from hybridkv.model.tokenizer import Tokenizer
+from hybridkv.model.loading.known_models import resolve_model
+from hybridkv.model.loading.tokenizer import Tokenizer
 
 PERSON = json.loads((Path(__file__).parents[1] / "data" / "person.schema.json").read_text())  # small, closed
 

@@ -16,8 +16,8 @@ from tiny_models import random_prompts
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine.llm_engine import EngineConfig, LLMEngine
 from hybridkv.engine.tp_workers import TensorParallelError
-from hybridkv.kv.layer_specs import load_hf_config
 from hybridkv.kv.planner import plan_capacity
+from hybridkv.model.loading.hf_config import load_hf_config
 
 TP = 2
 KV_BYTES = 1 << 20
@@ -53,9 +53,9 @@ def shut_down():
     assert not dist.is_initialized()
 
 
-@pytest.mark.parametrize("name", ["llama4", "llama3"])
-def test_tp2_is_token_exact_with_tp1_through_chunked_prefill_and_prefix_cache(tiny_model, shut_down, name):
-    path = tiny_model(name).path
+def tp2_matches_tp1(path, shut_down) -> tuple[LLM, LLM, list]:
+    """TP 1 and TP 2 engines over ``path`` after asserting TP 2 generates TP 1's tokens, twice over; and the
+    second round's outputs."""
     prompts = parity_prompts()
     one = LLM(**engine_args(path))
     expected = [o.outputs[0].token_ids for o in generate(one, prompts)]
@@ -64,6 +64,13 @@ def test_tp2_is_token_exact_with_tp1_through_chunked_prefill_and_prefix_cache(ti
     for round_ in range(2):
         outs = generate(llm, prompts)
         assert [o.outputs[0].token_ids for o in outs] == expected, f"round {round_}"
+    return one, llm, outs
+
+
+@pytest.mark.parametrize("name", ["llama4", "llama3"])
+def test_tp2_is_token_exact_with_tp1_through_chunked_prefill_and_prefix_cache(tiny_model, shut_down, name):
+    path = tiny_model(name).path
+    one, llm, outs = tp2_matches_tp1(path, shut_down)
     # the second round came from the prefix cache, which every rank's cache served alike
     assert all(o.num_cached_tokens > 0 for o in outs if len(o.prompt_token_ids) > 4)
     kv = llm.engine.kv
@@ -194,3 +201,46 @@ def test_dummy_weights_build_each_rank_from_the_config_alone(tmp_path):
         assert len(got.outputs[0].token_ids) == 6
     finally:
         two.shutdown()
+
+
+def test_gemma3_tp2_is_token_exact_with_tp1(tiny_model, shut_down):
+    """Gemma-3 through the one model factory: 2 query heads and 1 KV head (replicated), sliding window 8 on five of
+    six layers, tied and vocabulary-split embedding, through chunked prefill."""
+    model = tiny_model("gemma3")
+    one, llm, _ = tp2_matches_tp1(model.path, shut_down)
+    prompt = parity_prompts()[0]  # and TP 1 is transformers' own answer
+    assert generate(one, [prompt])[0].outputs[0].token_ids == model.greedy(prompt, N_NEW)
+    shard, full = llm.engine.model, one.engine.model
+    assert shard.tp.size == TP and full.tp.size == 1
+    half_vocab = full.cfg.vocab_size // TP
+    torch.testing.assert_close(shard.embed_tokens.weight, full.embed_tokens.weight[:half_vocab], rtol=0, atol=0)
+    attn, full_attn = shard.layers[0].self_attn, full.layers[0].self_attn
+    q_rows = full.cfg.num_heads // TP * full.cfg.head_dim
+    torch.testing.assert_close(attn.q_proj.weight, full_attn.q_proj.weight[:q_rows], rtol=0, atol=0)
+    torch.testing.assert_close(attn.k_proj.weight, full_attn.k_proj.weight, rtol=0, atol=0)  # the one KV head
+    inter = full.cfg.intermediate_size // TP
+    torch.testing.assert_close(shard.layers[0].mlp.down_proj.weight, full.layers[0].mlp.down_proj.weight[:, :inter],
+                               rtol=0, atol=0)
+
+
+def test_gemma3_dummy_weights_on_one_and_two_ranks(tmp_path, shut_down):
+    """load_format="dummy" builds Gemma-3 too: norms neutral (Gemma's zero-centred weights: 0), seeded."""
+    import json
+
+    from tiny_models import CONFIGS
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIGS["gemma3"]().to_dict()))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    one = LLM(model=str(tmp_path), load_format="dummy", seed=3)
+    assert type(one.engine.model).__name__ == "Gemma3ForCausalLM"
+    norms = [p for n, p in one.engine.model.named_parameters() if "norm" in n]
+    assert norms and all(bool((p == 0).all()) for p in norms)
+    assert float(one.engine.model.layers[0].mlp.up_proj.weight.detach().std()) == pytest.approx(0.02, rel=0.2)
+    out = one.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(out) == 6
+    again = LLM(model=str(tmp_path), load_format="dummy", seed=3)
+    assert again.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == out
+    two = LLM(model=str(tmp_path), load_format="dummy", seed=3, tensor_parallel_size=TP)
+    shut_down(two)
+    assert len(two.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids) == 6

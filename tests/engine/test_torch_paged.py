@@ -7,7 +7,8 @@ import torch
 
 from hybridkv.kv import CacheRequest, KVCacheManager, plan_layout
 from hybridkv.kv.specs import ChunkedLocalSpec, FullAttentionSpec, SlidingWindowSpec
-from hybridkv.model.attention.torch_paged import StepSequence, TorchPagedAttention
+from hybridkv.model.attention.base import StepSequence
+from hybridkv.model.attention.torch_paged import TorchPagedAttention
 
 HQ, HKV, D = 4, 2, 8
 

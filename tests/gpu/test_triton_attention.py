@@ -13,14 +13,15 @@ import torch
 
 from hybridkv.kv import CacheRequest, KVCacheManager, plan_layout
 from hybridkv.kv.specs import ChunkedLocalSpec, FullAttentionSpec, SlidingWindowSpec
-from hybridkv.model.attention.torch_paged import StepSequence, TorchPagedAttention
+from hybridkv.model.attention.base import StepSequence
+from hybridkv.model.attention.torch_paged import TorchPagedAttention
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not (torch.cuda.is_available() or INTERPRET):
     pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from hybridkv.model.attention.triton_paged import KernelConfig, TritonPagedAttention  # noqa: E402
+from hybridkv.model.attention.triton_paged import KernelConfig, TritonPagedAttention, TritonStepState  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 HQ, HKV = 5, 1  # Scout's per-rank shape: 5 query heads share one KV head
@@ -68,8 +69,8 @@ def drive(block_size, kv_dtype, dtype, schedule, num_sms, num_blocks=400, kv_sca
         seqs = [StepSequence(r.num_computed_tokens, n, kv.block_tables(r.request_id)) for r, n in batch]
         ref.begin_step(seqs)
         tri.begin_step(seqs)
-        worst["max_splits"] = max([worst["max_splits"]] + [g.num_splits for g in tri._groups])
-        segments = max(len(g.segments) for g in tri._groups)
+        worst["max_splits"] = max([worst["max_splits"]] + [g.num_splits for g in tri.step_state.groups])
+        segments = max(len(g.segments) for g in tri.step_state.groups)
         if segments:
             worst["max_segments"] = max(worst.get("max_segments", 0), segments)
         t = sum(n for _, n in batch)
@@ -182,7 +183,7 @@ LONG_PREFILL = {"lengths": [16600, 300], "steps": [[8192, 0], [8192, 300], [216,
 def loads_by_tma(block_size: int, kv_dtype: str) -> bool:
     """Whether the prefill kernel reads this layout's K/V through a TMA descriptor (else pointer gathers)."""
     tri = TritonPagedAttention(plan_layout(specs(kv_dtype), block_size), 64, kv_dtype, HQ, DEVICE, prefill=TMA_TILES)
-    tri.config = tri.prefill
+    tri.step_state = TritonStepState(tri.prefill, tokens=0, num_tiles=0, seq=[])
     layer = tri.cache.layers[0]
     return tri._descriptor(tri._base(layer), layer.spec, HKV * D, tri.cache.buffer.stride(0)) is not None
 

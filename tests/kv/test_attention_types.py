@@ -168,7 +168,8 @@ def test_a_new_type_runs_through_layout_manager_and_capacity():
 def test_a_new_type_on_the_paged_torch_backend_matches_the_dense_oracle(block_size):
     """Chunked prefill then decode over the paged cache, the new type's blocks dropped by the generic manager."""
     from hybridkv.model.attention.dense import DenseAttention
-    from hybridkv.model.attention.torch_paged import StepSequence, TorchPagedAttention
+    from hybridkv.model.attention.base import StepSequence
+    from hybridkv.model.attention.torch_paged import TorchPagedAttention
 
     torch.manual_seed(0)
     specs = [NeighbourChunkSpec(2, 8, "float32", chunk=3), FullAttentionSpec(2, 8, "float32")]

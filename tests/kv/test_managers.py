@@ -4,7 +4,8 @@ import pytest
 
 from kvutil import SCOUT, chunked, full, group_of, manager, req, run, sliding, table
 
-from hybridkv.kv import KVCacheManager, layer_specs_from_hf_config, load_hf_config, plan_layout
+from hybridkv.kv import KVCacheManager, layer_specs_from_hf_config, plan_layout
+from hybridkv.model.loading.hf_config import load_hf_config
 
 
 def computed_table(kv, n_total, n_computed):

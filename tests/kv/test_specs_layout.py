@@ -10,10 +10,10 @@ from hybridkv.kv import (
     FullAttentionSpec,
     SlidingWindowSpec,
     layer_specs_from_hf_config,
-    load_hf_config,
     plan_layout,
 )
 from hybridkv.kv.layer_specs import layer_kinds
+from hybridkv.model.loading.hf_config import load_hf_config
 
 
 # ---- specs -----------------------------------------------------------------------------------------

@@ -23,9 +23,9 @@ from hybridkv.engine.sampling_params import SamplingParams  # noqa: E402
 from hybridkv.kv.layer_specs import layer_specs_from_hf_config  # noqa: E402
 from hybridkv.kv.specs import SlidingWindowSpec, cdiv  # noqa: E402
 from hybridkv.model.attention.dense import DenseAttention  # noqa: E402
-from hybridkv.model.checkpoint import load_checkpoint  # noqa: E402
-from hybridkv.model.gguf_reader import read_gguf  # noqa: E402
-from hybridkv.model.registry import KNOWN_MODELS, resolve_model  # noqa: E402
+from hybridkv.model.loading.checkpoint import load_checkpoint  # noqa: E402
+from hybridkv.model.loading.gguf_reader import read_gguf  # noqa: E402
+from hybridkv.model.loading.known_models import KNOWN_MODELS, resolve_model  # noqa: E402
 
 NAME = "gemma-3-270m"
 NEW_TOKENS = 8
@@ -284,7 +284,7 @@ def test_tiny_random_gemma3_safetensors_matches_transformers(tmp_path):
     a linear-scaled full-layer RoPE, and two sequences of different lengths batched into one flattened step."""
     from safetensors.torch import save_file
 
-    from hybridkv.model.loader import load_safetensors_model
+    from hybridkv.model.loading.weights import load_safetensors_model
 
     torch.manual_seed(0)
     config = transformers.Gemma3TextConfig(

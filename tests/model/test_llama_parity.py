@@ -18,9 +18,9 @@ transformers = pytest.importorskip("transformers")
 from hybridkv.kv.layer_specs import layer_specs_from_hf_config  # noqa: E402
 from hybridkv.kv.specs import ChunkedLocalSpec, FullAttentionSpec  # noqa: E402
 from hybridkv.model.attention.dense import DenseAttention, allowed_mask  # noqa: E402
-from hybridkv.model.config import ModelConfig  # noqa: E402
-from hybridkv.model.llama import rope_inv_freq  # noqa: E402
-from hybridkv.model.loader import load_safetensors_model  # noqa: E402
+from hybridkv.model.architectures.llama_config import ModelConfig  # noqa: E402
+from hybridkv.model.architectures.llama import rope_inv_freq  # noqa: E402
+from hybridkv.model.loading.weights import load_safetensors_model  # noqa: E402
 
 VOCAB = 128
 LOGIT_ATOL = 1e-4

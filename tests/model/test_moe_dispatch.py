@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridkv.model.config import ModelConfig
-from hybridkv.model.llama import MoE
-from hybridkv.model.parallel import TPGroup
+from hybridkv.model.architectures.llama_config import ModelConfig
+from hybridkv.model.architectures.llama import MoE
+from hybridkv.model.architectures.parallel import TPGroup
 
 
 def tiny_moe(num_experts: int = 4, top_k: int = 2) -> MoE:

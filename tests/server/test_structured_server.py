@@ -20,7 +20,7 @@ import pytest
 from test_openai_server import MODEL, TIMEOUT, Server, wait_idle_and_free
 
 from hybridkv.engine.llm_engine import EngineConfig, LLMEngine
-from hybridkv.model.checkpoint import load_checkpoint
+from hybridkv.model.loading.checkpoint import load_checkpoint
 from hybridkv.server.tool_calls import ToolConfig, load_chat_template
 
 PERSON = json.loads((Path(__file__).parents[1] / "data" / "person.schema.json").read_text())  # small, closed

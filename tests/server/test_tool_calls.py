@@ -174,8 +174,8 @@ def test_server_flags():
 
 
 def test_template_renders_tools():
-    from hybridkv.model.registry import resolve_model
-    from hybridkv.model.tokenizer import Tokenizer
+    from hybridkv.model.loading.known_models import resolve_model
+    from hybridkv.model.loading.tokenizer import Tokenizer
 
     assert not template_renders_tools(Tokenizer.from_gguf(resolve_model(None).path).chat_template)  # SmolLM2-135M
     assert template_renders_tools("{% if tools %}{{ tools | tojson }}{% endif %}{{ messages[0].content }}")
@@ -185,8 +185,8 @@ def test_template_renders_tools():
 def test_shipped_smollm2_tool_template():
     from dataclasses import replace
 
-    from hybridkv.model.registry import resolve_model
-    from hybridkv.model.tokenizer import Tokenizer
+    from hybridkv.model.loading.known_models import resolve_model
+    from hybridkv.model.loading.tokenizer import Tokenizer
 
     own = Tokenizer.from_gguf(resolve_model(None).path)
     shipped = replace(own, chat_template=load_chat_template("tool_chat_template_smollm2.jinja"))

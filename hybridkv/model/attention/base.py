@@ -1,4 +1,4 @@
-"""The one interface between model code and attention.
+"""The interface between model code, the runner and attention backends.
 
 A model's attention layer computes q, k, v for the tokens of this step (every sequence of the batch flattened
 into one dimension of T tokens), applies its position encoding, then calls::
@@ -8,16 +8,54 @@ into one dimension of T tokens), applies its position encoding, then calls::
 The backend knows each layer's attention type (full, sliding, chunked) from the KV layout and which tokens of
 the batch belong to which sequence from the step's metadata, so model code never sees masks, caches or block
 tables. Backends: ``DenseAttention`` (no cache, whole sequences; the test oracle), ``TorchPagedAttention``
-(the paged hybrid cache in plain torch; CPU and reference for GPU kernels), Triton kernels on GPU.
+(the paged hybrid cache in plain torch; CPU and reference for GPU kernels), ``TritonPagedAttention`` (GPU).
+
+A paged backend (``PagedAttentionBackend``) is told each step's sequences first (``begin_step``), and declares
+what it can do (``BackendCapabilities``) instead of the engine finding out by its type.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
+@dataclass(slots=True)
+class StepSequence:
+    """One scheduled sequence of a step, as the runner describes it to the backend (and sends to TP workers)."""
+
+    context_len: int  # tokens already in the cache
+    query_len: int  # tokens computed this step (their K/V are written now)
+    block_tables: list[np.ndarray]  # per layer group
+
+
+@dataclass(frozen=True, slots=True)
+class BackendCapabilities:
+    """What a paged backend declares about itself for one KV cache dtype."""
+
+    cuda_graphs: bool = False  # decode steps can be captured and replayed (``enable_static_decode``)
+    fp8_segments: bool = False  # an FP8 cache's long prefills are widened to bf16 segment by segment
+    # the most bytes one such segment's scratch holds (0: no segments); the engine and the planner keep room
+    # for it out of the KV cache (``kv.capacity.step_reserve_bytes``)
+    segment_bytes: int = 0
+
+
 class AttentionBackend(Protocol):
+    """What model code calls."""
+
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        ...
+
+
+class PagedAttentionBackend(AttentionBackend, Protocol):
+    """What the runner calls: a backend over the paged hybrid KV cache."""
+
+    block_size: int
+    capabilities: BackendCapabilities
+
+    def begin_step(self, seqs: list[StepSequence]) -> None:
+        """Build the step's metadata (write slots, what each sequence reads) once, before the forward."""
         ...

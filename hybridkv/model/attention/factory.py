@@ -5,19 +5,32 @@ from __future__ import annotations
 import torch
 
 from hybridkv.kv.layout import KVLayout
+from hybridkv.model.attention.base import BackendCapabilities, PagedAttentionBackend
 from hybridkv.model.attention.torch_paged import TorchPagedAttention
+from hybridkv.model.attention.triton_paged import TritonPagedAttention  # triton itself loads only when one is made
+
+
+def paged_attention_class(name: str, device: str) -> type[TorchPagedAttention] | type[TritonPagedAttention]:
+    """``name``: auto (Triton on CUDA, torch elsewhere) | torch | triton."""
+    if name == "auto":
+        name = "triton" if torch.device(device).type == "cuda" else "torch"
+    if name == "torch":
+        return TorchPagedAttention
+    if name == "triton":
+        return TritonPagedAttention
+    raise ValueError(f"unknown attention_backend {name!r}; choose auto, torch or triton")
+
+
+def paged_attention_capabilities(name: str, device: str, kv_dtype: str) -> BackendCapabilities:
+    """What the backend ``name`` would declare on ``device``, before one (and its cache) is made."""
+    return paged_attention_class(name, device).declare(kv_dtype)
 
 
 def make_paged_attention(
     name: str, layout: KVLayout, num_blocks: int, kv_dtype: str, num_q_heads: int, device: str
-):
-    """``name``: auto (Triton on CUDA, torch elsewhere) | torch | triton. ``num_q_heads``: on this rank."""
-    if name == "auto":
-        name = "triton" if torch.device(device).type == "cuda" else "torch"
-    if name == "torch":
+) -> PagedAttentionBackend:
+    """``num_q_heads``: on this rank."""
+    backend = paged_attention_class(name, device)
+    if backend is TorchPagedAttention:
         return TorchPagedAttention(layout, num_blocks, kv_dtype, device)
-    if name == "triton":
-        from hybridkv.model.attention.triton_paged import TritonPagedAttention
-
-        return TritonPagedAttention(layout, num_blocks, kv_dtype, num_q_heads, device)
-    raise ValueError(f"unknown attention_backend {name!r}; choose auto, torch or triton")
+    return TritonPagedAttention(layout, num_blocks, kv_dtype, num_q_heads, device)

@@ -21,14 +21,9 @@ import numpy as np
 import torch
 
 from hybridkv.kv.layout import KVLayout
-from hybridkv.model.attention.kv_cache import PagedKVCache
 from hybridkv.kv.specs import AttentionSpec
-
-@dataclass(slots=True)
-class StepSequence:
-    context_len: int  # tokens already in the cache
-    query_len: int  # tokens computed this step (their K/V are written now)
-    block_tables: list[np.ndarray]  # per layer group
+from hybridkv.model.attention.base import BackendCapabilities, StepSequence
+from hybridkv.model.attention.kv_cache import PagedKVCache
 
 
 @dataclass(slots=True)
@@ -47,6 +42,11 @@ def _key_range(spec: AttentionSpec, context_len: int) -> int:
 
 
 class TorchPagedAttention:
+    @staticmethod
+    def declare(kv_dtype: str) -> BackendCapabilities:
+        """Eager only; each sequence's keys are widened as they are gathered: no segments, no extra reserve."""
+        return BackendCapabilities()
+
     def __init__(
         self, layout: KVLayout, num_blocks: int, kv_dtype: str, device: torch.device | str = "cpu"
     ) -> None:
@@ -54,6 +54,7 @@ class TorchPagedAttention:
         self.block_size = layout.block_size
         self.cache = PagedKVCache(layout, num_blocks, kv_dtype, device)
         self.kv_dtype = self.cache.dtype
+        self.capabilities = self.declare(kv_dtype)
         self._step: list[_GroupStep] = []
         self._seq_query_lens: list[int] = []
         self._seq_q_positions: list[torch.Tensor] = []

@@ -13,14 +13,14 @@ conversion from e4m3 is cheaper than bf16's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from hybridkv.kv.layout import KVLayout
+from hybridkv.model.attention.base import BackendCapabilities, StepSequence
 from hybridkv.model.attention.kv_cache import PagedKVCache
-from hybridkv.model.attention.torch_paged import StepSequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +141,17 @@ class _GroupMeta:
 
 
 @dataclass(slots=True)
+class TritonStepState:
+    """What ``begin_step`` (or ``begin_static_decode``) works out once for every layer of the step."""
+
+    config: KernelConfig  # the prefill or the decode tiles
+    tokens: int  # query tokens per tile
+    num_tiles: int
+    seq: list[torch.Tensor]  # tile_seq, tile_q0, q_loc, q_len, ctx_len
+    groups: list[_GroupMeta] = field(default_factory=list)  # per layer group
+
+
+@dataclass(slots=True)
 class _StaticDecode:
     seq: list[torch.Tensor]  # tile_seq, tile_q0, q_loc, q_len, ctx_len: [max_seqs] int32
     tables: list[torch.Tensor]  # per group [max_seqs, max blocks] int32
@@ -150,6 +161,14 @@ class _StaticDecode:
 
 
 class TritonPagedAttention:
+    @staticmethod
+    def declare(kv_dtype: str, segment_bytes: int = SEGMENT_BYTES) -> BackendCapabilities:
+        """An FP8 cache's long prefills widen segments of ``segment_bytes``; the engine reserves 1.5x that (the
+        gather's FP8 copy lives beside the scratch for a moment)."""
+        fp8 = kv_dtype.startswith("fp8")
+        segment = segment_bytes if fp8 else 0
+        return BackendCapabilities(cuda_graphs=True, fp8_segments=fp8, segment_bytes=segment)
+
     def __init__(self, layout: KVLayout, num_blocks: int, kv_dtype: str, num_q_heads: int,
                  device: torch.device | str = "cuda", kv_scales: dict[int, tuple[float, float]] | None = None,
                  num_sms: int | None = None, prefill: KernelConfig = PREFILL, decode: KernelConfig = DECODE,
@@ -179,9 +198,11 @@ class TritonPagedAttention:
             prefill = HOPPER_PREFILL
         self.prefill, self.decode, self.max_splits = prefill, decode, max_splits
         self.segment_bytes = segment_bytes
+        # graphs need CUDA (a CPU device only happens under Triton's interpreter)
+        self.capabilities = replace(self.declare(kv_dtype, segment_bytes), cuda_graphs=self.device.type == "cuda")
         if self.group > decode.rows:
             raise ValueError(f"{self.group} query heads per KV head: more than one tile's {decode.rows} rows")
-        self._groups: list[_GroupMeta] = []
+        self.step_state: TritonStepState | None = None
 
     # ---- per step ----------------------------------------------------------------------------------
     def begin_step(self, seqs: list[StepSequence]) -> None:
@@ -189,19 +210,18 @@ class TritonPagedAttention:
         q_lens = np.array([s.query_len for s in seqs], dtype=np.int32)
         ctx = np.array([s.context_len for s in seqs], dtype=np.int32)
         q_loc = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
-        self.config = self.decode if int(q_lens.max()) == 1 else self.prefill
-        self._tokens = self.config.rows // self.group
-        tiles_per_seq = -(-q_lens // self._tokens)
+        config = self.decode if int(q_lens.max()) == 1 else self.prefill
+        tokens = config.rows // self.group
+        tiles_per_seq = -(-q_lens // tokens)
         tile_seq = np.repeat(np.arange(len(seqs), dtype=np.int32), tiles_per_seq)
-        tile_q0 = np.concatenate([np.arange(n, dtype=np.int32) * self._tokens for n in tiles_per_seq])
+        tile_q0 = np.concatenate([np.arange(n, dtype=np.int32) * tokens for n in tiles_per_seq])
         # longest first: the GPU starts programs in grid order, so the short causal tiles fill the last wave
         longest_first = np.argsort(-(ctx[tile_seq] + tile_q0), kind="stable")
         tile_seq, tile_q0 = tile_seq[longest_first], tile_q0[longest_first]
-        self._num_tiles = len(tile_seq)
-        self._num_tokens = int(q_lens.sum())
         as_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)  # noqa: E731
-        self._seq = [as_dev(tile_seq), as_dev(tile_q0), as_dev(q_loc), as_dev(q_lens), as_dev(ctx)]
-        self._groups = [self._group_meta(g, seqs, ctx + q_lens, as_dev) for g in self.layout.groups]
+        seq = [as_dev(tile_seq), as_dev(tile_q0), as_dev(q_loc), as_dev(q_lens), as_dev(ctx)]
+        self.step_state = TritonStepState(config, tokens, len(tile_seq), seq)
+        self.step_state.groups = [self._group_meta(g, seqs, ctx + q_lens, as_dev) for g in self.layout.groups]
 
     def _group_meta(self, group, seqs, seq_lens, as_dev) -> _GroupMeta:
         bs = self.block_size
@@ -219,7 +239,7 @@ class TritonPagedAttention:
             reach = min(reach, spec.reach + 64)
         meta = _GroupMeta(as_dev(table), as_dev(blocks), as_dev((new % bs).astype(np.int32)),
                           self._num_splits(reach, spec.num_kv_heads))
-        if self.quantized and self.config is self.prefill and reach >= 256 * self.prefill.block_n:
+        if self.quantized and self.step_state.config is self.prefill and reach >= 256 * self.prefill.block_n:
             self._plan_segments(meta, spec, seqs, table, as_dev)
         return meta
 
@@ -261,11 +281,8 @@ class TritonPagedAttention:
         host = [rows, np.zeros(padded, dtype=np.int32), rows, q_len, ctx]
         for buf, values in zip(st.seq, host):
             buf[:padded].copy_(torch.from_numpy(values))
-        self.config = self.decode
-        self._tokens = self.decode.rows // self.group
-        self._num_tiles = padded
-        self._seq = [buf[:padded] for buf in st.seq]
-        self._groups = []
+        self.step_state = TritonStepState(self.decode, self.decode.rows // self.group, padded,
+                                          [buf[:padded] for buf in st.seq])
         for g, group in enumerate(self.layout.groups):
             tables = [s.block_tables[group.group_id] for s in seqs]
             width = max((len(t) for t in tables), default=0)
@@ -285,18 +302,19 @@ class TritonPagedAttention:
                 reach = min(reach, group.spec.reach + 64)
             # a function of ``padded`` alone: the split count a graph was captured with is the one it replays with
             splits = self._num_splits(reach, group.spec.num_kv_heads)
-            self._groups.append(_GroupMeta(st.tables[g][:padded], st.slot_block[g][:padded],
-                                           st.slot_offset[g][:padded], splits))
+            self.step_state.groups.append(_GroupMeta(st.tables[g][:padded], st.slot_block[g][:padded],
+                                                     st.slot_offset[g][:padded], splits))
 
     def _num_splits(self, longest_reach: int, kv_heads: int) -> int:
         """Split the KV range only when too few programs would run otherwise (decode of few long sequences)."""
-        programs = self._num_tiles * kv_heads
-        block_n = self.config.block_n
+        step = self.step_state
+        programs = step.num_tiles * kv_heads
+        block_n = step.config.block_n
         if programs >= self.num_sms:
             # prefill over a long context (Scout's full layers at 16K+, not its 8K chunks): over short ones the
             # combine pass costs more than the idle SMs
-            long_prefill = self.config is self.prefill and longest_reach >= 256 * block_n
-            return wave_splits(programs, self.num_sms * self.config.programs_per_sm) if long_prefill else 1
+            long_prefill = step.config is self.prefill and longest_reach >= 256 * block_n
+            return wave_splits(programs, self.num_sms * step.config.programs_per_sm) if long_prefill else 1
         if longest_reach <= 4 * block_n:
             return 1
         want = _pow2_floor(max(1, SPLITS_PER_SM * self.num_sms // programs))
@@ -309,12 +327,12 @@ class TritonPagedAttention:
     # ---- per layer ---------------------------------------------------------------------------------
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         layer, k_scale, v_scale = self.write(layer_id, k, v)
-        return self._attention(q, layer, self._groups[layer.group_id], scale, k_scale, v_scale)
+        return self._attention(q, layer, self.step_state.groups[layer.group_id], scale, k_scale, v_scale)
 
     def write(self, layer_id: int, k: torch.Tensor, v: torch.Tensor):
         """Store the step's K/V of one layer into its slots (benchmarks also use it alone, to fill a cache)."""
         layer = self.cache.layers[layer_id]
-        meta = self._groups[layer.group_id]
+        meta = self.step_state.groups[layer.group_id]
         heads, dim = layer.spec.num_kv_heads, layer.spec.head_dim
         k_scale, v_scale = self.kv_scales.get(layer_id, (1.0, 1.0))
         k, v = k.contiguous(), v.contiguous()
@@ -367,30 +385,31 @@ class TritonPagedAttention:
         kind, reach = spec.kernel_kind, spec.reach
         part_strides = (0,) * 5 if part is None else (*part.stride()[:3], *lse.stride()[:2])
         kv_desc = self._descriptor(cache, spec, stride_tok, stride_block)
-        self.kernels.paged_attention_kernel[(self._num_tiles, spec.num_kv_heads, splits)](
+        step = self.step_state
+        self.kernels.paged_attention_kernel[(step.num_tiles, spec.num_kv_heads, splits)](
             q, out, out if part is None else part, out if lse is None else lse, cache,
             cache if kv_desc is None else kv_desc, table,
-            *self._seq,
+            *step.seq,
             scale, k_scale, v_scale, seg_lo, seg_hi, stride_block // stride_tok,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), table.stride(0),
             stride_block, stride_tok, self.block_size * stride_tok,
             *part_strides,
             KIND=kind, REACH=max(reach, 1), BLOCK_SIZE=self.block_size, GROUP=q.shape[1] // spec.num_kv_heads,
-            ROWS=self.config.rows, TOKENS=self._tokens, D=spec.head_dim, D_PAD=max(16, _next_pow2(spec.head_dim)),
-            BLOCK_N=self.config.block_n, NUM_SPLITS=splits, QUANT=quant,
-            FP16_DOT=quant and q.dtype == torch.bfloat16 and self.config is self.decode,
+            ROWS=step.config.rows, TOKENS=step.tokens, D=spec.head_dim, D_PAD=max(16, _next_pow2(spec.head_dim)),
+            BLOCK_N=step.config.block_n, NUM_SPLITS=splits, QUANT=quant,
+            FP16_DOT=quant and q.dtype == torch.bfloat16 and step.config is self.decode,
             SEGMENTED=segmented, ACCUMULATE=accumulate,
             TMA=kv_desc is not None,
             # float32 models stay exact (token parity with the CPU path); TF32 would round to 10 mantissa bits
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=self.config.num_warps, num_stages=self.config.num_stages,
+            num_warps=step.config.num_warps, num_stages=step.config.num_stages,
         )
 
     def _descriptor(self, cache: torch.Tensor, spec, stride_tok: int, stride_block: int):
         """The TMA descriptor of a layer's (or a segment scratch's) token rows, or None (pointer gathers): TMA where
         the config asks for it, a page holds whole key tiles, the head dim is one TMA box (64 or 128), pages are
         whole rows and every row index fits in int32."""
-        cfg = self.config
+        cfg = self.step_state.config
         rows = cache.numel() // stride_tok
         if not (cfg.tma and self.block_size % cfg.block_n == 0 and spec.head_dim in (64, 128) and rows < 2**31
                 and stride_block % stride_tok == 0 and cache.data_ptr() % 16 == 0):

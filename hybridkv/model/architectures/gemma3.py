@@ -1,8 +1,8 @@
 """Gemma-3 text decoder (``Gemma3ForCausalLM``, model_type ``gemma3_text``) in plain torch.
 
-Same interface as ``LlamaForCausalLM``: ``forward(input_ids [T], positions [T], attn) -> hidden [T, H]``,
-``compute_logits(hidden)``, a ``cfg`` with ``vocab_size``. Parameter names are transformers' with ``model.``
-dropped, so ``loader.load_weights`` takes HF-named tensors unchanged.
+A ``CausalLM`` (``model/causal_lm.py``) like ``LlamaForCausalLM``, split over tensor-parallel ranks the same way
+(heads, MLP intermediate dimension, vocabulary; norms replicated). Parameter names are transformers' with ``model.``
+dropped, so ``loading.weights.load_weights`` takes HF-named tensors unchanged.
 
 What differs from Llama (checked against transformers 5.x ``modeling_gemma3.py``):
 
@@ -32,8 +32,15 @@ from torch import nn
 
 from hybridkv.kv.layer_specs import layer_kinds, text_config
 from hybridkv.model.attention.base import AttentionBackend
-from hybridkv.model.config import ROPE_TYPES, RopeConfig
-from hybridkv.model.llama import rope_cos_sin, rope_halves, rope_inv_freq
+from hybridkv.model.architectures.llama_config import ROPE_TYPES, RopeConfig
+from hybridkv.model.architectures.llama import rope_cos_sin, rope_halves, rope_inv_freq
+from hybridkv.model.architectures.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+)
 
 GEMMA3_MODEL_TYPES = ("gemma3", "gemma3_text")
 _GLOBAL_THETA = 1_000_000.0  # transformers' Gemma3TextConfig.default_theta
@@ -137,6 +144,9 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(size, dtype=dtype))
 
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -144,18 +154,20 @@ class GemmaRMSNorm(nn.Module):
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(self, cfg: Gemma3Config, layer_id: int, dtype: torch.dtype | None) -> None:
+    def __init__(self, cfg: Gemma3Config, layer_id: int, dtype: torch.dtype | None, tp: TPGroup) -> None:
         super().__init__()
         self.cfg = cfg
         self.layer_id = layer_id
         self.sliding = cfg.layer_kinds[layer_id] == "sliding"
         self.scale = cfg.query_pre_attn_scalar**-0.5
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=bias, dtype=dtype)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=bias, dtype=dtype)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=bias, dtype=dtype)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=bias, dtype=dtype)
+        tp.part(cfg.num_heads, "attention heads")
+        h, bias = cfg.hidden_size, cfg.attention_bias
+        q_part, kv_part = (tp.rank, tp.size), tp.kv_head_part(cfg.num_kv_heads)
+        self.q_proj = ColumnParallelLinear(h, q_size, bias, dtype, q_part)
+        self.k_proj = ColumnParallelLinear(h, kv_size, bias, dtype, kv_part)
+        self.v_proj = ColumnParallelLinear(h, kv_size, bias, dtype, kv_part)
+        self.o_proj = RowParallelLinear(q_size, h, bias, dtype, tp)
         self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
         self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
 
@@ -170,25 +182,26 @@ class Gemma3Attention(nn.Module):
 
 
 class Gemma3MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype | None) -> None:
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype | None, tp: TPGroup) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False, dtype=dtype)
+        tp.part(intermediate, "MLP intermediate size")
+        self.gate_proj = ColumnParallelLinear(hidden, intermediate, False, dtype, (tp.rank, tp.size))
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, False, dtype, (tp.rank, tp.size))
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, cfg: Gemma3Config, layer_id: int, dtype: torch.dtype | None) -> None:
+    def __init__(self, cfg: Gemma3Config, layer_id: int, dtype: torch.dtype | None, tp: TPGroup) -> None:
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(h, eps, dtype)
-        self.self_attn = Gemma3Attention(cfg, layer_id, dtype)
+        self.self_attn = Gemma3Attention(cfg, layer_id, dtype, tp)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps, dtype)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
-        self.mlp = Gemma3MLP(h, cfg.intermediate_size, dtype)
+        self.mlp = Gemma3MLP(h, cfg.intermediate_size, dtype, tp)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend) -> torch.Tensor:
@@ -197,15 +210,18 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(nn.Module):
-    def __init__(self, cfg: Gemma3Config, dtype: torch.dtype | None = None) -> None:
+    """``tp``: which tensor-parallel shard this is (default: the whole), split as ``LlamaForCausalLM`` is."""
+
+    def __init__(self, cfg: Gemma3Config, dtype: torch.dtype | None = None, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.tp = tp = tp or TPGroup()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, dtype, tp) for i in range(cfg.num_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         # A float32 scalar cast to the weight dtype, as transformers does (bf16 rounds sqrt(640) to 25.25).
         self.embed_scale = cfg.hidden_size**0.5
         # RoPE frequencies per layer kind and the embedding scale, on the device of the last forward: built once,
@@ -213,6 +229,7 @@ class Gemma3ForCausalLM(nn.Module):
         self._constants: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None
 
     supports_cuda_graphs = True
+    max_graph_tokens = 1 << 30  # no MoE: nothing in the forward limits a graph's batch
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for flattened tokens ``input_ids`` [T] at ``positions`` [T]."""
@@ -232,10 +249,15 @@ class Gemma3ForCausalLM(nn.Module):
             self._constants = (inv_freqs, scale)
         return self._constants
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, vocab] for the hidden rows the caller picked (e.g. each sequence's last token)."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [N, vocab] for the hidden rows the caller picked (e.g. each sequence's last token).
+
+        Under TP each rank computes its vocabulary slice; rank 0 gets them all, the other ranks None."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        logits = self.tp.gather_last_dim(F.linear(hidden, weight).float())
+        if logits is None:
+            return None
+        logits = logits if self.tp.size == 1 else logits[:, : self.cfg.vocab_size]
         cap = self.cfg.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

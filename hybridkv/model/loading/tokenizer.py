@@ -23,7 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from hybridkv.model.gguf_reader import gguf_metadata
+from hybridkv.model.loading.gguf_reader import gguf_metadata
 
 # llama.cpp's token_type values.
 _CONTROL = 3
@@ -197,6 +197,14 @@ class Tokenizer:
         except jinja2.TemplateError as error:
             roles = [message.get("role") for message in messages]
             raise ValueError(f"chat template rejected the conversation (roles {roles}): {error}") from error
+
+
+def word_tokenizer(vocab: int) -> Tokenizer:
+    """A stand-in over a model's vocabulary (dummy weights without tokenizer files): token i is the word "w<i>",
+    EOS is w1."""
+    backend = BackendTokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(backend, eos_token="w1", eos_token_ids=[1])
 
 
 def _byte_level_bpe(

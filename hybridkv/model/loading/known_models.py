@@ -75,23 +75,6 @@ def resolve_model(model: str | None, cache_dir: str | os.PathLike | None = None)
     )
 
 
-def model_hf_config(model: str, cache_dir: str | os.PathLike | None = None) -> dict[str, Any]:
-    """The HF-style ``config.json`` dict of a known name, a ``.gguf`` file or an HF directory.
-
-    GGUF metadata is read without loading weights (``hybridkv plan --model gemma-3-270m``).
-    """
-    resolved = resolve_model(model, cache_dir)
-    if resolved.kind == "hf_dir":
-        from hybridkv.kv.layer_specs import load_hf_config
-
-        return load_hf_config(resolved.path)
-    import gguf
-
-    from hybridkv.model.gguf_reader import hf_config  # imports torch: only for GGUF models
-
-    return hf_config(gguf.GGUFReader(resolved.path))
-
-
 def _resolve_known(name: str, known: KnownModel, cache_dir: str | os.PathLike | None = None) -> ResolvedModel:
     if known.assembled_size is not None:
         return ResolvedModel(kind="gguf", path=_assembled(name, known, cache_dir), name=name)

@@ -87,9 +87,9 @@ def read_whole(source: Any) -> torch.Tensor:
 
 
 def shard_for_rank(model: nn.Module, name: str, source: Any) -> torch.Tensor:
-    """This rank's part of checkpoint tensor ``source`` for parameter ``name``: all of it for replicated ones."""
-    tp = getattr(model, "tp", None)
-    if tp is None or tp.size == 1:
+    """This rank's part of checkpoint tensor ``source`` for parameter ``name`` of a ``CausalLM``: all of it for
+    replicated ones."""
+    if model.tp.size == 1:
         return read_whole(source)  # not sharded: no slicing, no copies
     owner, _, leaf = name.rpartition(".")
     load_shard = getattr(model.get_submodule(owner), "load_shard", None)

@@ -1,4 +1,4 @@
-"""Load Llama / Llama-4 text weights from a Hugging Face directory (config.json + safetensors).
+"""Load weights, under their transformers names, into a model built by ``model/factory.py``.
 
 ``load_weights`` takes tensors under their transformers names from any source (safetensors here, GGUF
 elsewhere), so every reader shares one name mapping and one completeness check.
@@ -15,14 +15,11 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from hybridkv.kv.layer_specs import load_hf_config
-from hybridkv.model.config import ModelConfig
-from hybridkv.model.dtypes import MODEL_TORCH_DTYPES
-from hybridkv.model.gemma3 import GEMMA3_MODEL_TYPES, Gemma3Config, Gemma3ForCausalLM
-from hybridkv.model.llama import LlamaForCausalLM
-from hybridkv.model.parallel import shard_for_rank
+from hybridkv.model.architectures.parallel import TPGroup, shard_for_rank
+from hybridkv.model.causal_lm import CausalLM
+from hybridkv.model.factory import build_model
+from hybridkv.model.loading.hf_config import load_hf_config
 
-SUPPORTED_DTYPES = MODEL_TORCH_DTYPES
 # Parts of multimodal checkpoints (Llama4ForConditionalGeneration, llava-style) that are not the text model.
 _SKIPPED_PREFIXES = ("vision_model.", "vision_tower.", "multi_modal_projector.")
 # Wrappers around the text model's names, outermost first: (prefix, replacement).
@@ -47,7 +44,7 @@ def hf_to_local_name(name: str) -> str | None:
     return name.replace(".feed_forward.", ".mlp.")
 
 
-def load_weights(model: LlamaForCausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy HF-named tensors into ``model`` (casting dtype); raise if any is unknown, misshapen or missing."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -76,21 +73,6 @@ def load_weights(model: LlamaForCausalLM, named_tensors: Iterable[tuple[str, tor
         )
 
 
-def build_model(config: dict[str, Any], dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    """An uninitialised model (no random init: every parameter must be loaded before use).
-
-    Dispatches on ``model_type``: Gemma-3 (``gemma3_text``, or ``gemma3`` with a nested ``text_config``) gets
-    ``Gemma3ForCausalLM``, everything else ``LlamaForCausalLM`` (which names what it supports)."""
-    if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"dtype {dtype} is not supported; choose float32, bfloat16 or float16")
-    with torch.device("meta"):
-        if config.get("model_type") in GEMMA3_MODEL_TYPES:
-            model = Gemma3ForCausalLM(Gemma3Config.from_hf(config), dtype=dtype)
-        else:
-            model = LlamaForCausalLM(ModelConfig.from_hf(config), dtype=dtype)
-    return model.to_empty(device="cpu").eval()
-
-
 def safetensors_files(path: str | Path) -> list[Path]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
@@ -105,23 +87,31 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(files: list[Path], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    with tqdm(desc="loading weights", unit="tensor", disable=not progress) as bar:
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                keys = list(f.keys())
+def iter_safetensors_slices(files: list[Path], progress: bool = True) -> Iterator[tuple[str, Any]]:
+    """(name, lazy slice) per tensor; a slice reads from disk only the part it is indexed with, so a
+    tensor-parallel rank reads only its shard (``parallel.shard_for_rank``); one rank reads each whole."""
+    # no tqdm at all without a bar: it would make a multiprocessing lock that a killed worker leaks
+    bar = tqdm(desc="loading weights", unit="tensor") if progress else None
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            keys = list(f.keys())
+            if bar is not None:
                 bar.total = (bar.total or 0) + len(keys)
                 bar.refresh()
-                for key in keys:
-                    yield key, f.get_tensor(key)
+            for key in keys:
+                yield key, f.get_slice(key)
+                if bar is not None:
                     bar.update()
+    if bar is not None:
+        bar.close()
 
 
 def load_safetensors_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True
-) -> tuple[LlamaForCausalLM, dict[str, Any]]:
-    """Model and its raw config dict from a transformers checkpoint directory."""
+    path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True, tp: TPGroup | None = None
+) -> tuple[CausalLM, dict[str, Any]]:
+    """Model (or one tensor-parallel rank's shard) and its raw config dict from a transformers checkpoint
+    directory."""
     config = load_hf_config(path)
-    model = build_model(config, dtype)
-    load_weights(model, iter_safetensors(safetensors_files(path), progress))
+    model = build_model(config, dtype, tp)
+    load_weights(model, iter_safetensors_slices(safetensors_files(path), progress))
     return model, config

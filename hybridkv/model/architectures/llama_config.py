@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hybridkv.kv.layer_specs import text_config
+from hybridkv.kv.layer_specs import llama4_rope_layers, text_config
 
-SUPPORTED_MODEL_TYPES = ("llama", "llama4", "llama4_text", "mistral", "qwen2")
+LLAMA_MODEL_TYPES = ("llama", "llama4", "llama4_text", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
 # transformers' default_theta per model type, used only when a config names no theta at all.
 _DEFAULT_THETA = {"llama4_text": 500000.0}
@@ -72,8 +72,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
         top_type = config.get("model_type")
-        if top_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {top_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if top_type not in LLAMA_MODEL_TYPES:
+            raise ValueError(f"model_type {top_type!r} is not supported; supported: {', '.join(LLAMA_MODEL_TYPES)}")
         cfg = text_config(config) if top_type == "llama4" else config
         model_type = "llama4_text" if top_type.startswith("llama4") else top_type
         if cfg.get("hidden_act", "silu") != "silu":
@@ -120,12 +120,6 @@ def _plain_fields(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
 
 
 def _llama4_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    rope_layers = cfg.get("no_rope_layers")
-    if not rope_layers:
-        interval = int(cfg.get("no_rope_layer_interval", 4))
-        rope_layers = [int((i + 1) % interval != 0) for i in range(num_layers)]
-    if len(rope_layers) < num_layers:
-        raise ValueError(f"no_rope_layers has {len(rope_layers)} entries but num_hidden_layers is {num_layers}")
     moe_layers = cfg.get("moe_layers")
     if moe_layers is None:
         step = int(cfg.get("interleave_moe_layer_step", 1))
@@ -134,7 +128,7 @@ def _llama4_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     return dict(
         intermediate_size_mlp=int(cfg.get("intermediate_size_mlp") or cfg["intermediate_size"]),
         attention_chunk_size=None if chunk is None else int(chunk),
-        rope_layers=tuple(bool(r) for r in rope_layers[:num_layers]),
+        rope_layers=tuple(llama4_rope_layers(cfg)),
         use_qk_norm=bool(cfg.get("use_qk_norm", True)),
         attn_temperature_tuning=bool(cfg.get("attn_temperature_tuning", True)),
         floor_scale=float(cfg.get("floor_scale", 8192)),

