@@ -13,13 +13,14 @@ from typing import Any
 
 import torch
 
+from hybridkv.kv.dtypes import MODEL_DTYPES
 from hybridkv.model.architectures.gemma3 import GEMMA3_MODEL_TYPES, Gemma3Config, Gemma3ForCausalLM
 from hybridkv.model.architectures.llama import LlamaForCausalLM
 from hybridkv.model.architectures.llama_config import LLAMA_MODEL_TYPES, ModelConfig
 from hybridkv.model.architectures.parallel import TPGroup
 from hybridkv.model.causal_lm import CausalLM
+from hybridkv.model.dtypes import MODEL_TORCH_DTYPES
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: the checkpoint's weights | random weights from config.json alone
 
 
@@ -49,8 +50,8 @@ def build_model(
 ) -> CausalLM:
     """This rank's model on ``device``. ``auto``: uninitialised (no random init: every parameter must be loaded
     before use); ``dummy``: norms neutral, every other weight N(0, 0.02) drawn on ``device`` from ``seed + rank``."""
-    if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"dtype {dtype} is not supported; choose float32, bfloat16 or float16")
+    if dtype not in MODEL_TORCH_DTYPES:
+        raise ValueError(f"dtype {dtype} is not supported; choose {', '.join(MODEL_DTYPES)}")
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose {' or '.join(LOAD_FORMATS)}")
     arch = architecture(hf_config)
