@@ -22,6 +22,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
         help="reuse KV blocks of shared prefixes",
     )
     p.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16 | float16 | float32 | fp8_e4m3")
+    p.add_argument("--fp8-attention-compute", action="store_true",
+                   help="with --kv-cache-dtype fp8_e4m3 on GPU: prefill attention dots in FP8 (faster, less exact)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache budget in bytes")
@@ -51,6 +53,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_dtype=args.kv_cache_dtype,
+        fp8_attention_compute=args.fp8_attention_compute,
         seed=args.seed,
         device=args.device,
         enforce_eager=args.enforce_eager,

@@ -51,6 +51,8 @@ class EngineConfig:
     enforce_eager: bool = False  # GPU: no CUDA graphs for decode steps
     load_format: str = "auto"  # auto: the checkpoint's weights | dummy: random weights from config.json alone
     kv_cache_dtype: str = "auto"
+    # fp8_e4m3 cache on the Triton kernels: prefill attention dots in FP8 (Q and P rounded to e4m3) instead of bf16
+    fp8_attention_compute: bool = False
     seed: int = 0
     device: str = "auto"  # auto: CUDA when torch sees a GPU, else the CPU
     skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs token ids (text stays "")
@@ -122,6 +124,8 @@ class LLMEngine:
         self.tokenizer = None if config.skip_tokenizer_init else self.loaded.tokenizer
         hf_config = self.loaded.hf_config
         kv_dtype = config.kv_cache_dtype
+        if config.fp8_attention_compute and not kv_dtype.startswith("fp8"):
+            raise ValueError(f"fp8_attention_compute needs kv_cache_dtype=fp8_e4m3, got {kv_dtype!r}")
         if kv_dtype == "auto":
             kv_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
         self.layer_specs = layer_specs_from_hf_config(hf_config, tp.size, kv_dtype)
@@ -206,7 +210,7 @@ class LLMEngine:
     def _make_backend(self, num_blocks: int, kv_dtype: str):
         heads = self.model.cfg.num_heads // self.config.tensor_parallel_size
         return make_paged_attention(self.config.attention_backend, self.layout, num_blocks, kv_dtype, heads,
-                                    self.config.device)
+                                    self.config.device, self.config.fp8_attention_compute)
 
     def _start_workers(self, tp: TPGroup, dtype: torch.dtype, kv_dtype: str, num_blocks: int) -> ModelRunner:
         from hybridkv.engine.tp_workers import TPDriverRunner, TPWorkers, WorkerSpec
@@ -216,6 +220,7 @@ class LLMEngine:
             model=c.model, dtype=dtype, device=c.device, rank=0, size=tp.size, port=0,
             timeout_s=c.distributed_timeout_s, block_size=c.block_size, kv_dtype=kv_dtype, num_blocks=num_blocks,
             attention_backend=c.attention_backend, load_format=c.load_format, seed=c.seed,
+            fp8_attention_compute=c.fp8_attention_compute,
         )
         self.workers = TPWorkers(spec, tp)
         return TPDriverRunner(self.model, self.kv, self.backend, self.workers)

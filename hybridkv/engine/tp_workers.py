@@ -67,6 +67,7 @@ class WorkerSpec:
     attention_backend: str = "auto"
     load_format: str = "auto"
     seed: int = 0
+    fp8_attention_compute: bool = False
 
 
 def device_for_rank(device: str, rank: int) -> str:
@@ -107,7 +108,8 @@ def _build_runner(spec: WorkerSpec, tp: TPGroup) -> ModelRunner:
     # the same layout and block count as the driver's, so its block tables address this rank's cache
     layout = plan_layout(layer_specs_from_hf_config(loaded.hf_config, tp.size, spec.kv_dtype), spec.block_size)
     heads = loaded.model.cfg.num_heads // tp.size
-    backend = make_paged_attention(spec.attention_backend, layout, spec.num_blocks, spec.kv_dtype, heads, device)
+    backend = make_paged_attention(spec.attention_backend, layout, spec.num_blocks, spec.kv_dtype, heads, device,
+                                   spec.fp8_attention_compute)
     return ModelRunner(model, None, backend)
 
 
