@@ -45,6 +45,17 @@ def kv_write_kernel(
 
 
 @triton.jit
+def _visible(k_ok, k_pos, q_pos, KIND: tl.constexpr, REACH: tl.constexpr):
+    """[queries, keys]: which keys of an edge tile each query sees (causal, and its window or chunk)."""
+    seen = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+    if KIND == 1:
+        seen = seen & (k_pos[None, :] > q_pos[:, None] - REACH)
+    elif KIND == 2:
+        seen = seen & ((k_pos[None, :] // REACH) == (q_pos[:, None] // REACH))
+    return seen
+
+
+@triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, q_pos, n, lo, end, cache_ptr, kv_desc, table, d, kv_head,
     stride_block, stride_tok, v_offset, qk_scale, rows_per_block, vt_ptr, vt_desc, vt_table, stride_vt,
@@ -107,12 +118,7 @@ def _attend_tile(
             v = v_raw.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
-            seen = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-            if KIND == 1:
-                seen = seen & (k_pos[None, :] > q_pos[:, None] - REACH)
-            elif KIND == 2:
-                seen = seen & ((k_pos[None, :] // REACH) == (q_pos[:, None] // REACH))
-            s = tl.where(seen, qk * qk_scale, float("-inf"))
+            s = tl.where(_visible(k_ok, k_pos, q_pos, KIND, REACH), qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp2(s - m_new[:, None])
         else:
@@ -165,12 +171,7 @@ def _attend_tile_fp8(
             vt = tl.load(vt_ptrs, mask=d[:, None] < D, other=0.0)
     qk = tl.dot(q, tl.trans(k))
     if MASKED:
-        seen = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        if KIND == 1:
-            seen = seen & (k_pos[None, :] > q_pos[:, None] - REACH)
-        elif KIND == 2:
-            seen = seen & ((k_pos[None, :] // REACH) == (q_pos[:, None] // REACH))
-        s = tl.where(seen, qk * qk_scale[:, None], float("-inf"))
+        s = tl.where(_visible(k_ok, k_pos, q_pos, KIND, REACH), qk * qk_scale[:, None], float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - (m_new[:, None] - 8.0))
     else:
