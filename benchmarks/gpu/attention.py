@@ -15,6 +15,12 @@ cache is; the peers read contiguous tensors.
 
 Every output is checked against SDPA (relative error <= 1e-2) before it is timed.
 
+- FP8 compute column (prefill and step rows): an fp8_e4m3 cache with ``fp8_compute=True`` (Q and P rounded to
+  e4m3, FP8 tensor-core dots), the same inputs; it includes writing the K/V as e4m3 and the transposed-V pass.
+  Checked before timing against SDPA over the same e4m3-rounded K/V (relative error <= 6e-2, the GPU tests' bound);
+  its error against the bf16 reference (SDPA over the unrounded bf16 K/V: K/V quantization included) is printed
+  beside it as max abs / relative.
+
     python benchmarks/gpu/attention.py [--lengths 8192,32768,131072,1048576] [--flex-max 131072] [--block-size 64]
 """
 
@@ -94,7 +100,7 @@ def useful_pairs(n: int, chunked: bool) -> int:
 def make_backend(spec, n: int, max_q: int, block: int = BLOCK, **kernel_options):
     layout = plan_layout([spec], block)
     blocks = n // block + 2
-    backend = TritonPagedAttention(layout, blocks + 1, "bfloat16", HQ, DEV, **kernel_options)
+    backend = TritonPagedAttention(layout, blocks + 1, spec.dtype, HQ, DEV, **kernel_options)
     gen = torch.Generator().manual_seed(0)
     table = (torch.randperm(blocks, generator=gen) + 1).numpy().astype("int32")
     return backend, table
@@ -133,6 +139,30 @@ def flex_fn(n: int, chunked: bool):
     return run
 
 
+def e4m3(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float8_e4m3fn).to(x.dtype)
+
+
+def fp8_errors(out, ref_e4m3, ref_bf16) -> tuple[float, str]:
+    """Relative error against SDPA over the same e4m3 K/V (checked), and a note of max abs / relative error
+    against the bf16 reference."""
+    err = rel_err(out, ref_e4m3)
+    assert err <= 6e-2 and not out.isnan().any(), f"FP8 compute: relative error {err:.2e} vs e4m3 K/V"
+    return err, f"{(out.float() - ref_bf16.float()).abs().max().item():.1e} / {rel_err(out, ref_bf16):.1e}"
+
+
+def fp8_prefill(n: int, chunked: bool, block: int, q, k, v, ref, flops: int, **kernel_options) -> list[str]:
+    """The FP8-compute columns of a one-shot prefill row: TFLOP/s and error."""
+    spec_cls = (lambda dt: ChunkedLocalSpec(HKV, D, dt, chunk=CHUNK)) if chunked else (
+        lambda dt: FullAttentionSpec(HKV, D, dt))
+    backend, table = make_backend(spec_cls("fp8_e4m3"), n, n, block=block, fp8_compute=True, **kernel_options)
+    backend.begin_step([StepSequence(0, n, [table])])
+    out = backend.attend(0, q, k, v, D ** -0.5)
+    _, note = fp8_errors(out, sdpa(q, e4m3(k), e4m3(v), chunked), ref)
+    t = bench(lambda: backend.attend(0, q, k, v, D ** -0.5))
+    return [f"{flops / t / 1e9:.0f}", note]
+
+
 def prefill_row(n: int, chunked: bool, flex_max: int, block: int) -> list[str]:
     spec = ChunkedLocalSpec(HKV, D, "bfloat16", chunk=CHUNK) if chunked else FullAttentionSpec(HKV, D, "bfloat16")
     backend, table = make_backend(spec, n, n, block=block)
@@ -154,6 +184,10 @@ def prefill_row(n: int, chunked: bool, flex_max: int, block: int) -> list[str]:
         cudnn = f"{flops / bench(lambda: sdpa(q, k, v, chunked, cudnn=True)) / 1e9:.0f}"
     except Exception as e:  # report, don't hide: cuDNN may refuse a shape
         cudnn = f"error: {type(e).__name__}"
+    try:
+        fp8 = fp8_prefill(n, chunked, block, q, k, v, ref, flops)
+    except Exception as e:  # noqa: BLE001 - report, don't hide
+        fp8 = [f"error: {type(e).__name__}: {str(e)[:120]}", ""]
     flex = "not run"
     if n <= flex_max:
         try:
@@ -165,7 +199,7 @@ def prefill_row(n: int, chunked: bool, flex_max: int, block: int) -> list[str]:
             flex = f"error: {type(e).__name__}"
     kind = f"chunked({CHUNK})" if chunked else "full"
     return [f"prefill {kind}", f"{n:,}", f"{t_ours:.2f}", f"{flops / t_ours / 1e9:.0f}",
-            f"{flops / t_sdpa / 1e9:.0f}", cudnn, flex, f"{err:.1e}"]
+            f"{flops / t_sdpa / 1e9:.0f}", cudnn, flex, f"{err:.1e}", *fp8]
 
 
 def decode_row(n: int, chunked: bool, copy_gbs: float, block: int) -> list[str]:
@@ -203,7 +237,7 @@ def decode_row(n: int, chunked: bool, copy_gbs: float, block: int) -> list[str]:
     gbs = read / t_ours / 1e6
     kind = f"chunked({CHUNK})" if chunked else "full"
     return [f"decode {kind}", f"{n:,}", f"{t_ours * 1000:.1f} us (eager {t_eager * 1000:.0f})", f"{gbs:.0f} GB/s",
-            f"{read / t_sdpa / 1e6:.0f} GB/s", "", f"{100 * gbs / copy_gbs:.0f}% of copy", f"{err:.1e}"]
+            f"{read / t_sdpa / 1e6:.0f} GB/s", "", f"{100 * gbs / copy_gbs:.0f}% of copy", f"{err:.1e}", "", ""]
 
 
 # Run 34's candidates (docs/benchmarks.md; runs 33 and 39 timed more, among them Triton 3.6's warp-specialized loop
@@ -281,36 +315,104 @@ def sweep(step_context: int = 1 << 20, step_tokens: int = 16384, one_shot: int =
         print("| " + " | ".join(r) + " |")
 
 
+FP8_SWEEP_CONFIGS = [
+    HOPPER_PREFILL, KernelConfig(128, 64, 4, 4, tma=True, programs_per_sm=2),
+    KernelConfig(128, 64, 8, 3, tma=True), KernelConfig(256, 64, 8, 3, tma=True),
+    KernelConfig(128, 128, 8, 3, tma=True), KernelConfig(128, 128, 4, 3, tma=True, programs_per_sm=2),
+    KernelConfig(128, 64, 4, 3, programs_per_sm=2),
+]
+
+
+def sweep_fp8(step_context: int = 1 << 20, step_tokens: int = 16384, one_shot: int = 32768) -> None:
+    """Time candidate FP8-compute prefill kernels on a one-shot causal prefill and a step over a long context,
+    pages of max(64, key tile); every output checked against SDPA over the same e4m3 K/V first."""
+    n = one_shot
+    q1 = torch.randn(n, HQ, D, device=DEV, dtype=torch.bfloat16)
+    k1, v1 = (torch.randn(n, HKV, D, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    ref1, ref1_e4 = sdpa(q1, k1, v1, False), sdpa(q1, e4m3(k1), e4m3(v1), False)
+    flops1 = 4 * HQ * D * useful_pairs(n, False)
+    keys = torch.randn(step_context + step_tokens, HKV, D, device=DEV, dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
+    q2 = torch.randn(step_tokens, HQ, D, device=DEV, dtype=torch.bfloat16)
+    flops2 = 4 * HQ * D * (step_tokens * step_context + step_tokens * (step_tokens + 1) // 2)
+    spec = FullAttentionSpec(HKV, D, "fp8_e4m3")
+    rows, backends, ref2 = [], {}, None
+    for cfg in FP8_SWEEP_CONFIGS:
+        block = max(64, cfg.block_n)
+        try:
+            one, table = make_backend(spec, n, n, block=block, prefill=cfg, fp8_compute=True)
+            one.begin_step([StepSequence(0, n, [table])])
+            err1, note1 = fp8_errors(one.attend(0, q1, k1, v1, D ** -0.5), ref1_e4, ref1)
+            t1 = bench(lambda: one.attend(0, q1, k1, v1, D ** -0.5))
+            del one
+            if block not in backends:
+                backends[block] = filled_backend(spec, step_context, step_tokens, block, keys, values,
+                                                 fp8_compute=True)
+            step, table = backends[block]
+            step.prefill = cfg
+            step.begin_step([StepSequence(step_context, step_tokens, [table])])
+            run = lambda: step.attend(0, q2, keys[step_context:], values[step_context:], D ** -0.5)  # noqa: E731
+            out2 = run()
+            if ref2 is None:
+                ref2 = out2.clone()  # the first config is the step's reference
+            err2 = rel_err(out2, ref2)
+            assert err2 <= 6e-2 and not out2.isnan().any(), err2
+            t2 = bench(run)
+            rows.append([str(cfg), f"{flops1 / t1 / 1e9:.0f}", f"{flops2 / t2 / 1e9:.0f}",
+                         f"{err1:.1e} ({note1} vs bf16) / {err2:.1e}, splits {step.step_state.groups[0].num_splits}"])
+        except Exception as e:  # noqa: BLE001 - report what failed to compile or check, keep sweeping
+            rows.append([str(cfg), "", "", f"error {type(e).__name__}: {str(e)[:200]}"])
+        print(rows[-1], flush=True)
+    print(f"\n| FP8 config | {one_shot:,} one-shot TFLOP/s | {step_tokens:,} over {step_context:,} TFLOP/s "
+          "| rel err |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
 def engine_step_rows(context: int, tokens: int, kv_dtype: str = "bfloat16") -> list[list[str]]:
     """One prefill step as the engine runs it over a long prompt: ``tokens`` new queries over ``context`` cached
     random keys (full layer), with 16- and 64-token pages, the KV range unsplit and split as the backend chooses
     (whole waves of tiles). The first query's output is checked against SDPA over the keys it sees (for an FP8
-    cache: over the same keys rounded to e4m3, scale 1)."""
+    cache: over the same keys rounded to e4m3, scale 1). ``kv_dtype`` "fp8_compute": an fp8_e4m3 cache with FP8
+    dots, its error against the bf16 keys beside it."""
+    fp8_compute = kv_dtype == "fp8_compute"
+    kv_dtype = "fp8_e4m3" if fp8_compute else kv_dtype
     rows = []
     keys = torch.randn(context + tokens, HKV, D, device=DEV, dtype=torch.bfloat16)
     values = torch.randn_like(keys)
     q = torch.randn(tokens, HQ, D, device=DEV, dtype=torch.bfloat16)
     seen_k, seen_v = keys[: context + 1], values[: context + 1]
-    if kv_dtype == "fp8_e4m3":
-        seen_k, seen_v = (x.to(torch.float8_e4m3fn).to(torch.bfloat16) for x in (seen_k, seen_v))
-    ref = F.scaled_dot_product_attention(  # query 0 sits at position `context`: it sees keys 0..context
-        q[:1].transpose(0, 1).unsqueeze(0), seen_k.transpose(0, 1).unsqueeze(0).expand(1, HQ, -1, D),
-        seen_v.transpose(0, 1).unsqueeze(0).expand(1, HQ, -1, D)).squeeze(0).transpose(0, 1)
+
+    def first_query(k_seen, v_seen):  # query 0 sits at position `context`: it sees keys 0..context
+        return F.scaled_dot_product_attention(
+            q[:1].transpose(0, 1).unsqueeze(0), k_seen.transpose(0, 1).unsqueeze(0).expand(1, HQ, -1, D),
+            v_seen.transpose(0, 1).unsqueeze(0).expand(1, HQ, -1, D)).squeeze(0).transpose(0, 1)
+
+    ref_bf16 = first_query(seen_k, seen_v)
+    ref = first_query(e4m3(seen_k), e4m3(seen_v)) if kv_dtype == "fp8_e4m3" else ref_bf16
     flops = 4 * HQ * D * (tokens * context + tokens * (tokens + 1) // 2)
     for block in (16, 64):
-        backend, table = filled_backend(FullAttentionSpec(HKV, D, kv_dtype), context, tokens, block, keys, values)
+        backend, table = filled_backend(FullAttentionSpec(HKV, D, kv_dtype), context, tokens, block, keys, values,
+                                        fp8_compute=fp8_compute)
         chosen = backend._num_splits
         for forced in (1, None):
             backend._num_splits = chosen if forced is None else (lambda reach, heads: 1)
             backend.begin_step([StepSequence(context, tokens, [table])])
             run = lambda: backend.attend(0, q, keys[context:], values[context:], D ** -0.5)  # noqa: E731
-            err = rel_err(run()[:1], ref)
-            assert err <= 1e-2, f"step over {context}: relative error {err:.2e}"
+            out = run()[:1]
+            if fp8_compute:
+                err, note = fp8_errors(out, ref, ref_bf16)
+            else:
+                err, note = rel_err(out, ref), ""
+                assert err <= 1e-2, f"step over {context}: relative error {err:.2e}"
             ms = bench(run)
             splits = backend.step_state.groups[0].num_splits
-            rows.append([f"prefill step, {kv_dtype} KV, {block}-token pages, {splits} split(s)",
-                         f"{tokens:,} over {context:,}",
-                         f"{ms:.1f}", f"{flops / ms / 1e9:.0f}", "", "", "", f"{err:.1e}"])
+            name = "fp8_e4m3 KV, FP8 compute" if fp8_compute else f"{kv_dtype} KV"
+            segments = len(backend.step_state.groups[0].segments)
+            rows.append([f"prefill step, {name}, {block}-token pages, {splits} split(s), {segments} segment(s)",
+                         f"{tokens:,} over {context:,}", f"{ms:.1f}", f"{flops / ms / 1e9:.0f}", "", "", "",
+                         f"{err:.1e}", f"{flops / ms / 1e9:.0f}" if fp8_compute else "", note])
             print(" | ".join(rows[-1]), flush=True)
         del backend
         torch.cuda.empty_cache()
@@ -329,11 +431,16 @@ def main() -> None:
     ap.add_argument("--step-context", type=int, default=0,
                     help="also time one engine-sized prefill step (--step-tokens new tokens) over this many cached")
     ap.add_argument("--step-tokens", type=int, default=16384)
-    ap.add_argument("--step-kv-dtypes", default="bfloat16", help="cache dtypes of the step rows: bfloat16,fp8_e4m3")
+    ap.add_argument("--step-kv-dtypes", default="bfloat16",
+                    help="cache dtypes of the step rows: bfloat16,fp8_e4m3,fp8_compute (an FP8 cache with FP8 dots)")
+    ap.add_argument("--sweep-fp8", action="store_true", help="time candidate tile shapes of the FP8-compute path")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.sweep:
         sweep(one_shot=args.sweep_length)
+        return
+    if args.sweep_fp8:
+        sweep_fp8(one_shot=args.sweep_length)
         return
     copy_gbs = copy_bandwidth()
     rows = []
@@ -352,7 +459,7 @@ def main() -> None:
     print(f"\n{name}, copy bandwidth {copy_gbs:.0f} GB/s (read + write), bf16, Hq {HQ}, Hkv {HKV}, D {D}, "
           f"prefill pages {args.block_size}, decode pages {args.decode_block_size}")
     head = ["case", "tokens", "ours ms | us", "ours TFLOP/s | GB/s", "SDPA flash", "SDPA cuDNN",
-            "FlexAttention | share", "rel err"]
+            "FlexAttention | share", "rel err", "FP8 compute TFLOP/s", "FP8 err vs bf16: max abs / rel"]
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     fmt = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
     print(fmt(head))

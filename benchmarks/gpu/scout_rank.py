@@ -250,7 +250,8 @@ def main() -> None:
                     help="1: one TP-8 rank on one GPU; 2, 4, 8: real TP over that many GPUs, each holding a TP-8 rank")
     ap.add_argument("--prefill-lengths", default="1048576")
     ap.add_argument("--decode-contexts", default="1048576,5242880,10000000")
-    ap.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3")
+    ap.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3",
+                    help="bfloat16, fp8_e4m3 and/or fp8_compute (an fp8_e4m3 cache with FP8 attention dots)")
     ap.add_argument("--tp-prefill-length", type=int, default=1048576)
     ap.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     ap.add_argument("--step-contexts", default="",
@@ -267,10 +268,13 @@ def main() -> None:
     loaded = LoadedModel("scout-rank (random weights)", model, word_tokenizer(cfg["vocab_size"]), cfg)
     rows = []
     for kv_dtype in args.kv_dtypes.split(","):
-        engine = engine_for(loaded, kv_dtype, args.block_size)
+        # "fp8_compute": an fp8_e4m3 cache with FP8 attention dots in prefill (EngineConfig.fp8_attention_compute)
+        fp8_compute = kv_dtype == "fp8_compute"
+        engine = engine_for(loaded, "fp8_e4m3" if fp8_compute else kv_dtype, args.block_size,
+                            fp8_attention_compute=fp8_compute)
         kv_bytes = engine.kv.pool.num_blocks * engine.layout.page_bytes
         full = json.loads(CONFIG.read_text())
-        plan = plan_capacity(full, tensor_parallel_size=8, kv_cache_dtype=kv_dtype,
+        plan = plan_capacity(full, tensor_parallel_size=8, kv_cache_dtype=engine.config.kv_cache_dtype,
                              block_size=args.block_size, kv_memory_bytes=kv_bytes, max_num_batched_tokens=16384)
         rows.append([kv_dtype, "KV memory allocated", f"{kv_bytes / 2**30:.2f} GiB", f"weights {weights_gib:.2f} GiB"])
         rows.append([kv_dtype, "max_model_len plan / engine", f"{plan.max_model_len:,} / {engine.max_model_len:,}",

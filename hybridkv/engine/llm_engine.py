@@ -143,6 +143,8 @@ class LLMEngine:
         self.tokenizer = None if config.skip_tokenizer_init else self.loaded.tokenizer
         hf_config = self.loaded.hf_config
         kv_dtype = config.kv_cache_dtype
+        if config.fp8_attention_compute and not kv_dtype.startswith("fp8"):
+            raise ValueError(f"fp8_attention_compute needs kv_cache_dtype=fp8_e4m3, got {kv_dtype!r}")
         if kv_dtype == "auto":
             kv_dtype = dtype_name(dtype)
         layer_specs = layer_specs_from_hf_config(hf_config, tp.size, kv_dtype)
@@ -158,7 +160,7 @@ class LLMEngine:
             host_blocks=host_blocks,
         )
         runtime = build_runtime(self.model, self.layout, num_blocks, kv_dtype, config.attention_backend,
-                                config.device, self.kv, host_blocks)
+                                config.device, self.kv, host_blocks, config.fp8_attention_compute)
         self.backend, self.runner = runtime.backend, runtime.runner
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         if tp.size > 1:

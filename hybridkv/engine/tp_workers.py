@@ -113,7 +113,7 @@ def _build_runner(spec: WorkerSpec, tp: TPGroup) -> ModelRunner:
     # the same layout and block count as the driver's, so its block tables address this rank's cache
     layout = rank_layout(loaded.hf_config, tp.size, spec.kv_dtype, c.block_size)
     return build_runtime(model, layout, spec.num_blocks, spec.kv_dtype, c.attention_backend, device,
-                         host_blocks=spec.host_blocks).runner
+                         host_blocks=spec.host_blocks, fp8_compute=c.fp8_attention_compute).runner
 
 
 class TPWorkers:

@@ -45,14 +45,29 @@ def kv_write_kernel(
 
 
 @triton.jit
+def _visible(k_ok, k_pos, q_pos, KIND: tl.constexpr, REACH: tl.constexpr):
+    """[queries, keys]: which keys of an edge tile each query sees (causal, and its window or chunk)."""
+    seen = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+    if KIND == 1:
+        seen = seen & (k_pos[None, :] > q_pos[:, None] - REACH)
+    elif KIND == 2:
+        seen = seen & ((k_pos[None, :] // REACH) == (q_pos[:, None] // REACH))
+    return seen
+
+
+@triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, q_pos, n, lo, end, cache_ptr, kv_desc, table, d, kv_head,
-    stride_block, stride_tok, v_offset, qk_scale, rows_per_block,
+    stride_block, stride_tok, v_offset, qk_scale, rows_per_block, vt_ptr, vt_desc, vt_table, stride_vt,
     KIND: tl.constexpr, REACH: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr, QUANT: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, FP8_DOT: tl.constexpr,
 ):
-    """One BLOCK_N tile of keys into the online softmax (base-2: ``qk_scale`` holds log2(e))."""
+    """One BLOCK_N tile of keys into the online softmax (base-2: ``qk_scale`` holds log2(e)).
+
+    FP8_DOT: ``q`` is e4m3 and ``qk_scale`` one factor per row (its quantization scale folded in); K comes from
+    the cache's e4m3 pages as they are, V^T from the step's transposed e4m3 copy (``vt_*``), and both dots are
+    FP8 tensor-core dots accumulating in float32."""
     k_pos = n + tl.arange(0, BLOCK_N)
     if MASKED:
         k_ok = (k_pos < end) & (k_pos >= lo)
@@ -60,8 +75,9 @@ def _attend_tile(
         # Hopper: the tile is one page's rows [n % BLOCK_SIZE, + BLOCK_N), one TMA copy each for K and V
         row = tl.load(table + n // BLOCK_SIZE) * rows_per_block + n % BLOCK_SIZE
         k_raw = kv_desc.load([row, kv_head * D])
-        v_raw = kv_desc.load([row + BLOCK_SIZE, kv_head * D])
-        if MASKED:
+        if not FP8_DOT:
+            v_raw = kv_desc.load([row + BLOCK_SIZE, kv_head * D])
+        if MASKED and not FP8_DOT:
             # rows outside [lo, end) are whatever the page holds (NaN too): P is 0 there, but 0 * NaN is not
             v_raw = tl.where(k_ok[:, None], v_raw, tl.zeros_like(v_raw))
     elif BLOCK_SIZE >= BLOCK_N:
@@ -80,38 +96,90 @@ def _attend_tile(
         d_ok = d[None, :] < D
         if MASKED:
             k_raw = tl.load(ptrs, mask=k_ok[:, None] & d_ok, other=0.0)
-            v_raw = tl.load(ptrs + v_offset, mask=k_ok[:, None] & d_ok, other=0.0)
+            if not FP8_DOT:
+                v_raw = tl.load(ptrs + v_offset, mask=k_ok[:, None] & d_ok, other=0.0)
         else:
             k_raw = tl.load(ptrs, mask=d_ok, other=0.0)
-            v_raw = tl.load(ptrs + v_offset, mask=d_ok, other=0.0)
-    if QUANT:
-        # e4m3 values are exact in float32, bf16 and fp16, so no scale is applied per value: k_scale sits in
-        # qk_scale, v_scale in the final normalisation. Through float32 is faster than Triton's direct e4m3 -> bf16
-        # (16K queries over 1M FP8 keys on an H200: 122 ms vs 147; docs/benchmarks.md run 22).
-        k = k_raw.to(tl.float32).to(q.dtype)
-        v = v_raw.to(tl.float32).to(q.dtype)
+            if not FP8_DOT:
+                v_raw = tl.load(ptrs + v_offset, mask=d_ok, other=0.0)
+    if FP8_DOT:
+        acc, m_new, l_i = _attend_tile_fp8(acc, m_i, l_i, q, q_pos, n, lo, end, k_raw, vt_ptr, vt_desc, vt_table,
+                                           stride_vt, d, kv_head, qk_scale, KIND, REACH, BLOCK_SIZE, D, BLOCK_N,
+                                           MASKED, TMA)
     else:
-        k = k_raw.to(q.dtype)
-        v = v_raw.to(q.dtype)
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if QUANT:
+            # e4m3 values are exact in float32, bf16 and fp16, so no scale is applied per value: k_scale sits in
+            # qk_scale, v_scale in the final normalisation. Through float32 is faster than Triton's direct
+            # e4m3 -> bf16 (16K queries over 1M FP8 keys on an H200: 122 ms vs 147; docs/benchmarks.md run 22).
+            k = k_raw.to(tl.float32).to(q.dtype)
+            v = v_raw.to(tl.float32).to(q.dtype)
+        else:
+            k = k_raw.to(q.dtype)
+            v = v_raw.to(q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if MASKED:
+            s = tl.where(_visible(k_ok, k_pos, q_pos, KIND, REACH), qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+        else:
+            # interior tiles are most of a long prefill. qk_scale > 0, so the max of the scaled scores is the
+            # scaled max, and scaling and subtracting the max is one FMA.
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # accumulate inside the tensor-core dot instead of adding its result in a separate pass
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_tile_fp8(
+    acc, m_i, l_i, q, q_pos, n, lo, end, k, vt_ptr, vt_desc, vt_table, stride_vt, d, kv_head, qk_scale,
+    KIND: tl.constexpr, REACH: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, TMA: tl.constexpr,
+):
+    """The FP8-compute tile: e4m3 Q.K^T and P.V with float32 accumulation.
+
+    Hopper's FP8 wgmma takes its B operand K-major only: K as stored ([keys, D], D contiguous) is, V is not, so V
+    is read from a transposed copy ``[heads * D, columns]`` whose columns are the step's key slots (page
+    ``vt_table[n // BLOCK_SIZE]``, offset ``n % BLOCK_SIZE``). P is scaled by 2^8 before its e4m3 rounding (the
+    sum ``l_i`` carries the same factor, so it cancels): weights down to 2^-17 survive instead of flushing to zero
+    below e4m3's 2^-9."""
+    k_pos = n + tl.arange(0, BLOCK_N)
     if MASKED:
-        seen = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        if KIND == 1:
-            seen = seen & (k_pos[None, :] > q_pos[:, None] - REACH)
-        elif KIND == 2:
-            seen = seen & ((k_pos[None, :] // REACH) == (q_pos[:, None] // REACH))
-        s = tl.where(seen, qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
+        k_ok = (k_pos < end) & (k_pos >= lo)
+    if TMA:
+        col = tl.load(vt_table + n // BLOCK_SIZE) * BLOCK_SIZE + n % BLOCK_SIZE
+        vt = vt_desc.load([kv_head * D, col])
+        if MASKED:
+            # columns outside [lo, end) hold whatever the page held (NaN too): P is 0 there, but 0 * NaN is not
+            vt = tl.where(k_ok[None, :], vt, tl.zeros_like(vt))
     else:
-        # interior tiles are most of a long prefill. qk_scale > 0, so the max of the scaled scores is the scaled
-        # max, and scaling and subtracting the max is one FMA.
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.exp2(qk * qk_scale - m_new[:, None])
+        if BLOCK_SIZE >= BLOCK_N:
+            col = (tl.load(vt_table + n // BLOCK_SIZE).to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
+                   + tl.arange(0, BLOCK_N))
+        elif MASKED:
+            col = (tl.load(vt_table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64) * BLOCK_SIZE
+                   + k_pos % BLOCK_SIZE)
+        else:
+            col = tl.load(vt_table + k_pos // BLOCK_SIZE).to(tl.int64) * BLOCK_SIZE + k_pos % BLOCK_SIZE
+        vt_ptrs = vt_ptr + (kv_head * D + d).to(tl.int64)[:, None] * stride_vt + col[None, :]
+        if MASKED:
+            vt = tl.load(vt_ptrs, mask=(d[:, None] < D) & k_ok[None, :], other=0.0)
+        else:
+            vt = tl.load(vt_ptrs, mask=d[:, None] < D, other=0.0)
+    qk = tl.dot(q, tl.trans(k))
+    if MASKED:
+        s = tl.where(_visible(k_ok, k_pos, q_pos, KIND, REACH), qk * qk_scale[:, None], float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - (m_new[:, None] - 8.0))
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk * qk_scale[:, None], 1))
+        p = tl.exp2(qk * qk_scale[:, None] - (m_new[:, None] - 8.0))
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    # accumulate inside the tensor-core dot instead of adding its result in a separate pass
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    acc = tl.dot(p.to(tl.float8e4nv), tl.trans(vt), acc * alpha[:, None])
     return acc, m_new, l_i
 
 
@@ -128,18 +196,18 @@ def _type_lo(pos, KIND: tl.constexpr, REACH: tl.constexpr):
 
 @triton.jit
 def paged_attention_kernel(
-    q_ptr, out_ptr, part_out_ptr, part_lse_ptr, cache_ptr, kv_desc, table_ptr,
+    q_ptr, out_ptr, part_out_ptr, part_lse_ptr, cache_ptr, kv_desc, table_ptr, vt_ptr, vt_desc, vt_table_ptr,
     tile_seq_ptr, tile_q0_ptr, q_loc_ptr, q_len_ptr, ctx_len_ptr,
     scale, k_scale, v_scale, seg_lo, seg_hi, rows_per_block,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
     stride_block, stride_tok, v_offset,
-    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_vt,
     KIND: tl.constexpr, REACH: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr, ROWS: tl.constexpr, TOKENS: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr, QUANT: tl.constexpr, FP16_DOT: tl.constexpr,
     SEGMENTED: tl.constexpr, ACCUMULATE: tl.constexpr,
-    TMA: tl.constexpr = False,
+    TMA: tl.constexpr = False, FP8_DOT: tl.constexpr = False,
 ):
     """Attention of one query tile over the keys it may see inside ``[seg_lo, seg_hi)``.
 
@@ -149,7 +217,12 @@ def paged_attention_kernel(
 
     TMA (Hopper, pages holding whole key tiles): K and V tiles arrive by TMA through ``kv_desc``, a 2-D tensor
     descriptor over the layer's token rows (``[rows, kv_heads * D]``; a page is ``rows_per_block`` rows, its V
-    ``BLOCK_SIZE`` rows after its K)."""
+    ``BLOCK_SIZE`` rows after its K).
+
+    FP8_DOT (an e4m3 cache, prefill): each query row is quantized to e4m3 with its own scale (its max |q| maps to
+    448), folded with the softmax scale and ``k_scale`` into a per-row score factor; K is read from the e4m3
+    pages, V from the transposed e4m3 copy ``vt_ptr`` / ``vt_desc`` (``[kv_heads * D, columns]``, its block table
+    ``vt_table_ptr``)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -194,20 +267,30 @@ def paged_attention_kernel(
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
     table = table_ptr + seq.to(tl.int64) * stride_table
+    vt_table = vt_table_ptr + seq.to(tl.int64) * stride_table
     qk_scale = scale * k_scale * 1.4426950408889634
+    if FP8_DOT:
+        q_max = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1), 1e-30)
+        q = (q.to(tl.float32) * (448.0 / q_max)[:, None]).to(tl.float8e4nv)
+        qk_scale = qk_scale * (q_max / 448.0)
     for n in range(start, inner_lo, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, n, lo, end, cache_ptr, kv_desc, table, d, kv_head,
                                      stride_block, stride_tok, v_offset, qk_scale, rows_per_block,
-                                     KIND, REACH, BLOCK_SIZE, D, BLOCK_N, PRECISION, True, QUANT, TMA)
+                                     vt_ptr, vt_desc, vt_table, stride_vt,
+                                     KIND, REACH, BLOCK_SIZE, D, BLOCK_N, PRECISION, True, QUANT, TMA, FP8_DOT)
     for n in range(inner_lo, inner_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, n, lo, end, cache_ptr, kv_desc, table, d, kv_head,
                                      stride_block, stride_tok, v_offset, qk_scale, rows_per_block,
-                                     KIND, REACH, BLOCK_SIZE, D, BLOCK_N, PRECISION, False, QUANT, TMA)
+                                     vt_ptr, vt_desc, vt_table, stride_vt,
+                                     KIND, REACH, BLOCK_SIZE, D, BLOCK_N, PRECISION, False, QUANT, TMA, FP8_DOT)
     for n in range(inner_hi, end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, n, lo, end, cache_ptr, kv_desc, table, d, kv_head,
                                      stride_block, stride_tok, v_offset, qk_scale, rows_per_block,
-                                     KIND, REACH, BLOCK_SIZE, D, BLOCK_N, PRECISION, True, QUANT, TMA)
+                                     vt_ptr, vt_desc, vt_table, stride_vt,
+                                     KIND, REACH, BLOCK_SIZE, D, BLOCK_N, PRECISION, True, QUANT, TMA, FP8_DOT)
 
+    if FP8_DOT:
+        m_i = m_i - 8.0  # P was scaled by 2^8 (see _attend_tile_fp8): the LSE below is of the unscaled weights
     t_idx = (q_loc + tok).to(tl.int64)
     out = acc / tl.maximum(l_i, 1e-30)[:, None] * v_scale
     if NUM_SPLITS == 1 and not SEGMENTED:

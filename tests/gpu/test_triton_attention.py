@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -207,3 +208,46 @@ def test_hopper_tma_prefill_matches_reference(kv_dtype):
     assert split.pop("max_splits") == 4
     assert split.pop("max_segments", 0) == (4 if fp8 else 0)
     assert all(e <= bound for e in split.values()), split
+
+
+# FP8 compute: Q (per row) and P are rounded to e4m3 (3 mantissa bits) before their dots. Emulating exactly that in
+# float32 on random inputs (q, k, v ~ N(0, 1), 200 to 5,000 keys) gives 3.4-3.8e-2 relative error against exact
+# attention over the same e4m3 K/V: each rounding is off by up to 2^-4 of its value, and random attention spreads
+# its weight over many keys, so the output's error is about the rounding's RMS whatever the length. 6e-2 leaves
+# room for accumulation order; a dropped or swapped scale, a wrong V column or an unmasked key is off by O(1).
+FP8_COMPUTE_BOUND = 6e-2
+FP8_SCALES = {i: (0.05 * (i + 1), 0.5 / (i + 1)) for i in range(6)}
+FP8_DOTS = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.skipif(not FP8_DOTS, reason="FP8 tensor-core dots: compute capability 8.9+")
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_fp8_compute_matches_reference(block_size):
+    # all three attention types, mixed prefill/decode batches with cached prefixes (unsplit), then a long reach split
+    # into waves and cut into several segments of transposed V; 64-token pages take the TMA path on Hopper
+    tiles = TMA_TILES if HOPPER else KernelConfig(rows=128, block_n=64, num_warps=4, num_stages=3)
+    worst = drive(block_size, "fp8_e4m3", torch.bfloat16, MIXED, num_sms=1, kv_scales=FP8_SCALES, prefill=tiles,
+                  fp8_compute=True)
+    assert worst.pop("max_splits") == 1
+    assert worst.pop("max_segments") == 1  # one transposed-V copy per layer group and step
+    assert all(e <= FP8_COMPUTE_BOUND for e in worst.values()), worst
+    segment_bytes = 5000 * HKV * D * 2  # V's gather and its transposed copy, 1 byte each: 5,000 keys a segment
+    split = drive(block_size, "fp8_e4m3", torch.bfloat16, LONG_PREFILL, num_sms=4, num_blocks=800 * 64 // block_size,
+                  kv_scales=FP8_SCALES, prefill=tiles, segment_bytes=segment_bytes, fp8_compute=True)
+    assert split.pop("max_splits") == 4
+    assert split.pop("max_segments") >= 3  # 16,600 keys in segments of under 5,000
+    assert all(e <= FP8_COMPUTE_BOUND for e in split.values()), split
+
+
+@pytest.mark.skipif(not FP8_DOTS, reason="FP8 tensor-core dots: compute capability 8.9+")
+def test_fp8_compute_is_prefill_only_and_needs_an_fp8_cache():
+    # decode steps keep the exact widening kernel (bandwidth-bound: FP8 dots would buy nothing), so they plan no
+    # transposed V; a bf16 cache ignores the option
+    assert not TritonPagedAttention(plan_layout(specs("bfloat16"), 16), 64, "bfloat16", HQ, DEVICE,
+                                    fp8_compute=True).fp8_compute
+    tri = TritonPagedAttention(plan_layout(specs("fp8_e4m3"), 16), 64, "fp8_e4m3", HQ, DEVICE, fp8_compute=True)
+    tables = [np.array([1, 2, 3], dtype=np.int32)] * 3
+    tri.begin_step([StepSequence(0, 40, tables)])
+    assert [len(g.segments) for g in tri.step_state.groups] == [1, 1, 1]
+    tri.begin_step([StepSequence(40, 1, tables)])
+    assert [len(g.segments) for g in tri.step_state.groups] == [0, 0, 0]

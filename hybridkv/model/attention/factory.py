@@ -27,10 +27,12 @@ def paged_attention_capabilities(name: str, device: str, kv_dtype: str) -> Backe
 
 
 def make_paged_attention(
-    name: str, layout: KVLayout, num_blocks: int, kv_dtype: str, num_q_heads: int, device: str
+    name: str, layout: KVLayout, num_blocks: int, kv_dtype: str, num_q_heads: int, device: str,
+    fp8_compute: bool = False,
 ) -> PagedAttentionBackend:
-    """``num_q_heads``: on this rank."""
+    """``num_q_heads``: on this rank. ``fp8_compute``: FP8 prefill dots over an FP8 cache (Triton only; the torch
+    reference stays exact)."""
     backend = paged_attention_class(name, device)
     if backend is TorchPagedAttention:
         return TorchPagedAttention(layout, num_blocks, kv_dtype, device)
-    return TritonPagedAttention(layout, num_blocks, kv_dtype, num_q_heads, device)
+    return TritonPagedAttention(layout, num_blocks, kv_dtype, num_q_heads, device, fp8_compute=fp8_compute)
