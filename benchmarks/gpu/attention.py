@@ -458,8 +458,8 @@ def main() -> None:
     name = torch.cuda.get_device_name()
     print(f"\n{name}, copy bandwidth {copy_gbs:.0f} GB/s (read + write), bf16, Hq {HQ}, Hkv {HKV}, D {D}, "
           f"prefill pages {args.block_size}, decode pages {args.decode_block_size}")
-    head = ["case", "tokens", "ours ms | us", "ours TFLOP/s | GB/s", "SDPA flash", "SDPA cuDNN",
-            "FlexAttention | share", "rel err", "FP8 compute TFLOP/s", "FP8 err vs bf16: max abs / rel"]
+    head = ["case", "tokens", "ours ms or us", "ours TFLOP/s or GB/s", "SDPA flash", "SDPA cuDNN",
+            "FlexAttention or share", "rel err", "FP8 compute TFLOP/s", "FP8 err vs bf16: max abs / rel"]
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     fmt = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
     print(fmt(head))

@@ -46,7 +46,7 @@ def layer_kinds(config: dict[str, Any]) -> list[str]:
     cfg = text_config(config)
     n = int(cfg["num_hidden_layers"])
     if cfg.get("layer_types"):
-        names = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
+        names = {spec.hf_layer_type: kind for kind, spec in SPEC_TYPES.items()}
         kinds = [names.get(t, t) for t in cfg["layer_types"]]
         unknown = sorted(set(kinds) - set(names.values()))
         if unknown:

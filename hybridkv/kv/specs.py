@@ -82,6 +82,7 @@ class AttentionSpec(ABC):
 
     kind: ClassVar[str] = "abstract"
     kernel_kind: ClassVar[int]
+    hf_layer_type: ClassVar[str]  # its name in an HF config's ``layer_types``
 
     def __post_init__(self) -> None:
         if self.dtype not in KV_CACHE_DTYPES:
@@ -150,6 +151,7 @@ class AttentionSpec(ABC):
 @dataclass(frozen=True, slots=True)
 class FullAttentionSpec(AttentionSpec):
     kind: ClassVar[str] = "full"
+    hf_layer_type: ClassVar[str] = "full_attention"
     kernel_kind: ClassVar[int] = KERNEL_FULL
 
     @classmethod
@@ -172,6 +174,7 @@ class SlidingWindowSpec(AttentionSpec):
     window: int = 4096
 
     kind: ClassVar[str] = "sliding"
+    hf_layer_type: ClassVar[str] = "sliding_attention"
     kernel_kind: ClassVar[int] = KERNEL_SLIDING
 
     def __post_init__(self) -> None:
@@ -206,6 +209,7 @@ class ChunkedLocalSpec(AttentionSpec):
     chunk: int = 8192
 
     kind: ClassVar[str] = "chunked"
+    hf_layer_type: ClassVar[str] = "chunked_attention"
     kernel_kind: ClassVar[int] = KERNEL_CHUNKED
 
     def __post_init__(self) -> None:
