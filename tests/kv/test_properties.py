@@ -92,48 +92,17 @@ def check_hit(kv, r, hit):
             assert blocks[i].hash_key == (r.block_hashes[i], m.group.group_id)
 
 
-@settings(max_examples=1200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(layout=layouts(), data=st.data())
-def test_random_workloads_keep_the_pool_consistent(layout, data):
-    specs, block_size = layout
-    kv = manager(
-        specs,
-        block_size,
-        data.draw(st.integers(4, 40), "num_blocks"),
-        enable_prefix_caching=data.draw(st.sampled_from([True, True, True, False]), "caching"),
-        hash_algorithm=data.draw(st.sampled_from(["xxh3_128", "sha256"]), "hash"),
-        max_step_tokens=MAX_STEP,
-        retention_interval=data.draw(st.sampled_from([None, 0, 4, 16]), "retention"),
-    )
-    prefixes = data.draw(st.lists(st.lists(st.integers(0, 3), max_size=40), min_size=1, max_size=3), "prefixes")
-    live: dict[str, object] = {}  # admitted, holding blocks
-    waiting: list = []  # preempted, to be re-admitted
+def drive_workload(data, kv, prefixes, live, admit, compute, salts=(None,)):
+    """The random op sequence both property tests run: new requests (one of ``prefixes`` plus a random tail),
+    resumes of preempted ones, prefill chunks and decode steps, frees and preemptions, checking the pool's invariants
+    after each. ``admit(r)`` -> admitted; ``compute(r, k)`` runs a step of ``k`` tokens the manager allocated."""
+    waiting: list = []  # preempted or refused, to be admitted again
     prompt_len: dict[str, int] = {}
-    next_id = 0
-
-    def admit(r):
-        hit = kv.find_cache_hit(r)
-        if kv.enable_prefix_caching:
-            check_hit(kv, r, hit)
-        k = min(len(r.all_token_ids) - hit.num_tokens, data.draw(st.integers(1, MAX_STEP), "k"))
-        before = snapshot(kv)
-        if not kv.allocate_slots(r, k, hit):
-            assert snapshot(kv) == before and not kv.has_blocks(r.request_id)
-            return False
-        r.num_computed_tokens = hit.num_tokens
-        live[r.request_id] = r
-        check_invariants(kv, live)
-        r.num_computed_tokens += k
-        kv.on_tokens_computed(r)
-        return True
-
-    for _ in range(data.draw(st.integers(8, 60), "num_ops")):
+    for next_id in range(data.draw(st.integers(8, 60), "num_ops")):
         op = data.draw(st.sampled_from(OPS), "op")
         if op == "new" and len(live) + len(waiting) < 6:
             tokens = data.draw(st.sampled_from(prefixes)) + data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=24))
-            salt = data.draw(st.sampled_from([None, None, "s"]))
-            r = req(f"r{next_id}", tokens, cache_salt=salt)
-            next_id += 1
+            r = req(f"r{next_id}", tokens, cache_salt=data.draw(st.sampled_from(salts)))
             prompt_len[r.request_id] = len(tokens)
             if not admit(r):
                 waiting.append(r)
@@ -152,8 +121,7 @@ def test_random_workloads_keep_the_pool_consistent(layout, data):
             before = snapshot(kv)
             if kv.allocate_slots(r, k):
                 check_invariants(kv, live)
-                r.num_computed_tokens += k
-                kv.on_tokens_computed(r)
+                compute(r, k)
             else:
                 assert snapshot(kv) == before
         elif op in ("free", "preempt") and live:
@@ -164,6 +132,44 @@ def test_random_workloads_keep_the_pool_consistent(layout, data):
                 prompt_len[r.request_id] = len(r.all_token_ids)
                 waiting.append(r)
         check_invariants(kv, live)
+
+
+@settings(max_examples=1200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(layout=layouts(), data=st.data())
+def test_random_workloads_keep_the_pool_consistent(layout, data):
+    specs, block_size = layout
+    kv = manager(
+        specs,
+        block_size,
+        data.draw(st.integers(4, 40), "num_blocks"),
+        enable_prefix_caching=data.draw(st.sampled_from([True, True, True, False]), "caching"),
+        hash_algorithm=data.draw(st.sampled_from(["xxh3_128", "sha256"]), "hash"),
+        max_step_tokens=MAX_STEP,
+        retention_interval=data.draw(st.sampled_from([None, 0, 4, 16]), "retention"),
+    )
+    prefixes = data.draw(st.lists(st.lists(st.integers(0, 3), max_size=40), min_size=1, max_size=3), "prefixes")
+    live: dict[str, object] = {}  # admitted, holding blocks
+
+    def admit(r):
+        hit = kv.find_cache_hit(r)
+        if kv.enable_prefix_caching:
+            check_hit(kv, r, hit)
+        k = min(len(r.all_token_ids) - hit.num_tokens, data.draw(st.integers(1, MAX_STEP), "k"))
+        before = snapshot(kv)
+        if not kv.allocate_slots(r, k, hit):
+            assert snapshot(kv) == before and not kv.has_blocks(r.request_id)
+            return False
+        r.num_computed_tokens = hit.num_tokens
+        live[r.request_id] = r
+        check_invariants(kv, live)
+        compute(r, k)
+        return True
+
+    def compute(r, k):
+        r.num_computed_tokens += k
+        kv.on_tokens_computed(r)
+
+    drive_workload(data, kv, prefixes, live, admit, compute, salts=[None, None, "s"])
 
     for r in list(live.values()):
         kv.free(live.pop(r.request_id))

@@ -5,8 +5,8 @@ from collections import Counter
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvutil import chunked, full, manager, req, run, sliding
-from test_properties import MAX_STEP, OPS, check_invariants, layouts, snapshot
+from kvutil import full, manager, req, run, sliding
+from test_properties import MAX_STEP, check_invariants, drive_workload, layouts, snapshot
 
 from hybridkv.kv.block_pool import EVICT_FIRST, LRU, KVBlock
 from hybridkv.kv.host_tier import HostBlock, HostTier, host_tier_tokens
@@ -153,8 +153,6 @@ def test_random_workloads_keep_both_tiers_consistent(layout, data):
     host: dict[int, object] = {}
     prefixes = data.draw(st.lists(st.lists(st.integers(0, 3), max_size=40), min_size=1, max_size=3), "prefixes")
     live: dict[str, object] = {}
-    waiting: list = []
-    prompt_len: dict[str, int] = {}
 
     def check_tiers():
         for key, block in kv.pool._cached.items():
@@ -204,39 +202,7 @@ def test_random_workloads_keep_both_tiers_consistent(layout, data):
         compute(r, k)
         return True
 
-    next_id = 0
-    for _ in range(data.draw(st.integers(8, 60), "num_ops")):
-        op = data.draw(st.sampled_from(OPS), "op")
-        if op == "new" and len(live) + len(waiting) < 6:
-            tokens = data.draw(st.sampled_from(prefixes)) + data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=24))
-            r = req(f"r{next_id}", tokens)
-            next_id += 1
-            prompt_len[r.request_id] = len(tokens)
-            if not admit(r):
-                waiting.append(r)
-        elif op == "resume" and waiting:
-            r = waiting.pop(data.draw(st.integers(0, len(waiting) - 1)))
-            if not admit(r):
-                waiting.append(r)
-        elif op == "step" and live:
-            r = live[data.draw(st.sampled_from(sorted(live)))]
-            todo = prompt_len[r.request_id] - r.num_computed_tokens
-            if todo > 0:
-                k = min(todo, data.draw(st.integers(1, MAX_STEP)))
-            else:
-                r.all_token_ids.append(data.draw(st.integers(0, 3)))
-                k = len(r.all_token_ids) - r.num_computed_tokens
-            if kv.allocate_slots(r, k):
-                check_invariants(kv, live)
-                compute(r, k)
-        elif op in ("free", "preempt") and live:
-            r = live.pop(data.draw(st.sampled_from(sorted(live))))
-            kv.free(r)
-            if op == "preempt":
-                r.num_computed_tokens = 0
-                prompt_len[r.request_id] = len(r.all_token_ids)
-                waiting.append(r)
-        check_invariants(kv, live)
+    drive_workload(data, kv, prefixes, live, admit, compute)
 
     for r in list(live.values()):
         kv.free(live.pop(r.request_id))
