@@ -11,6 +11,7 @@ import json
 import sys
 from typing import Callable
 
+from hybridkv.engine.args import add_kv_offload_arg, kv_offload_bytes
 from hybridkv.kv.dtypes import KV_CACHE_DTYPES
 from hybridkv.kv.host_tier import host_tier_tokens
 from hybridkv.kv.planner import CONCURRENCY_LENGTHS, CapacityPlan, plan_capacity, plan_to_dict
@@ -45,8 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--max-num-seqs", type=int, default=256, metavar="N", help="sequences per step (sizes the sampler's reserve)"
     )
     p.add_argument("--no-hybrid", action="store_true", help="plan a cache that keeps every layer in full")
-    p.add_argument("--kv-offload-gib", type=float, default=0.0, metavar="G",
-                   help="host-memory tier per rank: prints how many tokens of context it holds")
+    add_kv_offload_arg(p)  # the same flag as serve's: plan prints how many tokens of context it holds
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=_run_plan)
 
@@ -63,9 +63,11 @@ def _run_plan(args: argparse.Namespace) -> int:
         return _fail(str(e))
     except KeyError as e:
         return _fail(f"{args.model}: config lacks {e.args[0]!r}")
-    if args.kv_offload_gib < 0:
-        return _fail(f"--kv-offload-gib must be >= 0, got {args.kv_offload_gib}")
-    host = host_tier_summary(plan, int(args.kv_offload_gib * GIB)) if args.kv_offload_gib else None
+    try:
+        host_bytes = kv_offload_bytes(args.kv_offload_gib)
+    except ValueError as e:
+        return _fail(str(e))
+    host = host_tier_summary(plan, host_bytes) if host_bytes else None
     if args.json:
         out = plan_to_dict(plan)
         out["comparison"] = plan_to_dict(other)

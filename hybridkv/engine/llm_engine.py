@@ -16,7 +16,7 @@ import torch
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.model_runner import ModelRunner
 from hybridkv.engine.output_processing import Logprobs, RequestOutputState
-from hybridkv.engine.runtime import build_runtime
+from hybridkv.engine.runtime import build_runtime, rank_layout
 from hybridkv.engine.sampler import Sampler, make_generator
 from hybridkv.engine.sampling_params import RequestOutputKind, SamplingParams
 from hybridkv.engine.scheduler import Scheduler, SchedulerOutput
@@ -26,8 +26,8 @@ from hybridkv.kv.capacity import longest_fitting
 from hybridkv.kv.capacity import step_reserve_bytes as _step_reserve_formula
 from hybridkv.kv.cache_manager import KVCacheManager
 from hybridkv.kv.dtypes import MODEL_DTYPES
-from hybridkv.kv.layer_specs import layer_specs_from_hf_config, text_config
-from hybridkv.kv.layout import KVLayout, plan_layout
+from hybridkv.kv.layer_specs import text_config
+from hybridkv.kv.layout import KVLayout
 from hybridkv.kv.specs import AttentionSpec
 from hybridkv.model.architectures.parallel import TPGroup
 from hybridkv.model.attention.factory import paged_attention_capabilities
@@ -86,19 +86,17 @@ def step_reserve_bytes(config: EngineConfig, hidden_size: int, vocab_size: int) 
     )
 
 
-def size_kv_cache(
-    config: EngineConfig, hf_config: dict, layer_specs: list[AttentionSpec], kv_bytes: int
-) -> tuple[KVLayout, int, int]:
-    """The engine's KV sizing for ``kv_bytes`` per rank: (layout, number of blocks with the null block,
-    max_model_len). ``hybridkv plan`` (``plan_capacity``) reaches the same numbers from the same inputs."""
-    layout = plan_layout(layer_specs, config.block_size)
+def size_kv_cache(config: EngineConfig, hf_config: dict, layout: KVLayout, kv_bytes: int) -> tuple[int, int]:
+    """The engine's KV sizing of ``layout`` (one rank's, ``runtime.rank_layout``) for ``kv_bytes`` per rank: (number
+    of blocks with the null block, max_model_len). ``hybridkv plan`` (``plan_capacity``) reaches the same numbers
+    from the same inputs."""
     num_blocks = layout.num_blocks(kv_bytes)
     if num_blocks < 2:
         raise ValueError(
             f"kv_cache_memory_bytes={kv_bytes} holds {num_blocks} blocks of {layout.page_bytes} bytes; "
             "at least 2 are needed"
         )
-    return layout, num_blocks, resolve_max_model_len(config, hf_config, layout, num_blocks)
+    return num_blocks, resolve_max_model_len(config, hf_config, layout, num_blocks)
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config: dict, layout: KVLayout, num_blocks: int) -> int:
@@ -147,9 +145,9 @@ class LLMEngine:
             raise ValueError(f"fp8_attention_compute needs kv_cache_dtype=fp8_e4m3, got {kv_dtype!r}")
         if kv_dtype == "auto":
             kv_dtype = dtype_name(dtype)
-        layer_specs = layer_specs_from_hf_config(hf_config, tp.size, kv_dtype)
+        self.layout = rank_layout(hf_config, tp.size, kv_dtype, config.block_size)
         kv_bytes = config.kv_cache_memory_bytes or self._default_kv_bytes()
-        self.layout, num_blocks, self.max_model_len = size_kv_cache(config, hf_config, layer_specs, kv_bytes)
+        num_blocks, self.max_model_len = size_kv_cache(config, hf_config, self.layout, kv_bytes)
         host_blocks = self._host_blocks()
         self.kv = KVCacheManager(
             self.layout,
@@ -257,6 +255,7 @@ class LLMEngine:
             if constraint is not None:
                 seq.grammar = self.structured_outputs.matcher(constraint)
             req.seqs.append(seq)
+        for seq in req.seqs:  # queued only once every copy is built: a failure above leaves nothing behind
             self.scheduler.add(seq)
         self._requests[request_id] = req
 

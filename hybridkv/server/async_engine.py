@@ -224,8 +224,7 @@ class AsyncEngine:
             sub.channel.put(error)
             return
         except Exception as error:  # noqa: BLE001 - a bug in validation: this request fails, the engine goes on
-            log.exception("adding request %s failed", sub.request_id)
-            self.engine.abort_request(sub.request_id)
+            log.exception("adding request %s failed", sub.request_id)  # add_request queued nothing
             sub.channel.put(RuntimeError(f"the engine could not add this request: {error!r}"))
             return
         self._channels[sub.request_id] = sub.channel

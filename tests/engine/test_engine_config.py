@@ -16,6 +16,7 @@ from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.llm import ENGINE_ARGS
 from hybridkv.engine.model_runner import StepInput
 from hybridkv.engine.tp_workers import WorkerSpec
+from hybridkv.kv.host_tier import BlockCopy
 from hybridkv.model.attention.base import StepSequence
 
 # the flags of before the config drove them; scripts and tests/server use these names
@@ -86,3 +87,9 @@ def test_a_step_input_has_room_for_block_copies_and_pickles_to_workers():
     step = StepInput(np.array([1, 2]), [StepSequence(0, 2, [np.array([1])])], np.array([1]))
     assert step.block_ops == []
     assert pickle.loads(pickle.dumps(step)).seqs[0].query_len == 2
+    # the host tier's copies reach the workers whole: direction, device blocks and host slots
+    step.block_ops = [BlockCopy(True, np.array([3, 4]), np.array([0, 1])),
+                      BlockCopy(False, np.array([5]), np.array([2]))]
+    sent = pickle.loads(pickle.dumps(step)).block_ops
+    assert [(op.to_host, op.device_blocks.tolist(), op.host_slots.tolist()) for op in sent] == [
+        (True, [3, 4], [0, 1]), (False, [5], [2])]

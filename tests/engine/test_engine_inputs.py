@@ -11,6 +11,7 @@ from tiny_models import random_prompts
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine.args import add_engine_args, engine_config_from_args
 from hybridkv.engine.llm_engine import EngineConfig, LLMEngine, resolve_device
+from hybridkv.engine.output_processing import RequestOutputState
 
 
 def test_auto_device_is_cuda_when_torch_sees_a_gpu(tiny_model):
@@ -81,6 +82,29 @@ def test_request_limits(tiny_model):
         engine.add_request("c", "w" * (chars + 1), SamplingParams())
     assert not engine.has_unfinished_requests()
 
+
+
+def test_a_request_whose_second_copy_fails_to_build_leaves_nothing_queued(tiny_model, monkeypatch):
+    llm = LLM(model=str(tiny_model("llama3").path), device="cpu", kv_cache_memory_bytes=1 << 20)
+    engine = llm.engine
+    create = RequestOutputState.create
+    calls = []
+
+    def create_once(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the second copy's output state broke")
+        return create(*args)
+
+    monkeypatch.setattr(RequestOutputState, "create", staticmethod(create_once))
+    with pytest.raises(RuntimeError, match="second copy"):
+        engine.add_request("a", [5, 6, 7], SamplingParams(n=2))
+    monkeypatch.undo()
+    assert not engine.scheduler.waiting and not engine.has_unfinished_requests()
+    engine.add_request("a", [5, 6, 7], SamplingParams(n=2, max_tokens=2))  # the id is free again
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_usable_blocks
 
 def test_logit_bias_forces_and_bans_tokens(tiny_model):
     llm = LLM(model=str(tiny_model("llama3").path), device="cpu", kv_cache_memory_bytes=1 << 20)

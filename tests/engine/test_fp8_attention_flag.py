@@ -30,3 +30,7 @@ def test_the_llm_kwarg_reaches_the_engine(tiny_model):
     llm = LLM(model=str(tiny_model("llama3").path), device="cpu", kv_cache_memory_bytes=1 << 20,
               kv_cache_dtype="fp8_e4m3", fp8_attention_compute=True)
     assert llm.engine.config.fp8_attention_compute
+    # the keyword reaches the engine's own check: without an FP8 cache it is refused by name
+    with pytest.raises(ValueError, match="fp8_attention_compute needs kv_cache_dtype=fp8_e4m3"):
+        LLM(model=str(tiny_model("llama3").path), device="cpu", kv_cache_memory_bytes=1 << 20,
+            fp8_attention_compute=True)

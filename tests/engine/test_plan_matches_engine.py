@@ -16,7 +16,7 @@ import pytest
 
 from hybridkv.engine.llm_engine import EngineConfig, LLMEngine, size_kv_cache, step_reserve_bytes
 from hybridkv.kv.capacity import GIB
-from hybridkv.kv.layer_specs import layer_specs_from_hf_config
+from hybridkv.engine.runtime import rank_layout
 from hybridkv.kv.planner import plan_capacity
 from hybridkv.model.attention.triton_paged import SEGMENT_BYTES
 from hybridkv.model.loading.checkpoint import load_checkpoint
@@ -45,8 +45,8 @@ def test_scout_tp8_engine_sizing_equals_the_plan(kv_dtype, kv_gib, block, step):
     config = EngineConfig(tensor_parallel_size=8, kv_cache_dtype=kv_dtype, block_size=block,
                           max_num_batched_tokens=step)
     kv_bytes = int(kv_gib * GIB)
-    specs = layer_specs_from_hf_config(hf_config, 8, kv_dtype)  # as LLMEngine.__init__ builds them
-    layout, num_blocks, max_model_len = size_kv_cache(config, hf_config, specs, kv_bytes)
+    layout = rank_layout(hf_config, 8, kv_dtype, block)  # as LLMEngine.__init__ builds it
+    num_blocks, max_model_len = size_kv_cache(config, hf_config, layout, kv_bytes)
     plan = plan_for(hf_config, config, kv_bytes)
     assert (num_blocks, layout.page_bytes, len(layout.groups)) == (plan.num_blocks, plan.page_bytes, plan.num_groups)
     assert max_model_len == engine_default_len(plan)
@@ -55,16 +55,16 @@ def test_scout_tp8_engine_sizing_equals_the_plan(kv_dtype, kv_gib, block, step):
         too_long = EngineConfig(tensor_parallel_size=8, kv_cache_dtype=kv_dtype, block_size=block,
                                 max_num_batched_tokens=step, max_model_len=plan.max_model_len + 1,
                                 clamp_max_model_len=True)
-        assert size_kv_cache(too_long, hf_config, specs, kv_bytes)[2] == plan.max_model_len
+        assert size_kv_cache(too_long, hf_config, layout, kv_bytes)[1] == plan.max_model_len
         assert not plan_for(hf_config, config, kv_bytes, plan.max_model_len + 1).fits
 
 
 def test_scout_at_89_gib_is_bounded_by_the_context_and_at_8_gib_by_the_cache():
     hf_config = json.loads(SCOUT.read_text())
     config = EngineConfig(tensor_parallel_size=8, kv_cache_dtype="bfloat16")
-    specs = layer_specs_from_hf_config(hf_config, 8, "bfloat16")
-    assert size_kv_cache(config, hf_config, specs, int(89.71 * GIB))[2] == 10_485_760  # max_position_embeddings
-    assert size_kv_cache(config, hf_config, specs, 8 * GIB)[2] < 1_500_000
+    layout = rank_layout(hf_config, 8, "bfloat16", config.block_size)
+    assert size_kv_cache(config, hf_config, layout, int(89.71 * GIB))[1] == 10_485_760  # max_position_embeddings
+    assert size_kv_cache(config, hf_config, layout, 8 * GIB)[1] < 1_500_000
 
 
 def test_the_step_reserve_is_one_formula():

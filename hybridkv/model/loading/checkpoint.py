@@ -26,7 +26,7 @@ from hybridkv.model.loading.gguf_reader import read_gguf
 from hybridkv.model.loading.hf_config import load_hf_config
 from hybridkv.model.loading.known_models import resolve_model
 from hybridkv.model.loading.tokenizer import Tokenizer, word_tokenizer
-from hybridkv.model.loading.weights import iter_safetensors_slices, load_weights, safetensors_files
+from hybridkv.model.loading.weights import load_safetensors_model, load_weights
 
 
 @dataclass(slots=True)
@@ -55,9 +55,7 @@ def load_checkpoint(
         load_weights(net, ckpt.named_tensors(progress))
         tok = Tokenizer.from_gguf(ckpt.reader) if tokenizer else None
         return LoadedModel(resolved.name, net, tok, ckpt.hf_config)
-    config = load_hf_config(resolved.path)
-    net = build_model(config, dtype, tp)
-    load_weights(net, iter_safetensors_slices(safetensors_files(resolved.path), progress))
+    net, config = load_safetensors_model(resolved.path, dtype, progress, tp)
     return LoadedModel(resolved.name, net, Tokenizer.from_hf_dir(resolved.path) if tokenizer else None, config)
 
 
