@@ -25,7 +25,7 @@ from hybridkv.engine.output_processing import Logprobs
 from hybridkv.model.loading.tokenizer import Tokenizer
 from hybridkv.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from hybridkv.server.auth import add_access_middleware
-from hybridkv.server.errors import APIError, error_response
+from hybridkv.server.errors import APIError, error_body, error_response
 from hybridkv.server.limits import check_max_tokens, parse_json, read_body, refuse_unsupported
 from hybridkv.server.metrics import ServerMetrics
 from hybridkv.server.options import ServerOptions
@@ -42,8 +42,6 @@ from hybridkv.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
-    ErrorInfo,
-    ErrorResponse,
     ModelCard,
     ModelList,
     ResponseMessage,
@@ -392,7 +390,7 @@ def _sse(events: AsyncIterator[str], stream: RequestStream) -> StreamingResponse
                 yield event
             yield "data: [DONE]\n\n"
         except EngineDeadError as error:
-            yield _event(ErrorResponse(error=ErrorInfo(message=str(error), type="ServiceUnavailableError", code=503)))
+            yield _event(error_body(503, str(error)))
         finally:  # the client went away (cancellation) or we are done: either way free the request
             stream.abort()
 

@@ -27,7 +27,11 @@ class APIError(Exception):
         return cls(400, message, match.group(1) if match else None)
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+def error_body(status: int, message: str, param: str | None = None) -> ErrorResponse:
+    """OpenAI's error body for ``status`` (also sent as the last event of a stream that fails)."""
     error_type = _ERROR_TYPES.get(status, "APIError")
-    body = ErrorResponse(error=ErrorInfo(message=message, type=error_type, param=param, code=status))
-    return JSONResponse(body.model_dump(), status_code=status)
+    return ErrorResponse(error=ErrorInfo(message=message, type=error_type, param=param, code=status))
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param).model_dump(), status_code=status)

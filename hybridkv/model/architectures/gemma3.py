@@ -40,6 +40,7 @@ from hybridkv.model.architectures.parallel import (
     RowParallelLinear,
     TPGroup,
     VocabParallelEmbedding,
+    vocab_parallel_logits,
 )
 
 GEMMA3_MODEL_TYPES = ("gemma3", "gemma3_text")
@@ -253,11 +254,9 @@ class Gemma3ForCausalLM(nn.Module):
         """float32 logits [N, vocab] for the hidden rows the caller picked (e.g. each sequence's last token).
 
         Under TP each rank computes its vocabulary slice; rank 0 gets them all, the other ranks None."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self.tp.gather_last_dim(F.linear(hidden, weight).float())
+        logits = vocab_parallel_logits(hidden, self.embed_tokens, self.lm_head, self.tp, self.cfg.vocab_size)
         if logits is None:
             return None
-        logits = logits if self.tp.size == 1 else logits[:, : self.cfg.vocab_size]
         cap = self.cfg.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

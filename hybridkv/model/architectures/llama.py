@@ -38,6 +38,7 @@ from hybridkv.model.architectures.parallel import (
     RowParallelLinear,
     TPGroup,
     VocabParallelEmbedding,
+    vocab_parallel_logits,
 )
 
 
@@ -327,6 +328,4 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits [N, vocab] for the hidden rows the caller picked (e.g. each sequence's last token).
 
         Under TP each rank computes its vocabulary slice; rank 0 gets them all, the other ranks None."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self.tp.gather_last_dim(F.linear(hidden, weight).float())
-        return logits if logits is None or self.tp.size == 1 else logits[:, : self.cfg.vocab_size]
+        return vocab_parallel_logits(hidden, self.embed_tokens, self.lm_head, self.tp, self.cfg.vocab_size)

@@ -170,3 +170,12 @@ class VocabParallelEmbedding(nn.Embedding):
 class ParallelLMHead(VocabParallelEmbedding):
     """The LM head's weight, split by vocabulary like the embedding (``LlamaForCausalLM.compute_logits`` uses it
     as a linear layer and gathers the ranks' logits)."""
+
+
+def vocab_parallel_logits(hidden: torch.Tensor, embed: torch.nn.Module, lm_head: torch.nn.Module | None,
+                          tp: TPGroup, vocab_size: int) -> torch.Tensor | None:
+    """float32 logits [N, vocab] of ``hidden`` through the output head (``lm_head``, or the tied ``embed``): under
+    TP each rank computes its vocabulary slice, rank 0 gets them all (the padding cut off), the others None."""
+    weight = embed.weight if lm_head is None else lm_head.weight
+    logits = tp.gather_last_dim(F.linear(hidden, weight).float())
+    return logits if logits is None or tp.size == 1 else logits[:, :vocab_size]
