@@ -163,6 +163,17 @@ def fp8_prefill(n: int, chunked: bool, block: int, q, k, v, ref, flops: int, **k
     return [f"{flops / t / 1e9:.0f}", note]
 
 
+def triton_prefill(backend, spec, n: int, block: int, q, k, v, ref, flops: int) -> str:
+    """TFLOP/s of the Triton kernel where ours is the CUDA kernel (Hopper), checked against SDPA first."""
+    if not backend.prefill.cuda:
+        return "(ours)"
+    tri, table = make_backend(spec, n, n, block=block, hopper_kernel=False)
+    tri.begin_step([StepSequence(0, n, [table])])
+    err = rel_err(tri.attend(0, q, k, v, D ** -0.5), ref)
+    assert err <= 1e-2, f"Triton prefill n={n}: relative error {err:.2e}"
+    return f"{flops / bench(lambda: tri.attend(0, q, k, v, D ** -0.5)) / 1e9:.0f}"
+
+
 def prefill_row(n: int, chunked: bool, flex_max: int, block: int) -> list[str]:
     spec = ChunkedLocalSpec(HKV, D, "bfloat16", chunk=CHUNK) if chunked else FullAttentionSpec(HKV, D, "bfloat16")
     backend, table = make_backend(spec, n, n, block=block)
@@ -177,6 +188,7 @@ def prefill_row(n: int, chunked: bool, flex_max: int, block: int) -> list[str]:
     assert err <= 1e-2, f"prefill n={n} chunked={chunked}: relative error {err:.2e}"
     flops = 4 * HQ * D * useful_pairs(n, chunked)
     t_ours = bench(lambda: backend.attend(0, q, k, v, scale))
+    triton_col = triton_prefill(backend, spec, n, block, q, k, v, ref, flops)
     t_sdpa = bench(lambda: sdpa(q, k, v, chunked))
     try:
         err_cudnn = rel_err(sdpa(q, k, v, chunked, cudnn=True), ref)
@@ -198,7 +210,7 @@ def prefill_row(n: int, chunked: bool, flex_max: int, block: int) -> list[str]:
         except Exception as e:  # report, don't hide: FlexAttention may not handle this length
             flex = f"error: {type(e).__name__}"
     kind = f"chunked({CHUNK})" if chunked else "full"
-    return [f"prefill {kind}", f"{n:,}", f"{t_ours:.2f}", f"{flops / t_ours / 1e9:.0f}",
+    return [f"prefill {kind}", f"{n:,}", f"{t_ours:.2f}", f"{flops / t_ours / 1e9:.0f}", triton_col,
             f"{flops / t_sdpa / 1e9:.0f}", cudnn, flex, f"{err:.1e}", *fp8]
 
 
@@ -236,7 +248,7 @@ def decode_row(n: int, chunked: bool, copy_gbs: float, block: int) -> list[str]:
         q.transpose(0, 1).unsqueeze(0), kr.expand(1, HQ, -1, D), vr.expand(1, HQ, -1, D)))
     gbs = read / t_ours / 1e6
     kind = f"chunked({CHUNK})" if chunked else "full"
-    return [f"decode {kind}", f"{n:,}", f"{t_ours * 1000:.1f} us (eager {t_eager * 1000:.0f})", f"{gbs:.0f} GB/s",
+    return [f"decode {kind}", f"{n:,}", f"{t_ours * 1000:.1f} us (eager {t_eager * 1000:.0f})", f"{gbs:.0f} GB/s", "",
             f"{read / t_sdpa / 1e6:.0f} GB/s", "", f"{100 * gbs / copy_gbs:.0f}% of copy", f"{err:.1e}", "", ""]
 
 
@@ -392,9 +404,10 @@ def engine_step_rows(context: int, tokens: int, kv_dtype: str = "bfloat16") -> l
     ref_bf16 = first_query(seen_k, seen_v)
     ref = first_query(e4m3(seen_k), e4m3(seen_v)) if kv_dtype == "fp8_e4m3" else ref_bf16
     flops = 4 * HQ * D * (tokens * context + tokens * (tokens + 1) // 2)
-    for block in (16, 64):
+    kernels = (True, False) if kv_dtype == "bfloat16" else (False,)
+    for block, hopper_kernel in ((b, h) for b in (16, 64) for h in kernels):
         backend, table = filled_backend(FullAttentionSpec(HKV, D, kv_dtype), context, tokens, block, keys, values,
-                                        fp8_compute=fp8_compute)
+                                        fp8_compute=fp8_compute, hopper_kernel=hopper_kernel)
         chosen = backend._num_splits
         for forced in (1, None):
             backend._num_splits = chosen if forced is None else (lambda reach, heads: 1)
@@ -409,9 +422,10 @@ def engine_step_rows(context: int, tokens: int, kv_dtype: str = "bfloat16") -> l
             ms = bench(run)
             splits = backend.step_state.groups[0].num_splits
             name = "fp8_e4m3 KV, FP8 compute" if fp8_compute else f"{kv_dtype} KV"
+            name += ", CUDA kernel" if backend.prefill.cuda else ", Triton"
             segments = len(backend.step_state.groups[0].segments)
             rows.append([f"prefill step, {name}, {block}-token pages, {splits} split(s), {segments} segment(s)",
-                         f"{tokens:,} over {context:,}", f"{ms:.1f}", f"{flops / ms / 1e9:.0f}", "", "", "",
+                         f"{tokens:,} over {context:,}", f"{ms:.1f}", f"{flops / ms / 1e9:.0f}", "", "", "", "",
                          f"{err:.1e}", f"{flops / ms / 1e9:.0f}" if fp8_compute else "", note])
             print(" | ".join(rows[-1]), flush=True)
         del backend
@@ -458,7 +472,7 @@ def main() -> None:
     name = torch.cuda.get_device_name()
     print(f"\n{name}, copy bandwidth {copy_gbs:.0f} GB/s (read + write), bf16, Hq {HQ}, Hkv {HKV}, D {D}, "
           f"prefill pages {args.block_size}, decode pages {args.decode_block_size}")
-    head = ["case", "tokens", "ours ms or us", "ours TFLOP/s or GB/s", "SDPA flash", "SDPA cuDNN",
+    head = ["case", "tokens", "ours ms or us", "ours TFLOP/s or GB/s", "Triton kernel", "SDPA flash", "SDPA cuDNN",
             "FlexAttention or share", "rel err", "FP8 compute TFLOP/s", "FP8 err vs bf16: max abs / rel"]
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     fmt = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731

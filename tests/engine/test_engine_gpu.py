@@ -35,30 +35,51 @@ def test_gpu_greedy_is_token_exact_with_the_cpu_path(tiny_model, name, block_siz
     assert gpu.engine.kv.stats.hit_tokens > 0
 
 
+def first_token_logprobs(model, prompts, backend: str, kv_dtype: str, **config):
+    """The top-5 logprobs after each prompt (bf16 model on CUDA), and the engine's attention backend."""
+    from hybridkv.engine.llm_engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(model.path), device="cuda", dtype="bfloat16", kv_cache_dtype=kv_dtype,
+                                    kv_cache_memory_bytes=32 << 20, attention_backend=backend, **config))
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = [lp for _, lp in o.outputs[0].logprobs[0][1:]]
+    return torch.tensor([outs[str(i)] for i in range(len(prompts))]), engine.backend
+
+
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
 def test_gpu_bfloat16_kernels_agree_with_the_torch_reference_backend(tiny_model, kv_dtype):
     """bf16 model, bf16 or FP8 cache: the Triton path and the torch reference path on the same GPU and cache dtype.
     They differ by rounding (bf16 probabilities in the P.V product vs float32) through six bf16 layers: a few
     percent on these random weights; the kernels themselves are held to 1e-2 in tests/gpu."""
-    from hybridkv.engine.llm_engine import EngineConfig, LLMEngine
-
     model = tiny_model("llama4")
     prompts = random_prompts([64, 9, 130], seed=13)
-    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
-    firsts = {}
-    for backend in ("torch", "triton"):
-        engine = LLMEngine(EngineConfig(model=str(model.path), device="cuda", dtype="bfloat16",
-                                        kv_cache_dtype=kv_dtype, kv_cache_memory_bytes=32 << 20,
-                                        attention_backend=backend))
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, params)
-        outs = {}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                outs[o.request_id] = [lp for _, lp in o.outputs[0].logprobs[0][1:]]
-        firsts[backend] = torch.tensor([outs[str(i)] for i in range(len(prompts))])
-    assert torch.isfinite(firsts["triton"]).all()
-    torch.testing.assert_close(firsts["triton"], firsts["torch"], atol=0.05, rtol=0.1)
+    ref, _ = first_token_logprobs(model, prompts, "torch", kv_dtype)
+    got, _ = first_token_logprobs(model, prompts, "triton", kv_dtype)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref, atol=0.05, rtol=0.1)
+
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the CUDA prefill kernel: Hopper (sm_90)")
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_gpu_hopper_prefill_kernel_agrees_with_the_torch_reference_backend(tiny_model, block_size):
+    """Scout's per-rank attention shape through the engine: on Hopper the Triton backend's prefill runs the CUDA
+    kernel (chunked prefill over cached prefixes, chunks of 192 across its tiles, decode rows in mixed steps)."""
+    model = tiny_model("llama4_d128")
+    prompts = random_prompts([450, 9, 300, 130], seed=17)
+    config = dict(block_size=block_size, max_num_batched_tokens=256)
+    ref, _ = first_token_logprobs(model, prompts, "torch", "auto", **config)
+    got, backend = first_token_logprobs(model, prompts, "triton", "auto", **config)
+    assert backend.prefill.cuda, "the CUDA prefill kernel did not load"
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref, atol=0.05, rtol=0.1)
 
 
 @pytest.mark.parametrize("name", ["llama4", "llama3", "gemma3"])

@@ -28,6 +28,19 @@ def llama4_config():
     )
 
 
+def llama4_d128_config():
+    # Scout's per-rank attention shape at toy width: 5 query heads on 1 KV head of 128 (on Hopper with a bf16 cache,
+    # the CUDA prefill kernel's shape), chunks of 192 spanning its 128-key tiles; layers 1 and 3 NoPE/full
+    return transformers.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, intermediate_size_mlp=96, num_hidden_layers=4,
+        num_attention_heads=5, num_key_value_heads=1, head_dim=128, max_position_embeddings=1024,
+        attention_chunk_size=192, no_rope_layer_interval=2, interleave_moe_layer_step=2, num_local_experts=4,
+        num_experts_per_tok=1, use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5,
+        rope_parameters=dict(ROPE), initializer_range=0.25, attn_implementation="eager",
+        bos_token_id=0, eos_token_id=1, pad_token_id=2,
+    )
+
+
 def llama3_config():
     return transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -54,7 +67,7 @@ def gemma3_config():
     )
 
 
-CONFIGS = {"llama4": llama4_config, "llama3": llama3_config, "mistral": mistral_config, "gemma3": gemma3_config}
+CONFIGS = {"llama4": llama4_config, "llama4_d128": llama4_d128_config, "llama3": llama3_config, "mistral": mistral_config, "gemma3": gemma3_config}
 
 
 def save_word_tokenizer(path: Path) -> None:

@@ -22,7 +22,10 @@ if not (torch.cuda.is_available() or INTERPRET):
     pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from hybridkv.model.attention.triton_paged import KernelConfig, TritonPagedAttention, TritonStepState  # noqa: E402
+from hybridkv.kernels import hopper_attention  # noqa: E402
+from hybridkv.model.attention.triton_paged import (  # noqa: E402
+    HOPPER_PREFILL, KernelConfig, TritonPagedAttention, TritonStepState,
+)
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 HQ, HKV = 5, 1  # Scout's per-rank shape: 5 query heads share one KV head
@@ -44,23 +47,28 @@ def specs(kv_dtype):
     ]
 
 
-def drive(block_size, kv_dtype, dtype, schedule, num_sms, num_blocks=400, kv_scales=None, **kernel_options):
+def drive(block_size, kv_dtype, dtype, schedule, num_sms, num_blocks=400, kv_scales=None, hq=HQ, make_specs=None,
+          splits=None, **kernel_options):
     """Run both backends through the same steps; return the max relative error per layer kind.
 
     With ``kv_scales`` (FP8 only) the reference keeps a float32 cache and is given what the kernel's cache holds
-    after quantization, ``e4m3(k / k_scale) * k_scale``, so both attend over the same values."""
+    after quantization, ``e4m3(k / k_scale) * k_scale``, so both attend over the same values. ``splits`` forces
+    the KV split count of every step (else the backend's choice); ``make_specs`` replaces ``specs``."""
     torch.manual_seed(1234)
-    layer_specs = specs(kv_dtype)
+    make_specs = make_specs or specs
+    layer_specs = make_specs(kv_dtype)
     layout = plan_layout(layer_specs, block_size)
     kv = KVCacheManager(layout, num_blocks, enable_prefix_caching=False, max_step_tokens=512)
     ref_dtype = "float32" if kv_scales else kv_dtype
-    ref = TorchPagedAttention(plan_layout(specs(ref_dtype), block_size), num_blocks, ref_dtype, DEVICE)
-    tri = TritonPagedAttention(layout, num_blocks, kv_dtype, HQ, DEVICE, num_sms=num_sms, kv_scales=kv_scales,
+    ref = TorchPagedAttention(plan_layout(make_specs(ref_dtype), block_size), num_blocks, ref_dtype, DEVICE)
+    tri = TritonPagedAttention(layout, num_blocks, kv_dtype, hq, DEVICE, num_sms=num_sms, kv_scales=kv_scales,
                                **kernel_options)
+    if splits:
+        tri._num_splits = lambda reach, heads: splits
     # poison the cache of the backend under test: any read of an unwritten slot shows up
     tri.cache.buffer.fill_(float("nan") if kv_dtype != "fp8_e4m3" else 0)
     reqs = [CacheRequest(str(i), list(range(n))) for i, n in enumerate(schedule["lengths"])]
-    worst = {"max_splits": 1}
+    worst = {"max_splits": 1, "cuda_kernel": tri.prefill.cuda}
     for step in schedule["steps"]:
         batch = []
         for r, q_len in zip(reqs, step):
@@ -76,7 +84,7 @@ def drive(block_size, kv_dtype, dtype, schedule, num_sms, num_blocks=400, kv_sca
             worst["max_segments"] = max(worst.get("max_segments", 0), segments)
         t = sum(n for _, n in batch)
         for layer, spec in enumerate(layer_specs):
-            q = torch.randn(t, HQ, D, device=DEVICE, dtype=dtype)
+            q = torch.randn(t, hq, D, device=DEVICE, dtype=dtype)
             k = torch.randn(t, HKV, D, device=DEVICE, dtype=dtype)
             v = torch.randn(t, HKV, D, device=DEVICE, dtype=dtype)
             if kv_scales:
@@ -93,6 +101,13 @@ def drive(block_size, kv_dtype, dtype, schedule, num_sms, num_blocks=400, kv_sca
     return worst
 
 
+def _drive(*args, **kwargs):
+    """``drive`` for tests that do not look at which prefill kernel ran."""
+    worst = drive(*args, **kwargs)
+    worst.pop("cuda_kernel")
+    return worst
+
+
 def dequantized(x: torch.Tensor, scale: float) -> torch.Tensor:
     return ((x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
 
@@ -106,7 +121,7 @@ LONG_DECODE = {"lengths": [1300], "steps": [[640], [640], [18], [1], [1]]}
 def test_matches_reference_mixed_batches(block_size):
     dtype = torch.float32 if INTERPRET else torch.bfloat16
     kv_dtype = "float32" if INTERPRET else "bfloat16"
-    worst = drive(block_size, kv_dtype, dtype, MIXED, num_sms=1)
+    worst = _drive(block_size, kv_dtype, dtype, MIXED, num_sms=1)
     assert worst.pop("max_splits") == 1
     bound = 1e-4 if INTERPRET else 1e-2
     assert all(e <= bound for e in worst.values()), worst
@@ -116,7 +131,7 @@ def test_matches_reference_mixed_batches(block_size):
 def test_split_kv_decode_matches_reference(block_size):
     dtype = torch.float32 if INTERPRET else torch.bfloat16
     kv_dtype = "float32" if INTERPRET else "bfloat16"
-    worst = drive(block_size, kv_dtype, dtype, LONG_DECODE, num_sms=64)  # few programs: the KV range splits
+    worst = _drive(block_size, kv_dtype, dtype, LONG_DECODE, num_sms=64)  # few programs: the KV range splits
     assert worst.pop("max_splits") > 1
     bound = 1e-4 if INTERPRET else 1e-2
     assert all(e <= bound for e in worst.values()), worst
@@ -130,7 +145,7 @@ def test_prefill_over_long_context_splits_into_whole_waves_and_matches_reference
     kv_dtype = "float32" if INTERPRET else "bfloat16"
     schedule = {"lengths": [4300], "steps": [[2100], [2100], [100]]}
     small_tiles = KernelConfig(rows=64, block_n=16, num_warps=4, num_stages=2)
-    worst = drive(16, kv_dtype, dtype, schedule, num_sms=4, num_blocks=1000, prefill=small_tiles)
+    worst = _drive(16, kv_dtype, dtype, schedule, num_sms=4, num_blocks=1000, prefill=small_tiles)
     assert worst.pop("max_splits") == 4
     bound = 1e-4 if INTERPRET else 1e-2
     assert all(e <= bound for e in worst.values()), worst
@@ -138,7 +153,7 @@ def test_prefill_over_long_context_splits_into_whole_waves_and_matches_reference
 
 def test_fp8_kv_cache_matches_reference_with_the_same_quantization():
     dtype = torch.float32 if INTERPRET else torch.bfloat16
-    worst = drive(16, "fp8_e4m3", dtype, MIXED, num_sms=1)
+    worst = _drive(16, "fp8_e4m3", dtype, MIXED, num_sms=1)
     worst.pop("max_splits")
     # both backends read the same e4m3 values; they differ only in accumulation order and bf16 rounding
     assert all(e <= 2e-2 for e in worst.values()), worst
@@ -150,10 +165,10 @@ def test_fp8_kv_cache_applies_per_layer_scales(block_size):
     # (K's for V, or one layer's for another's) moves the output far beyond the bound
     dtype = torch.float32 if INTERPRET else torch.bfloat16
     scales = {0: (0.02, 0.5), 1: (0.25, 0.01), 2: (0.05, 3.0), 3: (0.4, 0.03), 4: (0.01, 0.2), 5: (1.7, 0.06)}
-    worst = drive(block_size, "fp8_e4m3", dtype, MIXED, num_sms=1, kv_scales=scales)
+    worst = _drive(block_size, "fp8_e4m3", dtype, MIXED, num_sms=1, kv_scales=scales)
     worst.pop("max_splits")
     assert all(e <= 2e-2 for e in worst.values()), worst
-    split = drive(block_size, "fp8_e4m3", dtype, LONG_DECODE, num_sms=64, kv_scales=scales)
+    split = _drive(block_size, "fp8_e4m3", dtype, LONG_DECODE, num_sms=64, kv_scales=scales)
     assert split.pop("max_splits") > 1
     assert all(e <= 2e-2 for e in split.values()), split
 
@@ -168,7 +183,7 @@ def test_fp8_long_prefill_widens_the_reach_in_segments_and_matches_reference():
     schedule = {"lengths": [4300, 300], "steps": [[2100, 0], [2100, 300], [100, 1]]}
     small_tiles = KernelConfig(rows=64, block_n=16, num_warps=4, num_stages=2)
     segment_bytes = 1024 * 2 * HKV * D * 2
-    worst = drive(16, "fp8_e4m3", dtype, schedule, num_sms=4, num_blocks=1000, prefill=small_tiles,
+    worst = _drive(16, "fp8_e4m3", dtype, schedule, num_sms=4, num_blocks=1000, prefill=small_tiles,
                   segment_bytes=segment_bytes, kv_scales={i: (0.05, 0.5) for i in range(6)})
     assert worst.pop("max_segments") == 7
     assert worst.pop("max_splits") == 2
@@ -186,7 +201,7 @@ def loads_by_tma(block_size: int, kv_dtype: str) -> bool:
     tri = TritonPagedAttention(plan_layout(specs(kv_dtype), block_size), 64, kv_dtype, HQ, DEVICE, prefill=TMA_TILES)
     tri.step_state = TritonStepState(tri.prefill, tokens=0, num_tiles=0, seq=[])
     layer = tri.cache.layers[0]
-    return tri._descriptor(tri._base(layer), layer.spec, HKV * D, tri.cache.buffer.stride(0)) is not None
+    return tri._descriptor(tri.prefill, tri._base(layer), layer.spec, HKV * D, tri.cache.buffer.stride(0)) is not None
 
 
 @pytest.mark.skipif(not HOPPER, reason="TMA tensor descriptors: Hopper (sm_90) only")
@@ -199,11 +214,11 @@ def test_hopper_tma_prefill_matches_reference(kv_dtype):
     fp8 = kv_dtype == "fp8_e4m3"
     scales = {i: (0.05 * (i + 1), 0.5 / (i + 1)) for i in range(6)} if fp8 else None
     bound = 2e-2 if fp8 else 1e-2
-    worst = drive(64, kv_dtype, torch.bfloat16, MIXED, num_sms=1, kv_scales=scales, prefill=TMA_TILES)
+    worst = _drive(64, kv_dtype, torch.bfloat16, MIXED, num_sms=1, kv_scales=scales, prefill=TMA_TILES)
     assert worst.pop("max_splits") == 1
     assert all(e <= bound for e in worst.values()), worst
     segment_bytes = 5000 * 2 * HKV * D * 2
-    split = drive(64, kv_dtype, torch.bfloat16, LONG_PREFILL, num_sms=4, num_blocks=800, kv_scales=scales,
+    split = _drive(64, kv_dtype, torch.bfloat16, LONG_PREFILL, num_sms=4, num_blocks=800, kv_scales=scales,
                   prefill=TMA_TILES, segment_bytes=segment_bytes)
     assert split.pop("max_splits") == 4
     assert split.pop("max_segments", 0) == (4 if fp8 else 0)
@@ -226,13 +241,13 @@ def test_fp8_compute_matches_reference(block_size):
     # all three attention types, mixed prefill/decode batches with cached prefixes (unsplit), then a long reach split
     # into waves and cut into several segments of transposed V; 64-token pages take the TMA path on Hopper
     tiles = TMA_TILES if HOPPER else KernelConfig(rows=128, block_n=64, num_warps=4, num_stages=3)
-    worst = drive(block_size, "fp8_e4m3", torch.bfloat16, MIXED, num_sms=1, kv_scales=FP8_SCALES, prefill=tiles,
+    worst = _drive(block_size, "fp8_e4m3", torch.bfloat16, MIXED, num_sms=1, kv_scales=FP8_SCALES, prefill=tiles,
                   fp8_compute=True)
     assert worst.pop("max_splits") == 1
     assert worst.pop("max_segments") == 1  # one transposed-V copy per layer group and step
     assert all(e <= FP8_COMPUTE_BOUND for e in worst.values()), worst
     segment_bytes = 5000 * HKV * D * 2  # V's gather and its transposed copy, 1 byte each: 5,000 keys a segment
-    split = drive(block_size, "fp8_e4m3", torch.bfloat16, LONG_PREFILL, num_sms=4, num_blocks=800 * 64 // block_size,
+    split = _drive(block_size, "fp8_e4m3", torch.bfloat16, LONG_PREFILL, num_sms=4, num_blocks=800 * 64 // block_size,
                   kv_scales=FP8_SCALES, prefill=tiles, segment_bytes=segment_bytes, fp8_compute=True)
     assert split.pop("max_splits") == 4
     assert split.pop("max_segments") >= 3  # 16,600 keys in segments of under 5,000
@@ -251,3 +266,46 @@ def test_fp8_compute_is_prefill_only_and_needs_an_fp8_cache():
     assert [len(g.segments) for g in tri.step_state.groups] == [1, 1, 1]
     tri.begin_step([StepSequence(40, 1, tables)])
     assert [len(g.segments) for g in tri.step_state.groups] == [0, 0, 0]
+
+
+HOPPER_CUDA = HOPPER and hopper_attention.unavailable(torch.device("cuda")) is None
+
+
+def wide_specs(kv_dtype):
+    """Reaches longer than the CUDA kernel's 128-key tiles, so sliding and chunked layers get interior (unmasked)
+    tiles too: a window ending mid-tile, a chunk on tile boundaries and one across them."""
+    return [
+        FullAttentionSpec(HKV, D, kv_dtype),
+        SlidingWindowSpec(HKV, D, kv_dtype, window=300),
+        ChunkedLocalSpec(HKV, D, kv_dtype, chunk=256),
+        ChunkedLocalSpec(HKV, D, kv_dtype, chunk=200),
+    ]
+
+
+@pytest.mark.skipif(not HOPPER_CUDA, reason="the CUDA prefill kernel: Hopper (sm_90) and cuda-bindings")
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("hq", [5, 8])  # 25 tokens x 5 heads in 128 rows (3 unused), or 16 x 8
+def test_hopper_cuda_prefill_matches_reference(block_size, hq):
+    # the default on Hopper for a bf16 cache: mixed prefill/decode batches over cached prefixes, unsplit; then a
+    # long reach split 4 ways (the local layers' few tiles leave some splits empty; combine_splits_kernel merges)
+    for make_specs in (specs, wide_specs):
+        worst = drive(block_size, "bfloat16", torch.bfloat16, MIXED, num_sms=1, hq=hq, make_specs=make_specs)
+        assert worst.pop("cuda_kernel") and worst.pop("max_splits") == 1
+        assert all(e <= 1e-2 for e in worst.values()), worst
+        split = drive(block_size, "bfloat16", torch.bfloat16, LONG_PREFILL, num_sms=4, hq=hq, make_specs=make_specs,
+                      num_blocks=800 * 64 // block_size, splits=4)
+        assert split.pop("cuda_kernel") and split.pop("max_splits") == 4
+        assert all(e <= 1e-2 for e in split.values()), split
+
+
+@pytest.mark.skipif(not HOPPER_CUDA, reason="the CUDA prefill kernel: Hopper (sm_90) and cuda-bindings")
+def test_hopper_cuda_prefill_leaves_what_it_does_not_cover_to_triton():
+    # fp16 queries and cache: the step still uses the CUDA kernel's 128-row tiles, attended by the Triton kernel
+    worst = drive(64, "float16", torch.float16, MIXED, num_sms=1)
+    assert worst.pop("cuda_kernel")
+    worst.pop("max_splits")
+    assert all(e <= 1e-2 for e in worst.values()), worst
+    # an FP8 cache, or the kernel turned off: Triton's own tiles
+    assert not TritonPagedAttention(plan_layout(specs("fp8_e4m3"), 64), 64, "fp8_e4m3", HQ, DEVICE).prefill.cuda
+    off = TritonPagedAttention(plan_layout(specs("bfloat16"), 64), 64, "bfloat16", HQ, DEVICE, hopper_kernel=False)
+    assert off.hopper is None and off.prefill is HOPPER_PREFILL

@@ -1,4 +1,5 @@
-"""Paged hybrid attention on NVIDIA GPUs through the Triton kernels in ``hybridkv/kernels``.
+"""Paged hybrid attention on NVIDIA GPUs through the Triton kernels in ``hybridkv/kernels`` (on Hopper, with a bf16
+cache and head dim 128, prefill steps run the CUDA kernel ``hopper_attention.cu`` over the same tiles instead).
 
 Same contract as ``TorchPagedAttention`` (its oracle). ``begin_step`` builds the step's metadata once: sequence
 offsets and lengths and the query tiles (shared by every layer), and per layer *group* the block table, the write
@@ -38,6 +39,8 @@ class KernelConfig:
     # Hopper: K/V tiles by TMA through a tensor descriptor, where a page holds whole key tiles (else gathered)
     tma: bool = False
     programs_per_sm: int = 1  # resident at once (registers and shared memory allow): a wave is this x SMs
+    # the CUDA kernel of ``hybridkv/kernels/hopper_attention.cu`` instead of Triton's (its own tiles: rows x 128)
+    cuda: bool = False
 
 
 # Prefill tiles are compute-bound: wide tiles, deep pipelining. Decode is bandwidth-bound: 16 rows (the least a
@@ -50,6 +53,10 @@ DECODE = KernelConfig(rows=16, block_n=128, num_warps=4, num_stages=3)
 # per SM, which desynchronise so one's softmax overlaps the other's dots. `benchmarks/gpu/attention.py --sweep`
 # on an H200 (docs/benchmarks.md, run 34): 32K one-shot 466 TFLOP/s, 16K step over 1M 498 (PREFILL: 382 / 450).
 HOPPER_PREFILL = KernelConfig(rows=128, block_n=64, num_warps=4, num_stages=3, tma=True, programs_per_sm=2)
+# Hopper, bf16 cache, head dim 128, any page size: the warp-specialized CUDA kernel (a producer warpgroup, two
+# consumers in ping-pong, wgmma; one CTA per SM). Its tiles have HOPPER_PREFILL's 128 rows, so a step's tile list
+# serves both, and what it does not cover (fp16/fp32 queries) runs the Triton kernel over the same tiles.
+HOPPER_CUDA_PREFILL = KernelConfig(rows=128, block_n=128, num_warps=12, num_stages=2, programs_per_sm=1, cuda=True)
 # Head dims above 128 (Gemma-3: 256) need smaller tiles: a 256x64 tile of 256-wide rows overflows registers and
 # three stages of 64x256 K and V tiles overflow shared memory. Correct first; not yet tuned on a device.
 WIDE_HEAD_PREFILL = KernelConfig(rows=64, block_n=32, num_warps=4, num_stages=2)
@@ -178,7 +185,8 @@ class TritonPagedAttention:
     def __init__(self, layout: KVLayout, num_blocks: int, kv_dtype: str, num_q_heads: int,
                  device: torch.device | str = "cuda", kv_scales: dict[int, tuple[float, float]] | None = None,
                  num_sms: int | None = None, prefill: KernelConfig = PREFILL, decode: KernelConfig = DECODE,
-                 max_splits: int = MAX_SPLITS, segment_bytes: int = SEGMENT_BYTES, fp8_compute: bool = False) -> None:
+                 max_splits: int = MAX_SPLITS, segment_bytes: int = SEGMENT_BYTES, fp8_compute: bool = False,
+                 hopper_kernel: bool = True) -> None:
         from hybridkv.kernels import paged_attention as kernels  # triton is only needed on GPU
 
         self.kernels = kernels
@@ -196,12 +204,20 @@ class TritonPagedAttention:
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 8
         self.num_sms = num_sms  # how many programs fill the GPU; decides KV splits
         hopper = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] == 9
+        default_prefill = prefill is PREFILL
         if max(g.spec.head_dim for g in layout.groups) > 128:
             prefill = WIDE_HEAD_PREFILL if prefill is PREFILL else prefill
             decode = WIDE_HEAD_DECODE if decode is DECODE else decode
         elif hopper and prefill is PREFILL and layout.block_size % HOPPER_PREFILL.block_n == 0 and all(
                 g.spec.head_dim in (64, 128) for g in layout.groups):
             prefill = HOPPER_PREFILL
+        # the Triton tiles of prefill steps the CUDA kernel does not cover: 128 rows like it, gathered if not TMA
+        self.triton_prefill = prefill if prefill.rows == HOPPER_PREFILL.rows else replace(HOPPER_PREFILL, tma=False)
+        self.hopper = None
+        if hopper_kernel and hopper and default_prefill and not self.quantized and all(
+                g.spec.head_dim == 128 for g in layout.groups):
+            self.hopper = self._load_hopper_kernel()
+            prefill = HOPPER_CUDA_PREFILL if self.hopper is not None else prefill
         self.prefill, self.decode, self.max_splits = prefill, decode, max_splits
         self.segment_bytes = segment_bytes
         # graphs need CUDA (a CPU device only happens under Triton's interpreter)
@@ -213,6 +229,21 @@ class TritonPagedAttention:
         if self.group > decode.rows:
             raise ValueError(f"{self.group} query heads per KV head: more than one tile's {decode.rows} rows")
         self.step_state: TritonStepState | None = None
+
+    def _load_hopper_kernel(self):
+        """The CUDA prefill kernel, or None (with a warning naming why) where it cannot be built here."""
+        import warnings
+
+        from hybridkv.kernels import hopper_attention
+
+        reason = hopper_attention.unavailable(self.device)
+        if reason is None:
+            try:
+                return hopper_attention.HopperPrefill(self.device)
+            except (RuntimeError, OSError) as e:
+                reason = str(e)
+        warnings.warn(f"Hopper prefill kernel unavailable, using the Triton kernel: {reason}", stacklevel=3)
+        return None
 
     # ---- per step ----------------------------------------------------------------------------------
     def begin_step(self, seqs: list[StepSequence]) -> None:
@@ -412,13 +443,20 @@ class TritonPagedAttention:
                 seg_lo=0, seg_hi=2**31 - 1, segmented=False, accumulate=False, vt=None, vt_table=None) -> None:
         stride_tok = spec.num_kv_heads * spec.head_dim
         kind, reach = spec.kernel_kind, spec.reach
+        step = self.step_state
+        config = step.config
+        if config.cuda:
+            if self._hopper_covers(q, out, cache, quant, vt, segmented):
+                self._launch_hopper(q, out, part, lse, spec, scale * k_scale, v_scale, splits, cache, table,
+                                    stride_block, stride_tok)
+                return
+            config = self.triton_prefill
         part_strides = (0,) * 5 if part is None else (*part.stride()[:3], *lse.stride()[:2])
-        kv_desc = self._descriptor(cache, spec, stride_tok, stride_block)
+        kv_desc = self._descriptor(config, cache, spec, stride_tok, stride_block)
         vt_desc = None
         if vt is not None and kv_desc is not None:
-            vt_desc = self._vt_descriptor(vt, spec)
+            vt_desc = self._vt_descriptor(config, vt, spec)
             kv_desc = kv_desc if vt_desc is not None else None  # both by TMA, or both gathered
-        step = self.step_state
         self.kernels.paged_attention_kernel[(step.num_tiles, spec.num_kv_heads, splits)](
             q, out, out if part is None else part, out if lse is None else lse, cache,
             cache if kv_desc is None else kv_desc, table,
@@ -429,21 +467,45 @@ class TritonPagedAttention:
             stride_block, stride_tok, self.block_size * stride_tok,
             *part_strides, 0 if vt is None else vt.stride(0),
             KIND=kind, REACH=max(reach, 1), BLOCK_SIZE=self.block_size, GROUP=q.shape[1] // spec.num_kv_heads,
-            ROWS=step.config.rows, TOKENS=step.tokens, D=spec.head_dim, D_PAD=max(16, _next_pow2(spec.head_dim)),
-            BLOCK_N=step.config.block_n, NUM_SPLITS=splits, QUANT=quant,
+            ROWS=config.rows, TOKENS=step.tokens, D=spec.head_dim, D_PAD=max(16, _next_pow2(spec.head_dim)),
+            BLOCK_N=config.block_n, NUM_SPLITS=splits, QUANT=quant,
             FP16_DOT=quant and q.dtype == torch.bfloat16 and step.config is self.decode,
             SEGMENTED=segmented, ACCUMULATE=accumulate,
             TMA=kv_desc is not None, FP8_DOT=vt is not None,
             # float32 models stay exact (token parity with the CPU path); TF32 would round to 10 mantissa bits
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=step.config.num_warps, num_stages=step.config.num_stages,
+            num_warps=config.num_warps, num_stages=config.num_stages,
         )
 
-    def _descriptor(self, cache: torch.Tensor, spec, stride_tok: int, stride_block: int):
+    def _hopper_covers(self, q, out, cache, quant, vt, segmented) -> bool:
+        """What the CUDA kernel takes: bf16 queries and cache, head rows on 16-byte boundaries, no FP8, pages of a
+        power of two from 4 tokens (a 128-key tile spans at most 32 of them: one table entry per lane)."""
+        aligned = all(t.data_ptr() % 16 == 0 for t in (q, out, cache)) and q.stride(2) == 1 and out.stride(2) == 1
+        bs = self.block_size
+        return (q.dtype == torch.bfloat16 and cache.dtype == torch.bfloat16 and not quant and vt is None
+                and not segmented and aligned and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0
+                and bs >= 4 and bs & (bs - 1) == 0)
+
+    def _launch_hopper(self, q, out, part, lse, spec, scale, v_scale, splits, cache, table, stride_block,
+                       stride_tok) -> None:
+        step = self.step_state
+        tensors = dict(q=q, out=out, part=part, lse=lse, cache=cache, table=table,
+                       **dict(zip(("tile_seq", "tile_q0", "q_loc", "q_len", "ctx_len"), step.seq)))
+        ps = (0,) * 3 if part is None else part.stride()[:3]
+        ls = (0,) * 2 if lse is None else lse.stride()[:2]
+        strides = dict(stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
+                       stride_table=table.stride(0), stride_block=stride_block, stride_tok=stride_tok,
+                       v_offset=self.block_size * stride_tok, stride_ps=ps[0], stride_pt=ps[1], stride_ph=ps[2],
+                       stride_ls=ls[0], stride_lt=ls[1])
+        ints = dict(kind=spec.kernel_kind, reach=max(spec.reach, 1), block_size=self.block_size,
+                    group=q.shape[1] // spec.num_kv_heads, tokens=step.tokens, num_splits=splits)
+        self.hopper.launch((step.num_tiles, spec.num_kv_heads, splits), tensors, strides,
+                           scale * 1.4426950408889634, v_scale, ints)
+
+    def _descriptor(self, cfg: KernelConfig, cache: torch.Tensor, spec, stride_tok: int, stride_block: int):
         """The TMA descriptor of a layer's (or a segment scratch's) token rows, or None (pointer gathers): TMA where
         the config asks for it, a page holds whole key tiles, the head dim is one TMA box (64 or 128), pages are
         whole rows and every row index fits in int32."""
-        cfg = self.step_state.config
         rows = cache.numel() // stride_tok
         if not (cfg.tma and self.block_size % cfg.block_n == 0 and spec.head_dim in (64, 128) and rows < 2**31
                 and stride_block % stride_tok == 0 and cache.data_ptr() % 16 == 0):
@@ -452,11 +514,11 @@ class TritonPagedAttention:
 
         return TensorDescriptor(cache, [rows, stride_tok], [stride_tok, 1], [cfg.block_n, spec.head_dim])
 
-    def _vt_descriptor(self, vt: torch.Tensor, spec):
+    def _vt_descriptor(self, cfg: KernelConfig, vt: torch.Tensor, spec):
         """TMA descriptor of a segment's transposed V (``[heads * head_dim, columns]``, e4m3), boxes of head_dim x
         key tile; None where a row's bytes are not a multiple of 16 (TMA's stride unit)."""
         if vt.stride(0) % 16 or vt.data_ptr() % 16:
             return None
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        return TensorDescriptor(vt, list(vt.shape), [vt.stride(0), 1], [spec.head_dim, self.step_state.config.block_n])
+        return TensorDescriptor(vt, list(vt.shape), [vt.stride(0), 1], [spec.head_dim, cfg.block_n])
