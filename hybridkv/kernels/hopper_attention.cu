@@ -312,7 +312,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) paged_prefill_hopper(const 
 
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full_bar + 8 * s, 128);   // every producer thread's cp.async
+      mbar_init(full_bar + 8 * s, 128);   // every producer thread arrives (and a TMA tile's bytes land)
       mbar_init(empty_bar + 8 * s, 8);    // one arrival per consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -320,7 +320,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) paged_prefill_hopper(const 
   __syncthreads();
 
   if (wg == 0) {
-    // ---------------- producer: page gathers ----------------
+    // ---------------- producer: K/V tiles by TMA, edge tiles by page gathers ----------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     const int chunk = tid & 15;  // 16-byte chunk of a 256-byte row
     const int row0 = (tid >> 4) & 7;  // rows row0, row0 + 8, ...
