@@ -382,6 +382,14 @@ def sweep_fp8(step_context: int = 1 << 20, step_tokens: int = 16384, one_shot: i
         print("| " + " | ".join(r) + " |")
 
 
+def first_query(q, k_seen, v_seen):
+    """SDPA of a step's first query (q[0], at position ``context``) over the keys it sees, 0..context: the
+    reference of a step row."""
+    return F.scaled_dot_product_attention(
+        q[:1].transpose(0, 1).unsqueeze(0), k_seen.transpose(0, 1).unsqueeze(0).expand(1, HQ, -1, D),
+        v_seen.transpose(0, 1).unsqueeze(0).expand(1, HQ, -1, D)).squeeze(0).transpose(0, 1)
+
+
 def engine_step_rows(context: int, tokens: int, kv_dtype: str = "bfloat16") -> list[list[str]]:
     """One prefill step as the engine runs it over a long prompt: ``tokens`` new queries over ``context`` cached
     random keys (full layer), with 16- and 64-token pages, the KV range unsplit and split as the backend chooses
@@ -395,14 +403,8 @@ def engine_step_rows(context: int, tokens: int, kv_dtype: str = "bfloat16") -> l
     values = torch.randn_like(keys)
     q = torch.randn(tokens, HQ, D, device=DEV, dtype=torch.bfloat16)
     seen_k, seen_v = keys[: context + 1], values[: context + 1]
-
-    def first_query(k_seen, v_seen):  # query 0 sits at position `context`: it sees keys 0..context
-        return F.scaled_dot_product_attention(
-            q[:1].transpose(0, 1).unsqueeze(0), k_seen.transpose(0, 1).unsqueeze(0).expand(1, HQ, -1, D),
-            v_seen.transpose(0, 1).unsqueeze(0).expand(1, HQ, -1, D)).squeeze(0).transpose(0, 1)
-
-    ref_bf16 = first_query(seen_k, seen_v)
-    ref = first_query(e4m3(seen_k), e4m3(seen_v)) if kv_dtype == "fp8_e4m3" else ref_bf16
+    ref_bf16 = first_query(q, seen_k, seen_v)
+    ref = first_query(q, e4m3(seen_k), e4m3(seen_v)) if kv_dtype == "fp8_e4m3" else ref_bf16
     flops = 4 * HQ * D * (tokens * context + tokens * (tokens + 1) // 2)
     kernels = (True, False) if kv_dtype == "bfloat16" else (False,)
     for block, hopper_kernel in ((b, h) for b in (16, 64) for h in kernels):

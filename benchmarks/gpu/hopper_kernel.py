@@ -16,7 +16,9 @@ import argparse
 
 import torch
 
-from benchmarks.gpu.attention import D, HKV, HQ, bench, filled_backend, make_backend, rel_err, sdpa, useful_pairs
+from benchmarks.gpu.attention import (
+    D, HKV, HQ, bench, filled_backend, first_query, make_backend, rel_err, sdpa, useful_pairs,
+)
 from hybridkv.kernels import hopper_attention
 from hybridkv.kv.specs import FullAttentionSpec
 from hybridkv.model.attention.base import StepSequence
@@ -64,10 +66,7 @@ def main() -> None:
         step, step_table = filled_backend(spec, context, tokens, 64, keys, values)
         step_triton, _ = filled_backend(spec, context, tokens, 64, keys, values, hopper_kernel=False)
         qs = torch.randn(tokens, HQ, D, device="cuda", dtype=torch.bfloat16)
-        # the first query sees keys 0..context
-        kf, vf = (x[: context + 1].transpose(0, 1).unsqueeze(0).expand(1, HQ, -1, D) for x in (keys, values))
-        step_ref = torch.nn.functional.scaled_dot_product_attention(qs[:1].transpose(0, 1).unsqueeze(0), kf, vf)
-        step_ref = step_ref.squeeze(0).transpose(0, 1)
+        step_ref = first_query(qs, keys[: context + 1], values[: context + 1])
         step_flops = 4 * HQ * D * (tokens * context + tokens * (tokens + 1) // 2)
         shapes.append((step, step_triton, [StepSequence(context, tokens, [step_table])], qs, keys[context:],
                        values[context:], step_ref, step_flops))

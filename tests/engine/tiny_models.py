@@ -16,29 +16,24 @@ ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_f
         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 
 
-def llama4_config():
+def llama4_config(**overrides):
     # chunk 8; layers 2 and 5 NoPE/full, the rest chunked; MoE on odd layers; floor_scale 4 so temperature tuning acts
-    return transformers.Llama4TextConfig(
+    return transformers.Llama4TextConfig(**{**dict(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=16, intermediate_size_mlp=48, num_hidden_layers=6,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
         attention_chunk_size=8, no_rope_layer_interval=3, interleave_moe_layer_step=2, num_local_experts=4,
         num_experts_per_tok=1, use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5,
         rope_parameters=dict(ROPE), initializer_range=0.25, attn_implementation="eager",
         bos_token_id=0, eos_token_id=1, pad_token_id=2,
-    )
+    ), **overrides})
 
 
 def llama4_d128_config():
     # Scout's per-rank attention shape at toy width: 5 query heads on 1 KV head of 128 (on Hopper with a bf16 cache,
     # the CUDA prefill kernel's shape), chunks of 192 spanning its 128-key tiles; layers 1 and 3 NoPE/full
-    return transformers.Llama4TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, intermediate_size_mlp=96, num_hidden_layers=4,
-        num_attention_heads=5, num_key_value_heads=1, head_dim=128, max_position_embeddings=1024,
-        attention_chunk_size=192, no_rope_layer_interval=2, interleave_moe_layer_step=2, num_local_experts=4,
-        num_experts_per_tok=1, use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5,
-        rope_parameters=dict(ROPE), initializer_range=0.25, attn_implementation="eager",
-        bos_token_id=0, eos_token_id=1, pad_token_id=2,
-    )
+    return llama4_config(hidden_size=64, intermediate_size=32, intermediate_size_mlp=96, num_hidden_layers=4,
+                         num_attention_heads=5, num_key_value_heads=1, head_dim=128, max_position_embeddings=1024,
+                         attention_chunk_size=192, no_rope_layer_interval=2)
 
 
 def llama3_config():

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from hybridkv.kernels import hopper_attention  # torch only: its CUDA imports wait for a Hopper GPU
 from hybridkv.kv.layout import KVLayout
 from hybridkv.model.attention.base import BackendCapabilities, StepSequence
 from hybridkv.model.attention.kv_cache import PagedKVCache
@@ -56,7 +57,9 @@ HOPPER_PREFILL = KernelConfig(rows=128, block_n=64, num_warps=4, num_stages=3, t
 # Hopper, bf16 cache, head dim 128, any page size: the warp-specialized CUDA kernel (a producer warpgroup, two
 # consumers in ping-pong, wgmma; one CTA per SM). Its tiles have HOPPER_PREFILL's 128 rows, so a step's tile list
 # serves both, and what it does not cover (fp16/fp32 queries) runs the Triton kernel over the same tiles.
-HOPPER_CUDA_PREFILL = KernelConfig(rows=128, block_n=128, num_warps=12, num_stages=2, programs_per_sm=1, cuda=True)
+HOPPER_CUDA_PREFILL = KernelConfig(rows=hopper_attention.ROWS, block_n=hopper_attention.BLOCK_N,
+                                   num_warps=hopper_attention.THREADS // 32, num_stages=hopper_attention.STAGES,
+                                   cuda=True)
 # Head dims above 128 (Gemma-3: 256) need smaller tiles: a 256x64 tile of 256-wide rows overflows registers and
 # three stages of 64x256 K and V tiles overflow shared memory. Correct first; not yet tuned on a device.
 WIDE_HEAD_PREFILL = KernelConfig(rows=64, block_n=32, num_warps=4, num_stages=2)
@@ -215,7 +218,7 @@ class TritonPagedAttention:
         self.triton_prefill = prefill if prefill.rows == HOPPER_PREFILL.rows else replace(HOPPER_PREFILL, tma=False)
         self.hopper = None
         if hopper_kernel and hopper and default_prefill and not self.quantized and all(
-                g.spec.head_dim == 128 for g in layout.groups):
+                g.spec.head_dim == hopper_attention.HEAD_DIM for g in layout.groups):
             self.hopper = self._load_hopper_kernel()
             prefill = HOPPER_CUDA_PREFILL if self.hopper is not None else prefill
         self.prefill, self.decode, self.max_splits = prefill, decode, max_splits
@@ -233,8 +236,6 @@ class TritonPagedAttention:
     def _load_hopper_kernel(self):
         """The CUDA prefill kernel, or None (with a warning naming why) where it cannot be built here."""
         import warnings
-
-        from hybridkv.kernels import hopper_attention
 
         reason = hopper_attention.unavailable(self.device)
         if reason is None:
