@@ -406,7 +406,7 @@ def engine_step_rows(context: int, tokens: int, kv_dtype: str = "bfloat16") -> l
     ref_bf16 = first_query(q, seen_k, seen_v)
     ref = first_query(q, e4m3(seen_k), e4m3(seen_v)) if kv_dtype == "fp8_e4m3" else ref_bf16
     flops = 4 * HQ * D * (tokens * context + tokens * (tokens + 1) // 2)
-    kernels = (True, False) if kv_dtype == "bfloat16" else (False,)
+    kernels = (False,) if fp8_compute else (True, False)  # the CUDA kernel (Hopper), then the Triton kernel
     for block, hopper_kernel in ((b, h) for b in (16, 64) for h in kernels):
         backend, table = filled_backend(FullAttentionSpec(HKV, D, kv_dtype), context, tokens, block, keys, values,
                                         fp8_compute=fp8_compute, hopper_kernel=hopper_kernel)

@@ -69,6 +69,9 @@ struct Params {
   int group;       // query heads per KV head
   int tokens;      // query tokens per tile
   int num_splits;
+  int seg_lo, seg_hi;  // keys [seg_lo, seg_hi) only: one segment of an FP8 cache's reach, widened to bf16
+  int segmented;       // always write partial outputs and LSE (``accumulate``: merged into the previous segment's)
+  int accumulate;
   int tma;             // 1: ``tmap`` describes the cache's token rows, tiles inside the reach arrive by TMA
   int rows_per_block;  // token rows of a page in ``tmap``: its K rows, then its V rows
 };
@@ -298,8 +301,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) paged_prefill_hopper(const 
   // the same arithmetic as the Triton kernel, with 128-key tiles
   const int first = ctx + q0;
   const int last = ctx + min(q0 + p.tokens, q_len) - 1;
-  const int hi = last + 1;
-  const int lo = type_lo(first, p.kind, p.reach);
+  const int hi = min(last + 1, p.seg_hi);
+  const int lo = max(type_lo(first, p.kind, p.reach), p.seg_lo);
   const int lo_tile = lo / BN * BN;
   const int num_tiles = (hi - lo_tile + BN - 1) / BN;
   const int per_split = (num_tiles + p.num_splits - 1) / p.num_splits;
@@ -488,29 +491,56 @@ extern "C" __global__ void __launch_bounds__(384, 1) paged_prefill_hopper(const 
   }
 
   // ---------------- epilogue: normalise, or write this split's partial output and LSE ----------------
+  // (rows past the tile's tokens skip the memory accesses, never the warp's shuffles and sync)
+  const float NEG_INF = __int_as_float(0xff800000);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float sum = quad_sum(l[h]);
     const int row = row_a + 8 * h;
     const int tok = q0 + row / G;
-    if (row >= p.tokens * G || tok >= q_len) continue;
+    const bool valid = row < p.tokens * G && tok < q_len;
     const long long t_idx = q_loc + tok;
     const int head = kv_head * G + row % G;
     const float inv = p.v_scale / fmaxf(sum, 1e-30f);
     const int col = 2 * (lane & 3);
-    if (p.num_splits == 1) {
+    if (p.num_splits == 1 && !p.segmented) {
       u16* dst = p.out + t_idx * p.stride_ot + (long long)head * p.stride_oh + col;
+      if (valid) {
 #pragma unroll
-      for (int j = 0; j < 16; ++j)
-        *reinterpret_cast<u32*>(dst + 8 * j) = pack_bf16(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-    } else {
-      float* dst = p.part + split * p.stride_ps + t_idx * p.stride_pt + (long long)head * p.stride_ph + col;
+        for (int j = 0; j < 16; ++j)
+          *reinterpret_cast<u32*>(dst + 8 * j) = pack_bf16(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+      }
+      continue;
+    }
+    float* dst = p.part + split * p.stride_ps + t_idx * p.stride_pt + (long long)head * p.stride_ph + col;
+    float* lse_at = p.lse + split * p.stride_ls + t_idx * p.stride_lt + head;
+    float lse = sum > 0.f ? (m[h] + lg2(sum)) * 0.6931471805599453f : NEG_INF;
+    float w_prev = 0.f, w_new = 1.f;
+    if (p.accumulate) {
+      // merge with what the earlier segments left in this split's slots; the quad's four lanes read the old LSE
+      // before the first of them writes the new one
+      const float prev_lse = valid ? *lse_at : NEG_INF;
+      __syncwarp();
+      float mx = fmaxf(prev_lse, lse);
+      mx = mx > NEG_INF ? mx : 0.f;
+      w_prev = __expf(prev_lse - mx);
+      w_new = __expf(lse - mx);
+      const float total = w_prev + w_new;
+      lse = total > 0.f ? mx + __logf(fmaxf(total, 1e-30f)) : NEG_INF;
+      w_prev /= fmaxf(total, 1e-30f);
+      w_new /= fmaxf(total, 1e-30f);
+    }
+    if (valid) {
 #pragma unroll
-      for (int j = 0; j < 16; ++j)
-        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-      if ((lane & 3) == 0)
-        p.lse[split * p.stride_ls + t_idx * p.stride_lt + head] =
-            sum > 0.f ? (m[h] + lg2(sum)) * 0.6931471805599453f : __int_as_float(0xff800000);
+      for (int j = 0; j < 16; ++j) {
+        float2 v = make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+        if (p.accumulate) {
+          const float2 prev = *reinterpret_cast<const float2*>(dst + 8 * j);
+          v = make_float2(prev.x * w_prev + v.x * w_new, prev.y * w_prev + v.y * w_new);
+        }
+        *reinterpret_cast<float2*>(dst + 8 * j) = v;
+      }
+      if ((lane & 3) == 0) *lse_at = lse;
     }
   }
 }

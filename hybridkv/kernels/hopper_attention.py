@@ -6,9 +6,10 @@ warpgroups overlapping their softmax with their dots, ``setmaxnreg``), so it is 
 It needs ``cuda-bindings`` (``pip install 'hybridkv[gpu]'``) and NVRTC (PyTorch's CUDA wheels bring
 ``nvidia-cuda-nvrtc``); where either is missing, the backend warns why and keeps the Triton kernel.
 
-It covers what long prompts run: bf16 queries and an unquantized bf16 cache, head dim 128, pages of a power of
-two from 4 tokens (TMA from 16), full, sliding and chunked layers, KV splits (partial outputs and LSE for
-``combine_splits_kernel``). An FP8 cache's widened segments and FP8 compute stay on the Triton kernel."""
+It covers what long prompts run: bf16 queries over a bf16 cache, or over the bf16 segments an FP8 cache's long
+reach is widened into (partial outputs merged across segments); head dim 128, pages of a power of two from 4 tokens
+(TMA from 16), full, sliding and chunked layers, KV splits (partial outputs and LSE for ``combine_splits_kernel``).
+FP8 compute stays on the Triton kernel."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ STAGES = 3  # key tiles in flight (K and V: 64 KB each; 3 fill the 227 KB a CTA 
 _POINTERS = ("q", "out", "part", "lse", "cache", "table", "tile_seq", "tile_q0", "q_loc", "q_len", "ctx_len")
 _STRIDES = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_table", "stride_block", "stride_tok",
             "v_offset", "stride_ps", "stride_pt", "stride_ph", "stride_ls", "stride_lt")
-_INTS = ("kind", "reach", "block_size", "group", "tokens", "num_splits", "tma", "rows_per_block")
+_INTS = ("kind", "reach", "block_size", "group", "tokens", "num_splits", "seg_lo", "seg_hi", "segmented", "accumulate",
+         "tma", "rows_per_block")
 
 
 class _Params(ctypes.Structure):
@@ -99,12 +101,13 @@ class HopperPrefill:
         self.device = device
         self.stages = stages
         self.smem = shared_bytes(stages)
-        torch.empty(1, device=device)  # torch makes the device's primary context current on this thread
-        self._ensure_context()
         self._image = ctypes.create_string_buffer(compile_cubin(stages, source, defines))
-        self.module = _check(driver.cuModuleLoadData(ctypes.addressof(self._image)), "cuModuleLoadData")
-        self.function = _check(driver.cuModuleGetFunction(self.module, b"paged_prefill_hopper"),
-                               "cuModuleGetFunction")
+        with torch.cuda.device(device):  # the module belongs to the device's primary context: make it current
+            torch.empty(1, device=device)
+            self._ensure_context()
+            self.module = _check(driver.cuModuleLoadData(ctypes.addressof(self._image)), "cuModuleLoadData")
+            self.function = _check(driver.cuModuleGetFunction(self.module, b"paged_prefill_hopper"),
+                                   "cuModuleGetFunction")
         self._maps: OrderedDict[tuple[int, int, int, int], object] = OrderedDict()  # per cache base: TMA map
         self._no_map = driver.CUtensorMap()
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES

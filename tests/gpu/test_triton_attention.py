@@ -305,6 +305,25 @@ def test_hopper_cuda_prefill_matches_reference(block_size, hq):
         assert all(e <= 1e-2 for e in split.values()), split
 
 
+# a full layer's reach of 33,000+ keys: >= 256 of the CUDA kernel's 128-key tiles, so an FP8 cache widens segments
+LONG_FP8_PREFILL = {"lengths": [33000, 300], "steps": [[16384, 0], [16384, 300], [232, 1]]}
+
+
+@pytest.mark.skipif(not HOPPER_CUDA, reason="the CUDA prefill kernel: Hopper (sm_90) and cuda-bindings")
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_hopper_cuda_prefill_attends_an_fp8_cache_in_widened_segments(block_size):
+    # the long reach of an FP8 cache is widened to bf16 in segments of under 10,000 keys, each attended by the CUDA
+    # kernel, its 4 splits' partial outputs merged across segments; short reaches (sliding, chunked, the mixed
+    # batches) read e4m3 in the Triton kernel over the same tiles
+    scales = {i: (0.05 * (i + 1), 0.5 / (i + 1)) for i in range(6)}
+    split = drive(block_size, "fp8_e4m3", torch.bfloat16, LONG_FP8_PREFILL, num_sms=4, kv_scales=scales, splits=4,
+                  num_blocks=1200 * 64 // block_size, segment_bytes=10000 * 2 * HKV * D * 2)
+    # the 2 steps whose reach reaches 32,768 keys x 2 full layers x >= 4 segments; the rest read e4m3 in Triton
+    assert split.pop("cuda_launches") >= 2 * 2 * 4 and split.pop("max_splits") == 4
+    assert split.pop("max_segments") >= 4
+    assert all(e <= 2e-2 for e in split.values()), split
+
+
 @pytest.mark.skipif(not HOPPER_CUDA, reason="the CUDA prefill kernel: Hopper (sm_90) and cuda-bindings")
 def test_hopper_cuda_prefill_leaves_what_it_does_not_cover_to_triton():
     # fp16 queries and cache: the steps use the CUDA kernel's 128-row tiles, every one attended by the Triton kernel
@@ -314,7 +333,8 @@ def test_hopper_cuda_prefill_leaves_what_it_does_not_cover_to_triton():
     assert worst.pop("cuda_launches") == 0
     worst.pop("max_splits")
     assert all(e <= 1e-2 for e in worst.values()), worst
-    # an FP8 cache, or the kernel turned off: Triton's own tiles
-    assert not TritonPagedAttention(plan_layout(specs("fp8_e4m3"), 64), 64, "fp8_e4m3", HQ, DEVICE).prefill.cuda
+    # FP8 compute (its own FP8 dots), or the kernel turned off: Triton's own tiles
+    fp8 = TritonPagedAttention(plan_layout(specs("fp8_e4m3"), 64), 64, "fp8_e4m3", HQ, DEVICE, fp8_compute=True)
+    assert fp8.hopper is None and fp8.prefill is HOPPER_PREFILL
     off = TritonPagedAttention(plan_layout(specs("bfloat16"), 64), 64, "bfloat16", HQ, DEVICE, hopper_kernel=False)
     assert off.hopper is None and off.prefill is HOPPER_PREFILL

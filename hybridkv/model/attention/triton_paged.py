@@ -54,9 +54,11 @@ DECODE = KernelConfig(rows=16, block_n=128, num_warps=4, num_stages=3)
 # per SM, which desynchronise so one's softmax overlaps the other's dots. `benchmarks/gpu/attention.py --sweep`
 # on an H200 (docs/benchmarks.md, run 34): 32K one-shot 466 TFLOP/s, 16K step over 1M 498 (PREFILL: 382 / 450).
 HOPPER_PREFILL = KernelConfig(rows=128, block_n=64, num_warps=4, num_stages=3, tma=True, programs_per_sm=2)
-# Hopper, bf16 cache, head dim 128, any page size: the warp-specialized CUDA kernel (a producer warpgroup, two
-# consumers in ping-pong, wgmma; one CTA per SM). Its tiles have HOPPER_PREFILL's 128 rows, so a step's tile list
-# serves both, and what it does not cover (fp16/fp32 queries) runs the Triton kernel over the same tiles.
+# Hopper, head dim 128, bf16 queries over a bf16 cache or an FP8 cache's widened segments: the warp-specialized CUDA
+# kernel (a TMA producer warpgroup, two wgmma consumers; one CTA per SM). Its tiles have HOPPER_PREFILL's 128 rows,
+# so a step's tile list serves both, and what it does not cover (fp16/fp32 queries, FP8 read in the kernel) runs
+# the Triton kernel over the same tiles. `benchmarks/gpu/hopper_kernel.py` (docs/benchmarks.md, run 61): 600
+# TFLOP/s one-shot, 620 on a 16K step over 1M (HOPPER_PREFILL: 481 / 499).
 HOPPER_CUDA_PREFILL = KernelConfig(rows=hopper_attention.ROWS, block_n=hopper_attention.BLOCK_N,
                                    num_warps=hopper_attention.THREADS // 32, num_stages=hopper_attention.STAGES,
                                    cuda=True)
@@ -217,7 +219,9 @@ class TritonPagedAttention:
         # the Triton tiles of prefill steps the CUDA kernel does not cover: 128 rows like it, gathered if not TMA
         self.triton_prefill = prefill if prefill.rows == HOPPER_PREFILL.rows else replace(HOPPER_PREFILL, tma=False)
         self.hopper = None
-        if hopper_kernel and hopper and default_prefill and not self.quantized and all(
+        # bf16 caches, and FP8 caches whose long prefills widen segments to bf16 (not FP8 compute: its own dots)
+        fp8_dots = fp8_compute and kv_dtype.startswith("fp8")
+        if hopper_kernel and hopper and default_prefill and not fp8_dots and all(
                 g.spec.head_dim == hopper_attention.HEAD_DIM for g in layout.groups):
             self.hopper = self._load_hopper_kernel()
             prefill = HOPPER_CUDA_PREFILL if self.hopper is not None else prefill
@@ -447,9 +451,9 @@ class TritonPagedAttention:
         step = self.step_state
         config = step.config
         if config.cuda:
-            if self._hopper_covers(q, out, cache, quant, vt, segmented):
+            if self._hopper_covers(q, out, cache, quant, vt):
                 self._launch_hopper(q, out, part, lse, spec, scale * k_scale, v_scale, splits, cache, table,
-                                    stride_block, stride_tok)
+                                    stride_block, stride_tok, (seg_lo, seg_hi, segmented, accumulate))
                 return
             config = self.triton_prefill
         part_strides = (0,) * 5 if part is None else (*part.stride()[:3], *lse.stride()[:2])
@@ -478,17 +482,17 @@ class TritonPagedAttention:
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
 
-    def _hopper_covers(self, q, out, cache, quant, vt, segmented) -> bool:
-        """What the CUDA kernel takes: bf16 queries and cache, head rows on 16-byte boundaries, no FP8, pages of a
-        power of two from 4 tokens (a 128-key tile spans at most 32 of them: one table entry per lane)."""
+    def _hopper_covers(self, q, out, cache, quant, vt) -> bool:
+        """What the CUDA kernel takes: bf16 queries and cache (an FP8 cache's widened segments too), head rows on
+        16-byte boundaries, pages of a power of two from 4 tokens (a 128-key tile spans at most 32 of them: one
+        table entry per lane)."""
         aligned = all(t.data_ptr() % 16 == 0 for t in (q, out, cache)) and q.stride(2) == 1 and out.stride(2) == 1
         bs = self.block_size
         return (q.dtype == torch.bfloat16 and cache.dtype == torch.bfloat16 and not quant and vt is None
-                and not segmented and aligned and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0
-                and bs >= 4 and bs & (bs - 1) == 0)
+                and aligned and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0 and bs >= 4 and bs & (bs - 1) == 0)
 
     def _launch_hopper(self, q, out, part, lse, spec, scale, v_scale, splits, cache, table, stride_block,
-                       stride_tok) -> None:
+                       stride_tok, segment) -> None:
         step = self.step_state
         tensors = dict(q=q, out=out, part=part, lse=lse, cache=cache, table=table,
                        **dict(zip(("tile_seq", "tile_q0", "q_loc", "q_len", "ctx_len"), step.seq)))
@@ -498,8 +502,10 @@ class TritonPagedAttention:
                        stride_table=table.stride(0), stride_block=stride_block, stride_tok=stride_tok,
                        v_offset=self.block_size * stride_tok, stride_ps=ps[0], stride_pt=ps[1], stride_ph=ps[2],
                        stride_ls=ls[0], stride_lt=ls[1])
+        seg_lo, seg_hi, segmented, accumulate = segment
         ints = dict(kind=spec.kernel_kind, reach=max(spec.reach, 1), block_size=self.block_size,
-                    group=q.shape[1] // spec.num_kv_heads, tokens=step.tokens, num_splits=splits)
+                    group=q.shape[1] // spec.num_kv_heads, tokens=step.tokens, num_splits=splits, seg_lo=seg_lo,
+                    seg_hi=seg_hi, segmented=int(segmented), accumulate=int(accumulate))
         self.hopper.launch((step.num_tiles, spec.num_kv_heads, splits), tensors, strides,
                            scale * 1.4426950408889634, v_scale, ints)
 
