@@ -390,6 +390,15 @@ def first_query(q, k_seen, v_seen):
         v_seen.transpose(0, 1).unsqueeze(0).expand(1, HQ, -1, D)).squeeze(0).transpose(0, 1)
 
 
+def count_cuda_launches(backend) -> list:
+    """A list that grows by one per launch of the backend's CUDA kernel (Triton's launches add nothing)."""
+    launches = []
+    if backend.hopper is not None:
+        launch = backend.hopper.launch
+        backend.hopper.launch = lambda *args: (launches.append(1), launch(*args))
+    return launches
+
+
 def engine_step_rows(context: int, tokens: int, kv_dtype: str = "bfloat16") -> list[list[str]]:
     """One prefill step as the engine runs it over a long prompt: ``tokens`` new queries over ``context`` cached
     random keys (full layer), with 16- and 64-token pages, the KV range unsplit and split as the backend chooses
@@ -406,11 +415,13 @@ def engine_step_rows(context: int, tokens: int, kv_dtype: str = "bfloat16") -> l
     ref_bf16 = first_query(q, seen_k, seen_v)
     ref = first_query(q, e4m3(seen_k), e4m3(seen_v)) if kv_dtype == "fp8_e4m3" else ref_bf16
     flops = 4 * HQ * D * (tokens * context + tokens * (tokens + 1) // 2)
-    kernels = (False,) if fp8_compute else (True, False)  # the CUDA kernel (Hopper), then the Triton kernel
-    for block, hopper_kernel in ((b, h) for b in (16, 64) for h in kernels):
+    # page size, and the CUDA kernel (Hopper) or Triton; FP8 compute over 16-token pages is Triton's alone
+    pairs = [(16, True), (16, False), (64, True), (64, False)][1 if fp8_compute else 0:]
+    for block, hopper_kernel in pairs:
         backend, table = filled_backend(FullAttentionSpec(HKV, D, kv_dtype), context, tokens, block, keys, values,
                                         fp8_compute=fp8_compute, hopper_kernel=hopper_kernel)
         chosen = backend._num_splits
+        launches = count_cuda_launches(backend)
         for forced in (1, None):
             backend._num_splits = chosen if forced is None else (lambda reach, heads: 1)
             backend.begin_step([StepSequence(context, tokens, [table])])
@@ -424,7 +435,7 @@ def engine_step_rows(context: int, tokens: int, kv_dtype: str = "bfloat16") -> l
             ms = bench(run)
             splits = backend.step_state.groups[0].num_splits
             name = "fp8_e4m3 KV, FP8 compute" if fp8_compute else f"{kv_dtype} KV"
-            name += ", CUDA kernel" if backend.prefill.cuda else ", Triton"
+            name += ", CUDA kernel" if launches else ", Triton"
             segments = len(backend.step_state.groups[0].segments)
             rows.append([f"prefill step, {name}, {block}-token pages, {splits} split(s), {segments} segment(s)",
                          f"{tokens:,} over {context:,}", f"{ms:.1f}", f"{flops / ms / 1e9:.0f}", "", "", "", "",

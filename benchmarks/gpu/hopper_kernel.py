@@ -4,10 +4,12 @@ Each variant is the kernel's source with a text edit (no K/V loads, every tile g
 compiled by NVRTC and timed on the same inputs as the kernel and the Triton
 kernel: a one-shot causal prefill of ``--length`` tokens and a 16,384-token step over ``--step-context`` cached
 keys (Scout rank shape: 5 query heads, 1 KV head, d 128), 64-token pages. Its compile-time switches (OVERLAP,
-PINGPONG) are timed the same way. Variants that change the result print their error but are not held to
-it; the others are checked against SDPA (relative error <= 1e-2) first.
+PINGPONG, TREE, FP8_PROMOTE) are timed the same way. Variants that change the result print their error but are not held to
+it; the others are checked against SDPA (relative error <= 1e-2) first. ``--fp8``: the FP8-compute kernel over
+an e4m3 cache instead, against Triton's FP8 compute, by stage count (checked against SDPA over the same e4m3 K/V,
+relative error <= 6e-2).
 
-    python benchmarks/gpu/hopper_kernel.py [--length 65536] [--step-context 1048576]
+    python benchmarks/gpu/hopper_kernel.py [--length 65536] [--step-context 1048576] [--fp8]
 """
 
 from __future__ import annotations
@@ -17,21 +19,20 @@ import argparse
 import torch
 
 from benchmarks.gpu.attention import (
-    D, HKV, HQ, bench, filled_backend, first_query, make_backend, rel_err, sdpa, useful_pairs,
+    D, HKV, HQ, bench, e4m3, filled_backend, first_query, make_backend, rel_err, sdpa, useful_pairs,
 )
 from hybridkv.kernels import hopper_attention
 from hybridkv.kv.specs import FullAttentionSpec
 from hybridkv.model.attention.base import StepSequence
 
-TMA_TILE = "if (p.tma && n >= lo && n + BN <= end) {"
-SOFTMAX = "  const float NEG_INF = __int_as_float(0xff800000);\n  float m_new[2];\n"
+TMA_TILE = "} else if (p.tma && inside) {"
+SOFTMAX = "  const float NEG_INF = __int_as_float(0xff800000);\n  constexpr int CHAINS"
 NO_SOFTMAX = "  if (n >= 0) return;  // the raw scores go to P V\n"
 EDITS = {
-    # every tile takes the TMA branch, which then copies nothing: the barriers still turn over
-    "no loads": [(TMA_TILE, "if (true) {"), ("mbar_arrive_expect_tx(full_bar + 8 * s, STAGE_BYTES);",
-                                             "mbar_arrive(full_bar + 8 * s);"),
+    # bf16: every tile takes the TMA branch, which then copies nothing: the barriers still turn over
+    "no loads": [(TMA_TILE, "} else if (true) {"), ("if (lane == 0) mbar_expect_tx(full, L::stage_bytes);", ""),
                  ("if (lane < 4 * boxes)\n            tma_load(", "if (false)\n            tma_load(")],
-    "gathers only": [(TMA_TILE, "if (false) {")],
+    "gathers only": [(TMA_TILE, "} else if (false) {")],
     "no softmax": [(SOFTMAX, NO_SOFTMAX + SOFTMAX)],
 }
 
@@ -45,40 +46,65 @@ def variant(names: list[str]) -> str:
     return text
 
 
+def shapes(fp8: bool, n: int, context: int, tokens: int) -> list[tuple]:
+    """The one-shot prefill and the step, each as (CUDA backend, Triton backend, step, q, k, v, reference, FLOP);
+    FP8 compute: an e4m3 cache, its reference SDPA over the same e4m3 K/V."""
+    kv_dtype, options = ("fp8_e4m3", {"fp8_compute": True}) if fp8 else ("bfloat16", {})
+    round_kv = e4m3 if fp8 else (lambda x: x)
+    spec = FullAttentionSpec(HKV, D, kv_dtype)
+    q = torch.randn(n, HQ, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(n, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    one_shot, table = make_backend(spec, n, n, **options)
+    one_shot_triton, _ = make_backend(spec, n, n, hopper_kernel=False, **options)
+    out = [(one_shot, one_shot_triton, [StepSequence(0, n, [table])], q, k, v,
+            sdpa(q, round_kv(k), round_kv(v), chunked=False), 4 * HQ * D * useful_pairs(n, False))]
+    if context:
+        keys = torch.randn(context + tokens, HKV, D, device="cuda", dtype=torch.bfloat16)
+        values = torch.randn_like(keys)
+        step, step_table = filled_backend(spec, context, tokens, 64, keys, values, **options)
+        step_triton, _ = filled_backend(spec, context, tokens, 64, keys, values, hopper_kernel=False, **options)
+        qs = torch.randn(tokens, HQ, D, device="cuda", dtype=torch.bfloat16)
+        step_ref = first_query(qs, round_kv(keys[: context + 1]), round_kv(values[: context + 1]))
+        out.append((step, step_triton, [StepSequence(context, tokens, [step_table])], qs, keys[context:],
+                    values[context:], step_ref, 4 * HQ * D * (tokens * context + tokens * (tokens + 1) // 2)))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--length", type=int, default=65536, help="one-shot causal prefill")
     ap.add_argument("--step-context", type=int, default=1 << 20, help="and 16,384 new tokens over this many (0: no)")
+    ap.add_argument("--fp8", action="store_true", help="FP8 compute instead: Triton, then the CUDA kernel's stages")
+    ap.add_argument("--cases", default="", help="only the variants whose names contain one of these (comma-separated)")
     args = ap.parse_args()
     torch.manual_seed(0)
     n, context, tokens = args.length, args.step_context, 16384
-    spec = FullAttentionSpec(HKV, D, "bfloat16")
-    q = torch.randn(n, HQ, D, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(n, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    ref = sdpa(q, k, v, chunked=False)
-    flops = 4 * HQ * D * useful_pairs(n, False)
-    one_shot, table = make_backend(spec, n, n)
-    one_shot_triton, _ = make_backend(spec, n, n, hopper_kernel=False)
-    shapes = [(one_shot, one_shot_triton, [StepSequence(0, n, [table])], q, k, v, ref, flops)]
-    if context:
-        keys = torch.randn(context + tokens, HKV, D, device="cuda", dtype=torch.bfloat16)
-        values = torch.randn_like(keys)
-        step, step_table = filled_backend(spec, context, tokens, 64, keys, values)
-        step_triton, _ = filled_backend(spec, context, tokens, 64, keys, values, hopper_kernel=False)
-        qs = torch.randn(tokens, HQ, D, device="cuda", dtype=torch.bfloat16)
-        step_ref = first_query(qs, keys[: context + 1], values[: context + 1])
-        step_flops = 4 * HQ * D * (tokens * context + tokens * (tokens + 1) // 2)
-        shapes.append((step, step_triton, [StepSequence(context, tokens, [step_table])], qs, keys[context:],
-                       values[context:], step_ref, step_flops))
-    cases = [("Triton kernel", None, {}), ("CUDA kernel (as built)", [], {})]
-    cases += [(f"OVERLAP={o}, PINGPONG={p}", [], {"OVERLAP": o, "PINGPONG": p}) for o in (0, 1) for p in (0, 1)]
-    cases += [(" + ".join(c), c, {}) for c in (["gathers only"], ["no loads"], ["no softmax"], ["no loads", "no softmax"])]
+    # (name, source edits (None: the Triton kernel), compile-time defines, FP8 stages)
+    if args.fp8:
+        cases = [("Triton kernel, FP8 compute", None, {}, None)]
+        cases += [(f"CUDA kernel, FP8 compute, {st} stages", [], {}, st) for st in (4, 5, 6)]
+        cases += [(f"CUDA kernel, FP8 compute, {k}={v}", [], {k: v}, None)
+                  for k, v in (("OVERLAP", 0), ("TREE", 0), ("FP8_PROMOTE", 0))]
+        cases += [("CUDA kernel, FP8 compute, no softmax", ["no softmax"], {}, None)]
+    else:
+        cases = [("Triton kernel", None, {}, None), ("CUDA kernel (as built)", [], {}, None)]
+        cases += [(f"OVERLAP={o}, PINGPONG={p}", [], {"OVERLAP": o, "PINGPONG": p}, None) for o in (0, 1)
+                  for p in (0, 1)]
+        cases += [(" + ".join(c), c, {}, None)
+                  for c in (["gathers only"], ["no loads"], ["no softmax"], ["no loads", "no softmax"])]
+    if args.cases:
+        cases = [c for c in cases if any(w in c[0] for w in args.cases.split(","))]
+    bound = 6e-2 if args.fp8 else 1e-2  # the GPU tests' bounds
     rows = []
-    for name, edits, defines in cases:
+    cases_shapes = shapes(args.fp8, n, context, tokens)
+    for name, edits, defines, fp8_stages in cases:
         row = [name]
-        kernel = None if edits is None else hopper_attention.HopperPrefill(torch.device("cuda"), source=variant(edits),
-                                                                           defines=defines)
-        for cuda_backend, triton_backend, seqs, qq, kk, vv, want, fl in shapes:
+        kernel = None
+        if edits is not None:
+            stages = {} if fp8_stages is None else {"fp8_stages": fp8_stages}
+            kernel = hopper_attention.HopperPrefill(torch.device("cuda"), source=variant(edits), defines=defines,
+                                                    **stages)
+        for cuda_backend, triton_backend, seqs, qq, kk, vv, want, fl in cases_shapes:
             backend = triton_backend if kernel is None else cuda_backend
             if kernel is not None:
                 backend.hopper = kernel
@@ -86,13 +112,14 @@ def main() -> None:
             out = backend.attend(0, qq, kk, vv, D ** -0.5)
             err = rel_err(out[: want.shape[0]], want)
             if not edits:
-                assert err <= 1e-2, f"{name}: relative error {err:.2e}"
+                assert err <= bound, f"{name}: relative error {err:.2e}"
             ms = bench(lambda: backend.attend(0, qq, kk, vv, D ** -0.5))
             row += [f"{ms:.2f}", f"{fl / ms / 1e9:.0f}", f"{err:.1e}"]
         rows.append(row)
         print(" | ".join(row), flush=True)
     print(f"\n{torch.cuda.get_device_name()}, 64-token pages: one-shot causal prefill of {n:,} tokens"
-          + (f"; {tokens:,} new tokens over {context:,} cached (error of the first query)" if context else ""))
+          + (f"; {tokens:,} new tokens over {context:,} cached (error of the first query)" if context else "")
+          + ("; FP8 compute, errors against SDPA over the same e4m3 K/V" if args.fp8 else ""))
     head = ["variant"] + [c for s in (["one-shot"] + (["step"] if context else [])) for c in
                           (f"{s} ms", f"{s} TFLOP/s", f"{s} rel err")]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))

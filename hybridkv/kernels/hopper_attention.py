@@ -6,10 +6,13 @@ warpgroups overlapping their softmax with their dots, ``setmaxnreg``), so it is 
 It needs ``cuda-bindings`` (``pip install 'hybridkv[gpu]'``) and NVRTC (PyTorch's CUDA wheels bring
 ``nvidia-cuda-nvrtc``); where either is missing, the backend warns why and keeps the Triton kernel.
 
-It covers what long prompts run: bf16 queries over a bf16 cache, or over the bf16 segments an FP8 cache's long
-reach is widened into (partial outputs merged across segments); head dim 128, pages of a power of two from 4 tokens
-(TMA from 16), full, sliding and chunked layers, KV splits (partial outputs and LSE for ``combine_splits_kernel``).
-FP8 compute stays on the Triton kernel."""
+It covers what long prompts run, head dim 128, full, sliding and chunked layers, KV splits (partial outputs and LSE
+for ``combine_splits_kernel``):
+- bf16 queries over a bf16 cache, or over the bf16 segments an FP8 cache's long reach is widened into (partial
+  outputs merged across segments); pages of a power of two from 4 tokens (TMA from 16).
+- FP8 compute (``fp8=True``): bf16 queries quantized per row in the kernel, e4m3 K from the cache's pages, V from
+  the backend's transposed e4m3 copy of each segment whose columns are permuted by ``page_columns``; pages of a
+  power of two from 64 tokens (K and V^T tiles by TMA)."""
 
 from __future__ import annotations
 
@@ -27,10 +30,16 @@ BLOCK_N = 128  # keys per tile
 HEAD_DIM = 128
 MAX_TENSOR_MAPS = 256  # a model's layers, a few times over
 STAGES = 3  # key tiles in flight (K and V: 64 KB each; 3 fill the 227 KB a CTA may have)
+FP8_STAGES = 5  # FP8 compute: K and V^T tiles of 32 KB
+# FP8 compute: V^T's column order within each 16 keys. The S accumulator gives a thread the keys 2t, 2t + 1, 8 + 2t,
+# 9 + 2t of each 16 (t: its place in a quad); an 8-bit wgmma's A fragment reads a thread's 4 bytes as k-indices 4t..
+# 4t + 3. So k-index a = 4t + 2b + e of V^T holds key 8b + 2t + e, and P goes from S to the next dot as it lies.
+V_PERM16 = tuple(8 * ((a >> 1) & 1) + 2 * (a >> 2) + (a & 1) for a in range(16))
 
-_POINTERS = ("q", "out", "part", "lse", "cache", "table", "tile_seq", "tile_q0", "q_loc", "q_len", "ctx_len")
+_POINTERS = ("q", "out", "part", "lse", "cache", "table", "tile_seq", "tile_q0", "q_loc", "q_len", "ctx_len", "vt",
+             "vt_table")
 _STRIDES = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_table", "stride_block", "stride_tok",
-            "v_offset", "stride_ps", "stride_pt", "stride_ph", "stride_ls", "stride_lt")
+            "v_offset", "stride_ps", "stride_pt", "stride_ph", "stride_ls", "stride_lt", "stride_vt")
 _INTS = ("kind", "reach", "block_size", "group", "tokens", "num_splits", "seg_lo", "seg_hi", "segmented", "accumulate",
          "tma", "rows_per_block")
 
@@ -42,10 +51,18 @@ class _Params(ctypes.Structure):
                 + [("qk_scale", ctypes.c_float), ("v_scale", ctypes.c_float)] + [(n, ctypes.c_int) for n in _INTS])
 
 
-def shared_bytes(stages: int = STAGES) -> int:
-    """Dynamic shared memory of one CTA: two 16 KB query tiles, ``stages`` x (K + V) of 32 KB each, barriers and
-    1 KB to align the swizzled tiles."""
-    return 2 * 16384 + stages * 65536 + 16 * stages + 1024
+def shared_bytes(stages: int = STAGES, fp8: bool = False) -> int:
+    """Dynamic shared memory of one CTA (``struct Smem`` in the .cu file): two query tiles of 64 rows, ``stages`` x
+    (K + V) tiles of 128 keys, barriers, FP8's 128 query-row factors, and 1 KB to align the swizzled tiles."""
+    elem = 1 if fp8 else 2
+    return 2 * 64 * HEAD_DIM * elem + stages * 2 * BLOCK_N * HEAD_DIM * elem + 16 * stages + 512 * fp8 + 1024
+
+
+def page_columns(block_size: int) -> list[int]:
+    """FP8 compute: which key offset of a page each of its V^T columns holds (``V_PERM16`` within every 16 keys; a
+    16-key group never straddles two pages). E.g. columns 0..15 hold offsets 0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12,
+    13, 6, 7, 14, 15: V^T is gathered as ``v[:, page_columns(block_size)]``."""
+    return [16 * (c // 16) + V_PERM16[c % 16] for c in range(block_size)]
 
 
 def unavailable(device: torch.device) -> str | None:
@@ -67,7 +84,8 @@ def _check(result, what: str):
     return values[0] if len(values) == 1 else values
 
 
-def compile_cubin(stages: int = STAGES, source: str | None = None, defines: dict[str, int] | None = None) -> bytes:
+def compile_cubin(stages: int = STAGES, source: str | None = None, defines: dict[str, int] | None = None,
+                  fp8_stages: int = FP8_STAGES) -> bytes:
     """NVRTC: the .cu source (or ``source``, a variant of it) to sm_90a machine code (wgmma and setmaxnreg need the
     'a' target). ``defines`` set the source's compile-time switches (OVERLAP, PINGPONG: benchmarks time them)."""
     from cuda.bindings import nvrtc
@@ -75,7 +93,8 @@ def compile_cubin(stages: int = STAGES, source: str | None = None, defines: dict
     text = SOURCE.read_bytes() if source is None else source.encode()
     prog = _check(nvrtc.nvrtcCreateProgram(text, b"hopper_attention.cu", 0, [], []),
                   "nvrtcCreateProgram")
-    opts = [b"--gpu-architecture=sm_90a", b"-std=c++17", f"-DSTAGES={stages}".encode()]
+    opts = [b"--gpu-architecture=sm_90a", b"-std=c++17", f"-DSTAGES={stages}".encode(),
+            f"-DFP8_STAGES={fp8_stages}".encode()]
     opts += [f"-D{k}={v}".encode() for k, v in (defines or {}).items()]
     err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     if int(err) != 0:
@@ -91,27 +110,31 @@ def compile_cubin(stages: int = STAGES, source: str | None = None, defines: dict
 
 
 class HopperPrefill:
-    """The compiled kernel, loaded into ``device``'s primary context."""
+    """The compiled kernels (bf16 and FP8 compute), loaded into ``device``'s primary context."""
 
     def __init__(self, device: torch.device, stages: int = STAGES, source: str | None = None,
-                 defines: dict[str, int] | None = None) -> None:
+                 defines: dict[str, int] | None = None, fp8_stages: int = FP8_STAGES) -> None:
         from cuda.bindings import driver
 
         self.driver = driver
         self.device = device
         self.stages = stages
-        self.smem = shared_bytes(stages)
-        self._image = ctypes.create_string_buffer(compile_cubin(stages, source, defines))
+        self._image = ctypes.create_string_buffer(compile_cubin(stages, source, defines, fp8_stages))
         with torch.cuda.device(device):  # the module belongs to the device's primary context: make it current
             torch.empty(1, device=device)
             self._ensure_context()
             self.module = _check(driver.cuModuleLoadData(ctypes.addressof(self._image)), "cuModuleLoadData")
-            self.function = _check(driver.cuModuleGetFunction(self.module, b"paged_prefill_hopper"),
-                                   "cuModuleGetFunction")
-        self._maps: OrderedDict[tuple[int, int, int, int], object] = OrderedDict()  # per cache base: TMA map
+            # per kernel: its function and dynamic shared memory
+            self.kernels = {}
+            for fp8, name, n in ((False, b"paged_prefill_hopper", stages), (True, b"paged_prefill_hopper_fp8",
+                                                                               fp8_stages)):
+                function = _check(driver.cuModuleGetFunction(self.module, name), "cuModuleGetFunction")
+                smem = shared_bytes(n, fp8)
+                attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                _check(driver.cuFuncSetAttribute(function, attr, smem), "cuFuncSetAttribute")
+                self.kernels[fp8] = (function, smem)
+        self._maps: OrderedDict[tuple, object] = OrderedDict()  # per tensor base and box: TMA map
         self._no_map = driver.CUtensorMap()
-        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        _check(driver.cuFuncSetAttribute(self.function, attr, self.smem), "cuFuncSetAttribute")
 
     def _ensure_context(self) -> None:
         """A thread that has not touched CUDA through torch has no current context: give it the primary one."""
@@ -121,23 +144,27 @@ class HopperPrefill:
             ctx = _check(self.driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
             _check(self.driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
-    def tensor_map(self, cache: torch.Tensor, row_elems: int, box_rows: int):
-        """The TMA tensor map of a layer's token rows (``[rows, row_elems]`` bf16 from ``cache``'s first element;
-        boxes of 64 columns x ``box_rows`` rows, 128-byte swizzle: the kernel's shared-memory layout), cached by
-        base address."""
-        key = (cache.data_ptr(), cache.numel(), row_elems, box_rows)
+    def tensor_map(self, tensor: torch.Tensor, row_elems: int, box: tuple[int, int], swizzle_bytes: int = 128):
+        """The TMA tensor map of ``tensor`` seen as ``[rows, row_elems]`` from its first element (a layer's token
+        rows, or a segment's V^T), bf16 or bytes; boxes of ``box`` (columns, rows) in the kernel's swizzled shared
+        memory layout (128- or 64-byte swizzle); cached by base address."""
+        key = (tensor.data_ptr(), tensor.numel(), tensor.element_size(), row_elems, box, swizzle_bytes)
         if key in self._maps:
             self._maps.move_to_end(key)
         else:
             if len(self._maps) >= MAX_TENSOR_MAPS:
                 self._maps.popitem(last=False)
             d = self.driver
+            dtype = (d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8 if tensor.element_size() == 1
+                     else d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16)
+            swizzle = {128: d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+                       64: d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B}[swizzle_bytes]
             self._maps[key] = _check(d.cuTensorMapEncodeTiled(
-                d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, cache.data_ptr(),
-                [d.cuuint64_t(row_elems), d.cuuint64_t(cache.numel() // row_elems)],
-                [d.cuuint64_t(row_elems * cache.element_size())],
-                [d.cuuint32_t(64), d.cuuint32_t(box_rows)], [d.cuuint32_t(1), d.cuuint32_t(1)],
-                d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+                dtype, 2, tensor.data_ptr(),
+                [d.cuuint64_t(row_elems), d.cuuint64_t(tensor.numel() // row_elems)],
+                [d.cuuint64_t(row_elems * tensor.element_size())],
+                [d.cuuint32_t(box[0]), d.cuuint32_t(box[1])], [d.cuuint32_t(1), d.cuuint32_t(1)],
+                d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                 d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
         return self._maps[key]
@@ -146,20 +173,31 @@ class HopperPrefill:
                qk_scale: float, v_scale: float, ints: dict[str, int]) -> None:
         """One launch on torch's current stream. ``tensors`` holds every pointer of ``Params`` (None: unused),
         ``strides`` its strides in elements, ``ints`` its integer fields but ``tma`` and ``rows_per_block``.
+        With ``tensors["vt"]`` (FP8 compute, an e4m3 cache) the FP8 kernel runs.
 
         Tiles inside the reach arrive by TMA where the cache allows it: pages of 16+ tokens (a tile's boxes, 4 per
-        page up to 128 rows, one per lane of a warp) and whole token rows per page; else every tile is gathered."""
+        page up to 128 rows, one per lane of a warp) and whole token rows per page; else every tile is gathered.
+        FP8 compute needs TMA (the backend only sends it pages of 64+ tokens)."""
         cache, bs, row_elems = tensors["cache"], ints["block_size"], strides["stride_tok"]
-        tma = (bs >= 16 and strides["stride_block"] % row_elems == 0 and (row_elems * 2) % 16 == 0
+        fp8 = tensors.get("vt") is not None
+        tma = (bs >= 16 and strides["stride_block"] % row_elems == 0 and (row_elems * cache.element_size()) % 16 == 0
                and cache.numel() // row_elems < 2**31)
+        if fp8 and not (tma and bs >= 64):
+            raise ValueError(f"FP8 compute in the CUDA kernel needs TMA pages of 64+ tokens (got {bs})")
         ints = dict(ints, tma=int(tma), rows_per_block=strides["stride_block"] // row_elems)
-        tmap = self.tensor_map(cache, row_elems, min(bs, BLOCK_N)) if tma else self._no_map
+        maps = [self._no_map]
+        if tma:  # bf16: 64-column panels; FP8: one 128-byte row of a head
+            maps[0] = self.tensor_map(cache, row_elems, (HEAD_DIM if fp8 else 64, min(bs, BLOCK_N)))
+        if fp8:  # V^T: boxes of 64 key columns x the head's 128 rows
+            vt = tensors["vt"]
+            maps.append(self.tensor_map(vt, vt.shape[1], (64, HEAD_DIM), swizzle_bytes=64))
         params = _Params(
-            *[0 if tensors[n] is None else tensors[n].data_ptr() for n in _POINTERS],
-            *[strides[n] for n in _STRIDES], qk_scale, v_scale, *[ints[n] for n in _INTS],
+            *[0 if tensors.get(n) is None else tensors[n].data_ptr() for n in _POINTERS],
+            *[strides.get(n, 0) for n in _STRIDES], qk_scale, v_scale, *[ints[n] for n in _INTS],
         )
-        argv = (ctypes.c_void_p * 2)(ctypes.addressof(params), tmap.getPtr())
+        argv = (ctypes.c_void_p * (1 + len(maps)))(ctypes.addressof(params), *[m.getPtr() for m in maps])
         stream = self.driver.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        function, smem = self.kernels[fp8]
         self._ensure_context()
-        _check(self.driver.cuLaunchKernel(self.function, *grid, THREADS, 1, 1, self.smem, stream,
-                                          ctypes.addressof(argv), 0), "cuLaunchKernel")
+        _check(self.driver.cuLaunchKernel(function, *grid, THREADS, 1, 1, smem, stream, ctypes.addressof(argv), 0),
+               "cuLaunchKernel")

@@ -48,12 +48,13 @@ def specs(kv_dtype):
 
 
 def drive(block_size, kv_dtype, dtype, schedule, num_sms, num_blocks=400, kv_scales=None, hq=HQ, make_specs=None,
-          splits=None, **kernel_options):
+          splits=None, poison=None, **kernel_options):
     """Run both backends through the same steps; return the max relative error per layer kind.
 
     With ``kv_scales`` (FP8 only) the reference keeps a float32 cache and is given what the kernel's cache holds
     after quantization, ``e4m3(k / k_scale) * k_scale``, so both attend over the same values. ``splits`` forces
-    the KV split count of every step (else the backend's choice); ``make_specs`` replaces ``specs``."""
+    the KV split count of every step (else the backend's choice); ``make_specs`` replaces ``specs``; ``poison``
+    fills the cache under test before the first write (default NaN; 0 for an FP8 cache)."""
     torch.manual_seed(1234)
     make_specs = make_specs or specs
     layer_specs = make_specs(kv_dtype)
@@ -70,7 +71,10 @@ def drive(block_size, kv_dtype, dtype, schedule, num_sms, num_blocks=400, kv_sca
         launch = tri.hopper.launch
         tri.hopper.launch = lambda *args: (cuda_launches.append(1), launch(*args))
     # poison the cache of the backend under test: any read of an unwritten slot shows up
-    tri.cache.buffer.fill_(float("nan") if kv_dtype != "fp8_e4m3" else 0)
+    if poison is None:
+        poison = float("nan") if kv_dtype != "fp8_e4m3" else 0
+    tri.cache.buffer.view(torch.uint8 if kv_dtype == "fp8_e4m3" else tri.cache.buffer.dtype).fill_(
+        0x7F if kv_dtype == "fp8_e4m3" and poison != poison else poison)
     reqs = [CacheRequest(str(i), list(range(n))) for i, n in enumerate(schedule["lengths"])]
     worst = {"max_splits": 1, "cuda_launches": 0}
     for step in schedule["steps"]:
@@ -325,6 +329,29 @@ def test_hopper_cuda_prefill_attends_an_fp8_cache_in_widened_segments(block_size
 
 
 @pytest.mark.skipif(not HOPPER_CUDA, reason="the CUDA prefill kernel: Hopper (sm_90) and cuda-bindings")
+@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize("hq", [5, 8])
+def test_hopper_cuda_fp8_compute_matches_reference(block_size, hq):
+    # FP8 compute on Hopper with pages of 64+ tokens: the CUDA kernel's e4m3 dots (V^T in its own column order), per
+    # layer K/V scales. Mixed prefill/decode batches over cached prefixes (one V^T segment each, unsplit), then a long
+    # reach split 4 ways and cut into several V^T segments merged in the kernel; windows and chunks inside one tile
+    # and across tiles (edge tiles zero V^T's columns outside the reach: the cache is poisoned with NaN there)
+    for make_specs in (specs, wide_specs):
+        launches = 3 * len(make_specs("fp8_e4m3"))
+        worst = drive(block_size, "fp8_e4m3", torch.bfloat16, MIXED, num_sms=1, hq=hq, make_specs=make_specs,
+                      kv_scales=FP8_SCALES, fp8_compute=True, poison=float("nan"))
+        assert worst.pop("cuda_launches") == launches and worst.pop("max_splits") == 1
+        assert worst.pop("max_segments") == 1
+        assert all(e <= FP8_COMPUTE_BOUND for e in worst.values()), worst
+        split = drive(block_size, "fp8_e4m3", torch.bfloat16, LONG_PREFILL, num_sms=4, hq=hq, make_specs=make_specs,
+                      num_blocks=800 * 64 // block_size, splits=4, kv_scales=FP8_SCALES, fp8_compute=True,
+                      segment_bytes=5000 * HKV * D * 2, poison=float("nan"))
+        assert split.pop("cuda_launches") >= launches and split.pop("max_splits") == 4
+        assert split.pop("max_segments") >= 3  # 16,600 keys in segments of under 5,000
+        assert all(e <= FP8_COMPUTE_BOUND for e in split.values()), split
+
+
+@pytest.mark.skipif(not HOPPER_CUDA, reason="the CUDA prefill kernel: Hopper (sm_90) and cuda-bindings")
 def test_hopper_cuda_prefill_leaves_what_it_does_not_cover_to_triton():
     # fp16 queries and cache: the steps use the CUDA kernel's 128-row tiles, every one attended by the Triton kernel
     fp16 = TritonPagedAttention(plan_layout(specs("float16"), 64), 64, "float16", HQ, DEVICE)
@@ -333,8 +360,12 @@ def test_hopper_cuda_prefill_leaves_what_it_does_not_cover_to_triton():
     assert worst.pop("cuda_launches") == 0
     worst.pop("max_splits")
     assert all(e <= 1e-2 for e in worst.values()), worst
-    # FP8 compute (its own FP8 dots), or the kernel turned off: Triton's own tiles
-    fp8 = TritonPagedAttention(plan_layout(specs("fp8_e4m3"), 64), 64, "fp8_e4m3", HQ, DEVICE, fp8_compute=True)
-    assert fp8.hopper is None and fp8.prefill is HOPPER_PREFILL
+    # FP8 compute over 16-token pages (V^T tiles by TMA need 64 columns): Triton's FP8 dots over the same tiles
+    fp8 = drive(16, "fp8_e4m3", torch.bfloat16, MIXED, num_sms=1, kv_scales=FP8_SCALES, fp8_compute=True)
+    assert fp8.pop("cuda_launches") == 0 and fp8.pop("max_segments") == 1
+    fp8.pop("max_splits")
+    assert all(e <= FP8_COMPUTE_BOUND for e in fp8.values()), fp8
+    # the kernel turned off: Triton's own tiles
     off = TritonPagedAttention(plan_layout(specs("bfloat16"), 64), 64, "bfloat16", HQ, DEVICE, hopper_kernel=False)
     assert off.hopper is None and off.prefill is HOPPER_PREFILL
+

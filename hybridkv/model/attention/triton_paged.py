@@ -13,9 +13,11 @@ conversion from e4m3 is cheaper than bf16's.
 
 FP8 compute (``fp8_compute=True``, e4m3 cache, compute capability 8.9+; measured on Hopper only): prefill runs
 both dots in e4m3 on the tensor cores instead: queries quantized per row with their own scale, K read from the e4m3
-pages, V from a transposed e4m3 copy of the step's reach (FP8 wgmma wants V K-major), P rounded to e4m3. The dots
-run at twice bf16's rate, the kernel as a whole 11-21% faster on an H200 with 64-token pages (3x slower with 16), for
-e4m3's rounding of Q and P: ~5% relative error on random inputs, and off by default (docs/benchmarks.md).
+pages, V from a transposed e4m3 copy of the step's reach (FP8 wgmma wants V K-major), P rounded to e4m3. On Hopper
+with 64-token pages the CUDA kernel runs it (its V^T columns in the order ``hopper_attention.page_columns`` gives):
+on an H200 761-798 TFLOP/s against its bf16 dots' 574-602; elsewhere the Triton kernel (3x slower than bf16 with
+16-token pages). It costs e4m3's rounding of Q and P, ~5% relative error on random inputs, and is off by default
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -54,10 +56,10 @@ DECODE = KernelConfig(rows=16, block_n=128, num_warps=4, num_stages=3)
 # per SM, which desynchronise so one's softmax overlaps the other's dots. `benchmarks/gpu/attention.py --sweep`
 # on an H200 (docs/benchmarks.md, run 34): 32K one-shot 466 TFLOP/s, 16K step over 1M 498 (PREFILL: 382 / 450).
 HOPPER_PREFILL = KernelConfig(rows=128, block_n=64, num_warps=4, num_stages=3, tma=True, programs_per_sm=2)
-# Hopper, head dim 128, bf16 queries over a bf16 cache or an FP8 cache's widened segments: the warp-specialized CUDA
-# kernel (a TMA producer warpgroup, two wgmma consumers; one CTA per SM). Its tiles have HOPPER_PREFILL's 128 rows,
-# so a step's tile list serves both, and what it does not cover (fp16/fp32 queries, FP8 read in the kernel) runs
-# the Triton kernel over the same tiles. `benchmarks/gpu/hopper_kernel.py` (docs/benchmarks.md, run 61): 600
+# Hopper, head dim 128, bf16 queries over a bf16 cache, an FP8 cache's widened segments, or FP8 compute (pages of
+# 64+ tokens): the warp-specialized CUDA kernel (a TMA producer warpgroup, two wgmma consumers; one CTA per SM). Its
+# tiles have HOPPER_PREFILL's 128 rows, so a step's tile list serves both, and what it does not cover (fp16/fp32
+# queries, FP8 read in the kernel, FP8 compute over small pages) runs the Triton kernel over the same tiles. `benchmarks/gpu/hopper_kernel.py` (docs/benchmarks.md, run 61): 600
 # TFLOP/s one-shot, 620 on a 16K step over 1M (HOPPER_PREFILL: 481 / 499).
 HOPPER_CUDA_PREFILL = KernelConfig(rows=hopper_attention.ROWS, block_n=hopper_attention.BLOCK_N,
                                    num_warps=hopper_attention.THREADS // 32, num_stages=hopper_attention.STAGES,
@@ -219,12 +221,16 @@ class TritonPagedAttention:
         # the Triton tiles of prefill steps the CUDA kernel does not cover: 128 rows like it, gathered if not TMA
         self.triton_prefill = prefill if prefill.rows == HOPPER_PREFILL.rows else replace(HOPPER_PREFILL, tma=False)
         self.hopper = None
-        # bf16 caches, and FP8 caches whose long prefills widen segments to bf16 (not FP8 compute: its own dots)
-        fp8_dots = fp8_compute and kv_dtype.startswith("fp8")
-        if hopper_kernel and hopper and default_prefill and not fp8_dots and all(
+        if hopper_kernel and hopper and default_prefill and all(
                 g.spec.head_dim == hopper_attention.HEAD_DIM for g in layout.groups):
             self.hopper = self._load_hopper_kernel()
             prefill = HOPPER_CUDA_PREFILL if self.hopper is not None else prefill
+        # FP8 compute in the CUDA kernel: the V^T copy gathers each page's columns in the kernel's order
+        bs = self.block_size
+        self._fp8_cuda_pages = self.hopper is not None and bs >= 64 and bs & (bs - 1) == 0
+        self._v_columns = None
+        if self._fp8_cuda_pages:
+            self._v_columns = torch.tensor(hopper_attention.page_columns(bs), dtype=torch.int64, device=self.device)
         self.prefill, self.decode, self.max_splits = prefill, decode, max_splits
         self.segment_bytes = segment_bytes
         # graphs need CUDA (a CPU device only happens under Triton's interpreter)
@@ -415,13 +421,17 @@ class TritonPagedAttention:
             # the segment's V, as the widening below is one over K and V)
             fp8 = layer.view.view(torch.uint8)
             heads, dim = spec.num_kv_heads, spec.head_dim
+            cuda = self._hopper_fp8_covers(q, out)  # the CUDA kernel, its own V^T column order; else Triton's
             for i, seg in enumerate(meta.segments):
-                v = fp8[seg.blocks, 1]  # [n, block, heads, dim]
+                if cuda:
+                    v = fp8[seg.blocks[:, None], 1, self._v_columns[None, :]]  # [n, block, heads, dim]
+                else:
+                    v = fp8[seg.blocks, 1]
                 vt = v.permute(2, 3, 0, 1).contiguous().view(heads * dim, -1).view(torch.float8_e4m3fn)
                 del v
                 self._launch(*args, self._base(layer), meta.table, self.cache.buffer.stride(0), True,
                              seg_lo=seg.lo, seg_hi=seg.hi, segmented=segmented, accumulate=i > 0,
-                             vt=vt, vt_table=meta.scratch_table)
+                             vt=vt, vt_table=meta.scratch_table, cuda_vt=cuda)
         elif not segmented:
             self._launch(*args, self._base(layer), meta.table, self.cache.buffer.stride(0), self.quantized)
         else:
@@ -445,15 +455,19 @@ class TritonPagedAttention:
         return out
 
     def _launch(self, q, out, part, lse, spec, scale, k_scale, v_scale, splits, cache, table, stride_block, quant,
-                seg_lo=0, seg_hi=2**31 - 1, segmented=False, accumulate=False, vt=None, vt_table=None) -> None:
+                seg_lo=0, seg_hi=2**31 - 1, segmented=False, accumulate=False, vt=None, vt_table=None,
+                cuda_vt=False) -> None:
+        """One attention launch over ``cache``; with ``vt`` FP8 compute, its V^T in the CUDA kernel's column order
+        where ``cuda_vt``."""
         stride_tok = spec.num_kv_heads * spec.head_dim
         kind, reach = spec.kernel_kind, spec.reach
         step = self.step_state
         config = step.config
         if config.cuda:
-            if self._hopper_covers(q, out, cache, quant, vt):
+            segment = (seg_lo, seg_hi, segmented, accumulate)
+            if cuda_vt or (vt is None and self._hopper_covers(q, out, cache, quant)):
                 self._launch_hopper(q, out, part, lse, spec, scale * k_scale, v_scale, splits, cache, table,
-                                    stride_block, stride_tok, (seg_lo, seg_hi, segmented, accumulate))
+                                    stride_block, stride_tok, segment, vt, vt_table)
                 return
             config = self.triton_prefill
         part_strides = (0,) * 5 if part is None else (*part.stride()[:3], *lse.stride()[:2])
@@ -482,26 +496,39 @@ class TritonPagedAttention:
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
 
-    def _hopper_covers(self, q, out, cache, quant, vt) -> bool:
-        """What the CUDA kernel takes: bf16 queries and cache (an FP8 cache's widened segments too), head rows on
-        16-byte boundaries, pages of a power of two from 4 tokens (a 128-key tile spans at most 32 of them: one
-        table entry per lane)."""
-        aligned = all(t.data_ptr() % 16 == 0 for t in (q, out, cache)) and q.stride(2) == 1 and out.stride(2) == 1
+    @staticmethod
+    def _rows_aligned(q, out, cache) -> bool:
+        """bf16 query and output head rows, and the cache, on 16-byte boundaries (the CUDA kernel's loads)."""
+        return (q.dtype == torch.bfloat16 and all(t.data_ptr() % 16 == 0 for t in (q, out, cache))
+                and q.stride(2) == 1 and out.stride(2) == 1 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0)
+
+    def _hopper_covers(self, q, out, cache, quant) -> bool:
+        """What the CUDA kernel's bf16 dots take: bf16 queries and cache (an FP8 cache's widened segments too),
+        aligned rows, pages of a power of two from 4 tokens (a 128-key tile spans at most 32 of them: one table
+        entry per lane)."""
         bs = self.block_size
-        return (q.dtype == torch.bfloat16 and cache.dtype == torch.bfloat16 and not quant and vt is None
-                and aligned and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0 and bs >= 4 and bs & (bs - 1) == 0)
+        return (cache.dtype == torch.bfloat16 and not quant and self._rows_aligned(q, out, cache)
+                and bs >= 4 and bs & (bs - 1) == 0)
+
+    def _hopper_fp8_covers(self, q, out) -> bool:
+        """What the CUDA kernel's FP8 compute takes: a step of its tiles, bf16 queries, aligned rows, pages of a
+        power of two from 64 tokens (K and V^T tiles by TMA, 64 key columns a box)."""
+        return (self.step_state.config.cuda and self._fp8_cuda_pages
+                and self._rows_aligned(q, out, self.cache.buffer))
 
     def _launch_hopper(self, q, out, part, lse, spec, scale, v_scale, splits, cache, table, stride_block,
-                       stride_tok, segment) -> None:
+                       stride_tok, segment, vt=None, vt_table=None) -> None:
         step = self.step_state
-        tensors = dict(q=q, out=out, part=part, lse=lse, cache=cache, table=table,
+        if vt_table is not None:
+            assert vt_table.stride(0) == table.stride(0), "the kernel reads both tables with one stride"
+        tensors = dict(q=q, out=out, part=part, lse=lse, cache=cache, table=table, vt=vt, vt_table=vt_table,
                        **dict(zip(("tile_seq", "tile_q0", "q_loc", "q_len", "ctx_len"), step.seq)))
         ps = (0,) * 3 if part is None else part.stride()[:3]
         ls = (0,) * 2 if lse is None else lse.stride()[:2]
         strides = dict(stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
                        stride_table=table.stride(0), stride_block=stride_block, stride_tok=stride_tok,
                        v_offset=self.block_size * stride_tok, stride_ps=ps[0], stride_pt=ps[1], stride_ph=ps[2],
-                       stride_ls=ls[0], stride_lt=ls[1])
+                       stride_ls=ls[0], stride_lt=ls[1], stride_vt=0 if vt is None else vt.stride(0))
         seg_lo, seg_hi, segmented, accumulate = segment
         ints = dict(kind=spec.kernel_kind, reach=max(spec.reach, 1), block_size=self.block_size,
                     group=q.shape[1] // spec.num_kv_heads, tokens=step.tokens, num_splits=splits, seg_lo=seg_lo,

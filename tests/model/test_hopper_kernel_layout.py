@@ -1,0 +1,39 @@
+"""What the Hopper CUDA kernel and its loader must agree on, checked without a GPU."""
+
+from __future__ import annotations
+
+import re
+
+from hybridkv.kernels import hopper_attention
+
+
+def test_fp8_v_columns_follow_the_accumulator_layout():
+    # The S accumulator gives quad lane t the keys 2t, 2t+1, 8+2t, 9+2t of each 16; an 8-bit wgmma's A fragment
+    # reads lane t's 4 bytes as k-indices 4t..4t+3. V^T's columns 4t..4t+3 must hold those keys, in every 16 of a
+    # page, or P meets the wrong V rows.
+    for block_size in (64, 128):
+        columns = hopper_attention.page_columns(block_size)
+        assert sorted(columns) == list(range(block_size))
+        for group in range(block_size // 16):
+            for t in range(4):
+                keys = [16 * group + k for k in (2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t)]
+                assert columns[16 * group + 4 * t: 16 * group + 4 * t + 4] == keys
+
+
+def test_launch_parameters_mirror_the_kernel_struct_field_for_field():
+    # the ctypes struct is passed by address: a field added to one side only would shift every later field
+    source = hopper_attention.SOURCE.read_text()
+    body = re.search(r"struct Params \{(.*?)\n\};", source, re.S).group(1)
+    names = []
+    for line in body.splitlines():
+        line = line.split("//")[0].strip().rstrip(";")
+        if line:
+            names += [n.strip().lstrip("*") for n in re.sub(r"^(const )?[\w ]+?[\s*]+(?=\w+(,|$))", "", line).split(",")]
+    assert names == [name for name, _ in hopper_attention._Params._fields_]
+
+
+def test_shared_memory_fits_a_hopper_cta():
+    # 227 KB of dynamic shared memory per CTA (1 KB of the SM's 228 is reserved)
+    for fp8, stages in ((False, hopper_attention.STAGES), (True, hopper_attention.FP8_STAGES)):
+        assert hopper_attention.shared_bytes(stages, fp8) <= 227 * 1024
+    assert hopper_attention.shared_bytes(hopper_attention.STAGES + 1) > 227 * 1024  # why bf16 stops at 3
