@@ -4,8 +4,8 @@ Each variant is the kernel's source with a text edit (no K/V loads, every tile g
 compiled by NVRTC and timed on the same inputs as the kernel and the Triton
 kernel: a one-shot causal prefill of ``--length`` tokens and a 16,384-token step over ``--step-context`` cached
 keys (Scout rank shape: 5 query heads, 1 KV head, d 128), 64-token pages. Its compile-time switches (OVERLAP,
-PINGPONG, TREE, FP8_PROMOTE) are timed the same way. Variants that change the result print their error but are not held to
-it; the others are checked against SDPA (relative error <= 1e-2) first. ``--fp8``: the FP8-compute kernel over
+PINGPONG, TREE, FP8_PROMOTE) are timed the same way. Variants that change the result print their error but are not
+held to it; the others are checked against SDPA (relative error <= 1e-2) first. ``--fp8``: the FP8-compute kernel over
 an e4m3 cache instead, against Triton's FP8 compute, by stage count (checked against SDPA over the same e4m3 K/V,
 relative error <= 6e-2).
 

@@ -28,7 +28,8 @@ def test_launch_parameters_mirror_the_kernel_struct_field_for_field():
     for line in body.splitlines():
         line = line.split("//")[0].strip().rstrip(";")
         if line:
-            names += [n.strip().lstrip("*") for n in re.sub(r"^(const )?[\w ]+?[\s*]+(?=\w+(,|$))", "", line).split(",")]
+            declared = re.sub(r"^(const )?[\w ]+?[\s*]+(?=\w+(,|$))", "", line)  # the type goes
+            names += [n.strip().lstrip("*") for n in declared.split(",")]
     assert names == [name for name, _ in hopper_attention._Params._fields_]
 
 

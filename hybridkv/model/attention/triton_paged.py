@@ -59,8 +59,9 @@ HOPPER_PREFILL = KernelConfig(rows=128, block_n=64, num_warps=4, num_stages=3, t
 # Hopper, head dim 128, bf16 queries over a bf16 cache, an FP8 cache's widened segments, or FP8 compute (pages of
 # 64+ tokens): the warp-specialized CUDA kernel (a TMA producer warpgroup, two wgmma consumers; one CTA per SM). Its
 # tiles have HOPPER_PREFILL's 128 rows, so a step's tile list serves both, and what it does not cover (fp16/fp32
-# queries, FP8 read in the kernel, FP8 compute over small pages) runs the Triton kernel over the same tiles. `benchmarks/gpu/hopper_kernel.py` (docs/benchmarks.md, run 61): 600
-# TFLOP/s one-shot, 620 on a 16K step over 1M (HOPPER_PREFILL: 481 / 499).
+# queries, FP8 read in the kernel, FP8 compute over small pages) runs the Triton kernel over the same tiles.
+# `benchmarks/gpu/hopper_kernel.py` on an H200 (docs/benchmarks.md, runs 61 and 68): 600 TFLOP/s one-shot and 620 on
+# a 16K step over 1M (HOPPER_PREFILL: 481 / 499); FP8 compute 779 / 756 (Triton's: 579 / 538).
 HOPPER_CUDA_PREFILL = KernelConfig(rows=hopper_attention.ROWS, block_n=hopper_attention.BLOCK_N,
                                    num_warps=hopper_attention.THREADS // 32, num_stages=hopper_attention.STAGES,
                                    cuda=True)
@@ -291,7 +292,8 @@ class TritonPagedAttention:
             reach = min(reach, spec.reach + 64)
         meta = _GroupMeta(as_dev(table), as_dev(blocks), as_dev((new % bs).astype(np.int32)),
                           self._num_splits(reach, spec.num_kv_heads))
-        if self.quantized and self.step_state.config is self.prefill and (self.fp8_compute or reach >= 256 * self.prefill.block_n):
+        long_reach = reach >= 256 * self.prefill.block_n
+        if self.quantized and self.step_state.config is self.prefill and (self.fp8_compute or long_reach):
             self._plan_segments(meta, spec, seqs, table, as_dev)
         return meta
 
