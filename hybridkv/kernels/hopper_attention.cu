@@ -5,7 +5,8 @@
 //   producer  (warpgroup 0): brings each K and V tile into swizzled shared memory, STAGES tiles ahead, landing on
 //             an mbarrier. A tile inside the reach comes by TMA, one box per page (and 64-column panel; a warp's
 //             lanes issue them); an edge tile, whose rows outside [lo, end) may be dropped blocks or NaN, is
-//             gathered row by row with cp.async, zero-filling those rows.
+//             gathered row by row with cp.async, zero-filling those rows (FP8: K still by TMA, its scores there
+//             become -inf; V^T loaded by the producer with those keys' bytes zeroed).
 //   consumers (warpgroups 1, 2): 64 query rows each. S = Q K^T and O += P V are wgmma (float32 accumulators); P
 //             goes from the S registers straight into the second dot's A operand. Q K_{t+1}^T is issued before
 //             P_t V_t and the softmax of tile t+1 runs while P_t V_t does (OVERLAP); named barriers make the two
