@@ -33,10 +33,11 @@ import torch.nn.functional as F
 import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from hybridkv.bench.tables import markdown_table
 from hybridkv.kv.layout import plan_layout
 from hybridkv.kv.specs import ChunkedLocalSpec, FullAttentionSpec
 from hybridkv.model.attention.base import StepSequence
-from hybridkv.model.attention.triton_paged import DECODE, HOPPER_PREFILL, PREFILL, KernelConfig, TritonPagedAttention
+from hybridkv.model.attention.triton_paged import HOPPER_PREFILL, PREFILL, KernelConfig, TritonPagedAttention
 
 HQ, HKV, D, CHUNK = 5, 1, 128, 8192
 BLOCK = 64  # prefill pages: a 64-key tile is one page (the Hopper path's TMA copies); --block-size changes it
@@ -278,53 +279,59 @@ def filled_backend(spec, context: int, tokens: int, block: int, keys, values, **
     return backend, table
 
 
-def sweep(step_context: int = 1 << 20, step_tokens: int = 16384, one_shot: int = 32768) -> None:
-    """Time candidate prefill kernels (SWEEP_CONFIGS) on a one-shot causal prefill and on one engine step over a
-    long context, pages of max(64, key tile) tokens; every output checked against the portable kernel's / SDPA's."""
-    spec = FullAttentionSpec(HKV, D, "bfloat16")
+def sweep(fp8: bool = False, step_context: int = 1 << 20, step_tokens: int = 16384, one_shot: int = 32768) -> None:
+    """Time candidate Triton prefill tiles (SWEEP_CONFIGS; FP8_SWEEP_CONFIGS with ``fp8``: FP8 compute over an e4m3
+    cache) on a one-shot causal prefill and on one engine step over a long context, pages of max(64, key tile)
+    tokens. One-shot outputs are checked against SDPA (FP8: over the same e4m3 K/V, the error against bf16 K/V
+    beside it), step outputs against the first config's (bounds 1e-2, FP8 6e-2)."""
+    kv_dtype, options, bound = ("fp8_e4m3", {"fp8_compute": True}, 6e-2) if fp8 else ("bfloat16", {}, 1e-2)
+    spec = FullAttentionSpec(HKV, D, kv_dtype)
     n = one_shot
     q1 = torch.randn(n, HQ, D, device=DEV, dtype=torch.bfloat16)
     k1, v1 = (torch.randn(n, HKV, D, device=DEV, dtype=torch.bfloat16) for _ in range(2))
     ref1 = sdpa(q1, k1, v1, False)
+    ref1_e4 = sdpa(q1, e4m3(k1), e4m3(v1), False) if fp8 else None
     flops1 = 4 * HQ * D * useful_pairs(n, False)
     keys = torch.randn(step_context + step_tokens, HKV, D, device=DEV, dtype=torch.bfloat16)
     values = torch.randn_like(keys)
     q2 = torch.randn(step_tokens, HQ, D, device=DEV, dtype=torch.bfloat16)
     flops2 = 4 * HQ * D * (step_tokens * step_context + step_tokens * (step_tokens + 1) // 2)
-    rows = [["cuDNN SDPA", f"{flops1 / bench(lambda: sdpa(q1, k1, v1, False, cudnn=True)) / 1e9:.0f}", "", ""]]
-    print(rows[-1], flush=True)
-    backends = {}
-    ref2 = None
-    for cfg in SWEEP_CONFIGS:
+    rows = [] if fp8 else [["cuDNN SDPA", f"{flops1 / bench(lambda: sdpa(q1, k1, v1, False, cudnn=True)) / 1e9:.0f}",
+                            "", ""]]
+    backends, ref2 = {}, None
+    for cfg in FP8_SWEEP_CONFIGS if fp8 else SWEEP_CONFIGS:
         block = max(64, cfg.block_n)
         try:
-            one, table = make_backend(spec, n, n, block=block, prefill=cfg)
+            one, table = make_backend(spec, n, n, block=block, prefill=cfg, **options)
             one.begin_step([StepSequence(0, n, [table])])
-            out = one.attend(0, q1, k1, v1, D ** -0.5)
-            err1 = rel_err(out, ref1)
+            out1 = one.attend(0, q1, k1, v1, D ** -0.5)
+            if fp8:
+                err1, note = fp8_errors(out1, ref1_e4, ref1)
+                note = f" ({note} vs bf16)"
+            else:
+                err1, note = rel_err(out1, ref1), ""
             t1 = bench(lambda: one.attend(0, q1, k1, v1, D ** -0.5))
             del one
             if block not in backends:
-                backends[block] = filled_backend(spec, step_context, step_tokens, block, keys, values)
+                backends[block] = filled_backend(spec, step_context, step_tokens, block, keys, values, **options)
             step, table = backends[block]
             step.prefill = cfg
             step.begin_step([StepSequence(step_context, step_tokens, [table])])
             run = lambda: step.attend(0, q2, keys[step_context:], values[step_context:], D ** -0.5)  # noqa: E731
             out2 = run()
             if ref2 is None:
-                ref2 = out2.clone()  # the portable kernel (first config) is the step's reference
+                ref2 = out2.clone()  # the first config (bf16: the portable kernel) is the step's reference
             err2 = rel_err(out2, ref2)
+            assert err1 <= bound and err2 <= bound and not out2.isnan().any(), (err1, err2)
             t2 = bench(run)
-            assert err1 <= 1e-2 and err2 <= 1e-2 and not out2.isnan().any(), (err1, err2)
             rows.append([str(cfg), f"{flops1 / t1 / 1e9:.0f}", f"{flops2 / t2 / 1e9:.0f}",
-                         f"{err1:.1e} / {err2:.1e}, splits {step.step_state.groups[0].num_splits}"])
+                         f"{err1:.1e}{note} / {err2:.1e}, splits {step.step_state.groups[0].num_splits}"])
         except Exception as e:  # noqa: BLE001 - report what failed to compile or check, keep sweeping
             rows.append([str(cfg), "", "", f"error {type(e).__name__}: {str(e)[:200]}"])
         print(rows[-1], flush=True)
-    print(f"\n| config | {one_shot:,} one-shot TFLOP/s | {step_tokens:,} over {step_context:,} TFLOP/s | rel err |")
-    print("|---|---|---|---|")
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
+    head = ["FP8 config" if fp8 else "config", f"{one_shot:,} one-shot TFLOP/s",
+            f"{step_tokens:,} over {step_context:,} TFLOP/s", "rel err"]
+    print("\n" + markdown_table(head, rows))
 
 
 FP8_SWEEP_CONFIGS = [
@@ -335,68 +342,12 @@ FP8_SWEEP_CONFIGS = [
 ]
 
 
-def sweep_fp8(step_context: int = 1 << 20, step_tokens: int = 16384, one_shot: int = 32768) -> None:
-    """Time candidate FP8-compute prefill kernels on a one-shot causal prefill and a step over a long context,
-    pages of max(64, key tile); every output checked against SDPA over the same e4m3 K/V first."""
-    n = one_shot
-    q1 = torch.randn(n, HQ, D, device=DEV, dtype=torch.bfloat16)
-    k1, v1 = (torch.randn(n, HKV, D, device=DEV, dtype=torch.bfloat16) for _ in range(2))
-    ref1, ref1_e4 = sdpa(q1, k1, v1, False), sdpa(q1, e4m3(k1), e4m3(v1), False)
-    flops1 = 4 * HQ * D * useful_pairs(n, False)
-    keys = torch.randn(step_context + step_tokens, HKV, D, device=DEV, dtype=torch.bfloat16)
-    values = torch.randn_like(keys)
-    q2 = torch.randn(step_tokens, HQ, D, device=DEV, dtype=torch.bfloat16)
-    flops2 = 4 * HQ * D * (step_tokens * step_context + step_tokens * (step_tokens + 1) // 2)
-    spec = FullAttentionSpec(HKV, D, "fp8_e4m3")
-    rows, backends, ref2 = [], {}, None
-    for cfg in FP8_SWEEP_CONFIGS:
-        block = max(64, cfg.block_n)
-        try:
-            one, table = make_backend(spec, n, n, block=block, prefill=cfg, fp8_compute=True)
-            one.begin_step([StepSequence(0, n, [table])])
-            err1, note1 = fp8_errors(one.attend(0, q1, k1, v1, D ** -0.5), ref1_e4, ref1)
-            t1 = bench(lambda: one.attend(0, q1, k1, v1, D ** -0.5))
-            del one
-            if block not in backends:
-                backends[block] = filled_backend(spec, step_context, step_tokens, block, keys, values,
-                                                 fp8_compute=True)
-            step, table = backends[block]
-            step.prefill = cfg
-            step.begin_step([StepSequence(step_context, step_tokens, [table])])
-            run = lambda: step.attend(0, q2, keys[step_context:], values[step_context:], D ** -0.5)  # noqa: E731
-            out2 = run()
-            if ref2 is None:
-                ref2 = out2.clone()  # the first config is the step's reference
-            err2 = rel_err(out2, ref2)
-            assert err2 <= 6e-2 and not out2.isnan().any(), err2
-            t2 = bench(run)
-            rows.append([str(cfg), f"{flops1 / t1 / 1e9:.0f}", f"{flops2 / t2 / 1e9:.0f}",
-                         f"{err1:.1e} ({note1} vs bf16) / {err2:.1e}, splits {step.step_state.groups[0].num_splits}"])
-        except Exception as e:  # noqa: BLE001 - report what failed to compile or check, keep sweeping
-            rows.append([str(cfg), "", "", f"error {type(e).__name__}: {str(e)[:200]}"])
-        print(rows[-1], flush=True)
-    print(f"\n| FP8 config | {one_shot:,} one-shot TFLOP/s | {step_tokens:,} over {step_context:,} TFLOP/s "
-          "| rel err |")
-    print("|---|---|---|---|")
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
-
-
 def first_query(q, k_seen, v_seen):
     """SDPA of a step's first query (q[0], at position ``context``) over the keys it sees, 0..context: the
     reference of a step row."""
     return F.scaled_dot_product_attention(
         q[:1].transpose(0, 1).unsqueeze(0), k_seen.transpose(0, 1).unsqueeze(0).expand(1, HQ, -1, D),
         v_seen.transpose(0, 1).unsqueeze(0).expand(1, HQ, -1, D)).squeeze(0).transpose(0, 1)
-
-
-def count_cuda_launches(backend) -> list:
-    """A list that grows by one per launch of the backend's CUDA kernel (Triton's launches add nothing)."""
-    launches = []
-    if backend.hopper is not None:
-        launch = backend.hopper.launch
-        backend.hopper.launch = lambda *args: (launches.append(1), launch(*args))
-    return launches
 
 
 def engine_step_rows(context: int, tokens: int, kv_dtype: str = "bfloat16") -> list[list[str]]:
@@ -421,7 +372,6 @@ def engine_step_rows(context: int, tokens: int, kv_dtype: str = "bfloat16") -> l
         backend, table = filled_backend(FullAttentionSpec(HKV, D, kv_dtype), context, tokens, block, keys, values,
                                         fp8_compute=fp8_compute, hopper_kernel=hopper_kernel)
         chosen = backend._num_splits
-        launches = count_cuda_launches(backend)
         for forced in (1, None):
             backend._num_splits = chosen if forced is None else (lambda reach, heads: 1)
             backend.begin_step([StepSequence(context, tokens, [table])])
@@ -435,7 +385,7 @@ def engine_step_rows(context: int, tokens: int, kv_dtype: str = "bfloat16") -> l
             ms = bench(run)
             splits = backend.step_state.groups[0].num_splits
             name = "fp8_e4m3 KV, FP8 compute" if fp8_compute else f"{kv_dtype} KV"
-            name += ", CUDA kernel" if launches else ", Triton"
+            name += ", CUDA kernel" if backend.hopper is not None and backend.hopper.launches else ", Triton"
             segments = len(backend.step_state.groups[0].segments)
             rows.append([f"prefill step, {name}, {block}-token pages, {splits} split(s), {segments} segment(s)",
                          f"{tokens:,} over {context:,}", f"{ms:.1f}", f"{flops / ms / 1e9:.0f}", "", "", "", "",
@@ -463,11 +413,8 @@ def main() -> None:
     ap.add_argument("--sweep-fp8", action="store_true", help="time candidate tile shapes of the FP8-compute path")
     args = ap.parse_args()
     torch.manual_seed(0)
-    if args.sweep:
-        sweep(one_shot=args.sweep_length)
-        return
-    if args.sweep_fp8:
-        sweep_fp8(one_shot=args.sweep_length)
+    if args.sweep or args.sweep_fp8:
+        sweep(fp8=args.sweep_fp8, one_shot=args.sweep_length)
         return
     copy_gbs = copy_bandwidth()
     rows = []
@@ -487,12 +434,7 @@ def main() -> None:
           f"prefill pages {args.block_size}, decode pages {args.decode_block_size}")
     head = ["case", "tokens", "ours ms or us", "ours TFLOP/s or GB/s", "Triton kernel", "SDPA flash", "SDPA cuDNN",
             "FlexAttention or share", "rel err", "FP8 compute TFLOP/s", "FP8 err vs bf16: max abs / rel"]
-    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
-    fmt = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    print(fmt(head))
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for r in rows:
-        print(fmt(r))
+    print(markdown_table(head, rows))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from hybridkv.bench.tables import markdown_table
 from hybridkv.kv import CacheRequest, KVCacheManager, plan_layout
 from hybridkv.kv.layer_specs import layer_specs_from_hf_config
 from hybridkv.model.attention.base import StepSequence
@@ -100,14 +101,12 @@ def main() -> None:
             rows.append([Path(name).name, label, f"{positions:,}", f"{100 * agree:.2f}%", f"{kl:.2e}", f"{kl_max:.2e}"])
             print(" | ".join(rows[-1]), flush=True)
         del model, loaded
-        torch.cuda.empty_cache() if args.device.startswith("cuda") else None
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
     print(f"\n{torch.cuda.get_device_name() if args.device.startswith('cuda') else 'CPU'}: {args.num_seqs} x "
           f"{args.seq_len} tokens, steps of {args.step}, {args.block_size}-token pages; default needs agreement >= "
           f"{100 * MIN_AGREEMENT:.0f}% and mean KL <= {MAX_KL:g}")
-    print("| model | comparison | positions | greedy agreement | mean KL (nats) | max KL |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
+    print(markdown_table(["model", "comparison", "positions", "greedy agreement", "mean KL (nats)", "max KL"], rows))
 
 
 if __name__ == "__main__":

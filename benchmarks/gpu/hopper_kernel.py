@@ -21,6 +21,7 @@ import torch
 from benchmarks.gpu.attention import (
     D, HKV, HQ, bench, e4m3, filled_backend, first_query, make_backend, rel_err, sdpa, useful_pairs,
 )
+from hybridkv.bench.tables import markdown_table
 from hybridkv.kernels import hopper_attention
 from hybridkv.kv.specs import FullAttentionSpec
 from hybridkv.model.attention.base import StepSequence
@@ -122,9 +123,7 @@ def main() -> None:
           + ("; FP8 compute, errors against SDPA over the same e4m3 K/V" if args.fp8 else ""))
     head = ["variant"] + [c for s in (["one-shot"] + (["step"] if context else [])) for c in
                           (f"{s} ms", f"{s} TFLOP/s", f"{s} rel err")]
-    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
+    print(markdown_table(head, rows))
 
 
 if __name__ == "__main__":

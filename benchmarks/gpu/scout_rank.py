@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from hybridkv.bench.tables import markdown_table
 from hybridkv.engine.llm_engine import EngineConfig, LLMEngine
 from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.engine.sequence import SequenceStatus
@@ -315,10 +316,7 @@ def main() -> None:
 def print_table(rows: list[list[str]], title: str) -> None:
     print(f"\n{torch.cuda.get_device_name()} x {torch.cuda.device_count()}: {title} "
           "(48 layers, 12 full + 36 chunked(8192), 16 experts), batch 1, step 16,384 tokens")
-    print("| KV dtype | measure | value | note |")
-    print("|---|---|---|---|")
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
+    print(markdown_table(["KV dtype", "measure", "value", "note"], rows))
 
 
 if __name__ == "__main__":

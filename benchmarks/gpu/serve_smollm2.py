@@ -20,6 +20,7 @@ import torch
 import transformers
 
 from hybridkv import LLM, SamplingParams
+from hybridkv.bench.tables import markdown_table
 from hybridkv.model.loading.checkpoint import LoadedModel
 from hybridkv.model.factory import build_model
 from hybridkv.model.loading.weights import load_weights
@@ -101,10 +102,7 @@ def main() -> None:
     print(f"\n{torch.cuda.get_device_name()}: {args.requests} requests x {args.prompt_len} prompt -> "
           f"{args.output_len} output tokens; first tokens agreeing before timing: {agree}/32; "
           f"median of {args.repeats} run(s)")
-    print("| engine | wall s | output tok/s | speed-up |")
-    print("|---|---|---|---|")
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
+    print(markdown_table(["engine", "wall s", "output tok/s", "speed-up"], rows))
 
 
 if __name__ == "__main__":

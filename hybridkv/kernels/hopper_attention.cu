@@ -93,6 +93,8 @@ struct Smem {
   static constexpr int producer_regs = FP8 && FP8_PROMOTE ? 24 : 40;
   static constexpr int consumer_regs = FP8 && FP8_PROMOTE ? 240 : 232;
 };
+// a CTA may have 227 KB of shared memory; the launch asks for ``bytes`` + 1 KB to align the tiles
+static_assert(Smem<false>::bytes + 1024 <= 227 * 1024 && Smem<true>::bytes + 1024 <= 227 * 1024, "shared memory");
 
 struct Params {
   const u16* q;

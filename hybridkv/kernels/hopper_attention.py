@@ -135,6 +135,7 @@ class HopperPrefill:
                 self.kernels[fp8] = (function, smem)
         self._maps: OrderedDict[tuple, object] = OrderedDict()  # per tensor base and box: TMA map
         self._no_map = driver.CUtensorMap()
+        self.launches = 0  # so far: how tests and benchmarks tell this kernel's work from the Triton fallback's
 
     def _ensure_context(self) -> None:
         """A thread that has not touched CUDA through torch has no current context: give it the primary one."""
@@ -198,6 +199,7 @@ class HopperPrefill:
         argv = (ctypes.c_void_p * (1 + len(maps)))(ctypes.addressof(params), *[m.getPtr() for m in maps])
         stream = self.driver.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
         function, smem = self.kernels[fp8]
+        self.launches += 1
         self._ensure_context()
         _check(self.driver.cuLaunchKernel(function, *grid, THREADS, 1, 1, smem, stream, ctypes.addressof(argv), 0),
                "cuLaunchKernel")

@@ -228,9 +228,8 @@ class TritonPagedAttention:
             prefill = HOPPER_CUDA_PREFILL if self.hopper is not None else prefill
         # FP8 compute in the CUDA kernel: the V^T copy gathers each page's columns in the kernel's order
         bs = self.block_size
-        self._fp8_cuda_pages = self.hopper is not None and bs >= 64 and bs & (bs - 1) == 0
-        self._v_columns = None
-        if self._fp8_cuda_pages:
+        self._v_columns = None  # None: FP8 compute stays on Triton (no CUDA kernel, or pages under 64 tokens)
+        if self.hopper is not None and bs >= 64 and bs & (bs - 1) == 0:
             self._v_columns = torch.tensor(hopper_attention.page_columns(bs), dtype=torch.int64, device=self.device)
         self.prefill, self.decode, self.max_splits = prefill, decode, max_splits
         self.segment_bytes = segment_bytes
@@ -515,7 +514,7 @@ class TritonPagedAttention:
     def _hopper_fp8_covers(self, q, out) -> bool:
         """What the CUDA kernel's FP8 compute takes: a step of its tiles, bf16 queries, aligned rows, pages of a
         power of two from 64 tokens (K and V^T tiles by TMA, 64 key columns a box)."""
-        return (self.step_state.config.cuda and self._fp8_cuda_pages
+        return (self.step_state.config.cuda and self._v_columns is not None
                 and self._rows_aligned(q, out, self.cache.buffer))
 
     def _launch_hopper(self, q, out, part, lse, spec, scale, v_scale, splits, cache, table, stride_block,
