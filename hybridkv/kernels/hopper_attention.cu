@@ -433,18 +433,27 @@ template <bool FP8>
 __device__ __forceinline__ void load_q(const Params& p, u32 q_smem, float* q_scales, int cw, int ct, int q0,
                                        int q_loc, int q_len, int kv_head) {
   const int G = p.group;
+  // every load first, then the stores: one round trip to memory, whatever the compiler makes of the stores'
+  // "memory" clobbers and (FP8) the row-max shuffles between them. The query load is a work item's longest wait
+  // (H200, chunked(8192) 128K one-shot: 7% of the time; FP8 compute there went from 573 to 605-607 TFLOP/s).
+  uint4 v[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int r = (ct >> 4) + 8 * i, c = ct & 15;
     const int row = cw * WG_ROWS + r;
     const int tok = q0 + row / G;
-    uint4 v = make_uint4(0, 0, 0, 0);
+    v[i] = make_uint4(0, 0, 0, 0);
     if (row < p.tokens * G && tok < q_len)
-      v = *reinterpret_cast<const uint4*>(p.q + (long long)(q_loc + tok) * p.stride_qt +
-                                          (long long)(kv_head * G + row % G) * p.stride_qh + c * 8);
+      v[i] = *reinterpret_cast<const uint4*>(p.q + (long long)(q_loc + tok) * p.stride_qt +
+                                             (long long)(kv_head * G + row % G) * p.stride_qh + c * 8);
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int r = (ct >> 4) + 8 * i, c = ct & 15;
+    const int row = cw * WG_ROWS + r;
     if constexpr (FP8) {
-      const float f[8] = {bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y),
-                          bf16_lo(v.z), bf16_hi(v.z), bf16_lo(v.w), bf16_hi(v.w)};
+      const float f[8] = {bf16_lo(v[i].x), bf16_hi(v[i].x), bf16_lo(v[i].y), bf16_hi(v[i].y),
+                          bf16_lo(v[i].z), bf16_hi(v[i].z), bf16_lo(v[i].w), bf16_hi(v[i].w)};
       float amax = 0.f;
 #pragma unroll
       for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e]));
@@ -457,7 +466,7 @@ __device__ __forceinline__ void load_q(const Params& p, u32 q_smem, float* q_sca
       asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(dst), "r"(w0), "r"(w1) : "memory");
       if (c == 0) q_scales[row] = q_max / 448.f;
     } else {
-      st_shared16(q_smem + (c >> 3) * (WG_ROWS * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4), v);
+      st_shared16(q_smem + (c >> 3) * (WG_ROWS * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4), v[i]);
     }
   }
 }
