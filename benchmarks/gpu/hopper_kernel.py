@@ -1,15 +1,16 @@
 """Where the Hopper prefill kernel's time goes: the kernel against copies of itself with one stage removed.
 
-Each variant is the kernel's source with a text edit (no K/V loads, every tile gathered, no softmax),
-compiled by NVRTC and timed on the same inputs as the kernel and the Triton
+Each variant is the kernel's source with a text edit (no K/V loads, every tile gathered, no softmax, no query
+load, no output stores), compiled by NVRTC and timed on the same inputs as the kernel and the Triton
 kernel: a one-shot causal prefill of ``--length`` tokens and a 16,384-token step over ``--step-context`` cached
 keys (Scout rank shape: 5 query heads, 1 KV head, d 128), 64-token pages. Its compile-time switches (OVERLAP,
 PINGPONG, TREE, FP8_PROMOTE) are timed the same way. Variants that change the result print their error but are not
 held to it; the others are checked against SDPA (relative error <= 1e-2) first. ``--fp8``: the FP8-compute kernel over
 an e4m3 cache instead, against Triton's FP8 compute, by stage count (checked against SDPA over the same e4m3 K/V,
-relative error <= 6e-2).
+relative error <= 6e-2). ``--chunked``: the one-shot prefill on a chunked(8192) layer, whose work items (a query
+tile's keys) are 16x shorter than a 128K full layer's, so their fixed costs show.
 
-    python benchmarks/gpu/hopper_kernel.py [--length 65536] [--step-context 1048576] [--fp8]
+    python benchmarks/gpu/hopper_kernel.py [--length 65536] [--step-context 1048576] [--fp8] [--chunked]
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ import argparse
 import torch
 
 from benchmarks.gpu.attention import (
-    D, HKV, HQ, bench, e4m3, filled_backend, first_query, make_backend, rel_err, sdpa, useful_pairs,
+    CHUNK, D, HKV, HQ, bench, e4m3, filled_backend, first_query, make_backend, rel_err, sdpa, useful_pairs,
 )
 from hybridkv.bench.tables import markdown_table
 from hybridkv.kernels import hopper_attention
-from hybridkv.kv.specs import FullAttentionSpec
+from hybridkv.kv.specs import ChunkedLocalSpec, FullAttentionSpec
 from hybridkv.model.attention.base import StepSequence
 
 TMA_TILE = "} else if (p.tma && inside) {"
 SOFTMAX = "  const float NEG_INF = __int_as_float(0xff800000);\n  constexpr int CHAINS"
+OUT_STORE = ("      if (valid) {\n#pragma unroll\n        for (int j = 0; j < 16; ++j)\n"
+             "          *reinterpret_cast<u32*>")
 NO_SOFTMAX = "  if (n >= 0) return;  // the raw scores go to P V\n"
 EDITS = {
     # bf16: every tile takes the TMA branch, which then copies nothing: the barriers still turn over
@@ -35,6 +38,10 @@ EDITS = {
                  ("if (lane < 4 * boxes)\n            tma_load(", "if (false)\n            tma_load(")],
     "gathers only": [(TMA_TILE, "} else if (false) {")],
     "no softmax": [(SOFTMAX, NO_SOFTMAX + SOFTMAX)],
+    # a work item's fixed costs (--chunked: 32 key tiles an item on average, against 512 at a 128K full layer)
+    "no Q load": [("  load_q<FP8>(p, q_smem, q_scales, cw, ct, q0, q_loc, q_len, kv_head);\n", "")],
+    # (a condition false at run time: the compiler keeps the work whose result is no longer written)
+    "no output stores": [(OUT_STORE, OUT_STORE.replace("if (valid)", "if (q_len < 0)"))],
 }
 
 
@@ -47,18 +54,19 @@ def variant(names: list[str]) -> str:
     return text
 
 
-def shapes(fp8: bool, n: int, context: int, tokens: int) -> list[tuple]:
-    """The one-shot prefill and the step, each as (CUDA backend, Triton backend, step, q, k, v, reference, FLOP);
-    FP8 compute: an e4m3 cache, its reference SDPA over the same e4m3 K/V."""
+def shapes(fp8: bool, n: int, context: int, tokens: int, chunked: bool = False) -> list[tuple]:
+    """The one-shot prefill (full, or chunked(8192)) and the step, each as (CUDA backend, Triton backend, step, q, k,
+    v, reference, FLOP); FP8 compute: an e4m3 cache, its reference SDPA over the same e4m3 K/V."""
     kv_dtype, options = ("fp8_e4m3", {"fp8_compute": True}) if fp8 else ("bfloat16", {})
     round_kv = e4m3 if fp8 else (lambda x: x)
-    spec = FullAttentionSpec(HKV, D, kv_dtype)
+    spec = ChunkedLocalSpec(HKV, D, kv_dtype, chunk=CHUNK) if chunked else FullAttentionSpec(HKV, D, kv_dtype)
     q = torch.randn(n, HQ, D, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(n, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     one_shot, table = make_backend(spec, n, n, **options)
     one_shot_triton, _ = make_backend(spec, n, n, hopper_kernel=False, **options)
     out = [(one_shot, one_shot_triton, [StepSequence(0, n, [table])], q, k, v,
-            sdpa(q, round_kv(k), round_kv(v), chunked=False), 4 * HQ * D * useful_pairs(n, False))]
+            sdpa(q, round_kv(k), round_kv(v), chunked=chunked), 4 * HQ * D * useful_pairs(n, chunked))]
+    spec = FullAttentionSpec(HKV, D, kv_dtype)
     if context:
         keys = torch.randn(context + tokens, HKV, D, device="cuda", dtype=torch.bfloat16)
         values = torch.randn_like(keys)
@@ -76,6 +84,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=65536, help="one-shot causal prefill")
     ap.add_argument("--step-context", type=int, default=1 << 20, help="and 16,384 new tokens over this many (0: no)")
     ap.add_argument("--fp8", action="store_true", help="FP8 compute instead: Triton, then the CUDA kernel's stages")
+    ap.add_argument("--chunked", action="store_true", help="the one-shot prefill on a chunked(8192) layer")
     ap.add_argument("--cases", default="", help="only the variants whose names contain one of these (comma-separated)")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -92,12 +101,13 @@ def main() -> None:
         cases += [(f"OVERLAP={o}, PINGPONG={p}", [], {"OVERLAP": o, "PINGPONG": p}, None) for o in (0, 1)
                   for p in (0, 1)]
         cases += [(" + ".join(c), c, {}, None)
-                  for c in (["gathers only"], ["no loads"], ["no softmax"], ["no loads", "no softmax"])]
+                  for c in (["gathers only"], ["no loads"], ["no softmax"], ["no loads", "no softmax"], ["no Q load"],
+                            ["no output stores"], ["no Q load", "no output stores"])]
     if args.cases:
         cases = [c for c in cases if any(w in c[0] for w in args.cases.split(","))]
     bound = 6e-2 if args.fp8 else 1e-2  # the GPU tests' bounds
     rows = []
-    cases_shapes = shapes(args.fp8, n, context, tokens)
+    cases_shapes = shapes(args.fp8, n, context, tokens, args.chunked)
     for name, edits, defines, fp8_stages in cases:
         row = [name]
         kernel = None
@@ -119,6 +129,7 @@ def main() -> None:
         rows.append(row)
         print(" | ".join(row), flush=True)
     print(f"\n{torch.cuda.get_device_name()}, 64-token pages: one-shot causal prefill of {n:,} tokens"
+          + (f" (chunked({CHUNK}))" if args.chunked else "")
           + (f"; {tokens:,} new tokens over {context:,} cached (error of the first query)" if context else "")
           + ("; FP8 compute, errors against SDPA over the same e4m3 K/V" if args.fp8 else ""))
     head = ["variant"] + [c for s in (["one-shot"] + (["step"] if context else [])) for c in
