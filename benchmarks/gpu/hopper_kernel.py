@@ -38,7 +38,8 @@ EDITS = {
                  ("if (lane < 4 * boxes)\n            tma_load(", "if (false)\n            tma_load(")],
     "gathers only": [(TMA_TILE, "} else if (false) {")],
     "no softmax": [(SOFTMAX, NO_SOFTMAX + SOFTMAX)],
-    # a work item's fixed costs (--chunked: 32 key tiles an item on average, against 512 at a 128K full layer)
+    # a work item's fixed costs (--chunked: 32 key tiles an item on average, against 512 at a 128K full layer); like
+    # "no loads", "no Q load" leaves stale shared memory to the dots, which may draw less power: an upper bound
     "no Q load": [("  load_q<FP8>(p, q_smem, q_scales, cw, ct, q0, q_loc, q_len, kv_head);\n", "")],
     # (a condition false at run time: the compiler keeps the work whose result is no longer written)
     "no output stores": [(OUT_STORE, OUT_STORE.replace("if (valid)", "if (q_len < 0)"))],

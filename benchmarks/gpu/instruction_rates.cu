@@ -25,12 +25,31 @@ __global__ void k(float* out, int iters, long long* cycles) {
       if (OP == 0) { asm volatile("ex2.approx.ftz.f32 %0, %0;" : "+f"(x[i])); }
       if (OP == 1) { asm volatile("ex2.approx.f16x2 %0, %0;" : "+r"(r[i])); }
       if (OP == 2) { asm volatile("ex2.approx.ftz.bf16x2 %0, %0;" : "+r"(r[i])); }
-      if (OP == 3) { u32 o; asm volatile("{.reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, %1, %1; mov.b32 %0, {t, t};}" : "=r"(o) : "f"(__uint_as_float(r[i]))); r[i] = o ^ 0x3f800000u; }
-      if (OP == 4) { u32 o; asm volatile("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(o) : "f"(__uint_as_float(r[i]))); r[i] = o ^ 0x3f800000u; }
-      if (OP == 5) { u32 o; asm volatile("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(o) : "f"(__uint_as_float(r[i]))); r[i] = o ^ 0x3f800000u; }
-      if (OP == 6) { u32 o; asm volatile("{.reg .b16 t; cvt.rn.satfinite.e4m3x2.f16x2 t, %1; mov.b32 %0, {t, t};}" : "=r"(o) : "r"(r[i])); r[i] = o ^ 0x3c003c00u; }
+      if (OP == 3) {
+        u32 o;
+        asm volatile("{.reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, %1, %1; mov.b32 %0, {t, t};}"
+                     : "=r"(o) : "f"(__uint_as_float(r[i])));
+        r[i] = o ^ 0x3f800000u;
+      }
+      if (OP == 4) {
+        u32 o;
+        asm volatile("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(o) : "f"(__uint_as_float(r[i])));
+        r[i] = o ^ 0x3f800000u;
+      }
+      if (OP == 5) {
+        u32 o;
+        asm volatile("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(o) : "f"(__uint_as_float(r[i])));
+        r[i] = o ^ 0x3f800000u;
+      }
+      if (OP == 6) {
+        u32 o;
+        asm volatile("{.reg .b16 t; cvt.rn.satfinite.e4m3x2.f16x2 t, %1; mov.b32 %0, {t, t};}" : "=r"(o) : "r"(r[i]));
+        r[i] = o ^ 0x3c003c00u;
+      }
       if (OP == 7) { asm volatile("fma.rn.f32 %0, %0, %0, %0;" : "+f"(x[i])); }
-      if (OP == 8) {  // 2^x on the FMA pipe: round to an integer k (1.5 x 2^23 trick), cubic in the fraction, k into the exponent
+      if (OP == 8) {
+        // 2^x on the FMA pipe: round to an integer k (the 1.5 x 2^23 trick), a cubic in the fraction, k into
+        // the exponent bits
         float v = fmaxf(x[i], -127.f);
         float j = v + 12582912.f;
         float f = v - (j - 12582912.f);

@@ -434,8 +434,8 @@ __device__ __forceinline__ void load_q(const Params& p, u32 q_smem, float* q_sca
                                        int q_loc, int q_len, int kv_head) {
   const int G = p.group;
   // every load first, then the stores: one round trip to memory, whatever the compiler makes of the stores'
-  // "memory" clobbers and (FP8) the row-max shuffles between them. The query load is a work item's longest wait
-  // (H200, chunked(8192) 128K one-shot: 7% of the time; FP8 compute there went from 573 to 605-607 TFLOP/s).
+  // "memory" clobbers and (FP8) the row-max shuffles between them, at the start of every work item (H200, FP8
+  // compute on a chunked(8192) 128K one-shot: 573 -> 605-607 TFLOP/s)
   uint4 v[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
