@@ -17,13 +17,18 @@ for ``combine_splits_kernel``):
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import importlib.util
+import os
+import tempfile
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 SOURCE = Path(__file__).with_name("hopper_attention.cu")
+CUBIN_CACHE = Path.home() / ".cache" / "hybridkv" / "cubins"  # compiled kernels, by a hash of source and options
 THREADS = 384  # a producer warpgroup and two consumers
 ROWS = 128  # query rows per CTA: 64 per consumer
 BLOCK_N = 128  # keys per tile
@@ -84,18 +89,54 @@ def _check(result, what: str):
     return values[0] if len(values) == 1 else values
 
 
+def cached_cubin(cache_dir: Path | None, key_parts: list[bytes], build: Callable[[], bytes]) -> bytes:
+    """``build()``'s machine code, kept in ``cache_dir`` under a hash of ``key_parts`` (source, compiler options and
+    version), so that the next backend or process loads it instead of compiling: NVRTC takes seconds a build, paid at
+    every engine start and by every backend a GPU test makes. None: no cache. A directory that cannot be read or
+    written only costs the compile."""
+    if cache_dir is None:
+        return build()
+    digest = hashlib.sha256(b"\0".join(key_parts)).hexdigest()[:32]
+    path = cache_dir / f"{SOURCE.stem}-{digest}.cubin"
+    try:
+        return path.read_bytes()
+    except OSError:
+        pass
+    cubin = build()
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        # written whole, then renamed: a process reading it (TP workers compile at once) never sees half a file
+        fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(cubin)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError:
+        pass
+    return cubin
+
+
 def compile_cubin(stages: int = STAGES, source: str | None = None, defines: dict[str, int] | None = None,
-                  fp8_stages: int = FP8_STAGES) -> bytes:
+                  fp8_stages: int = FP8_STAGES, cache_dir: Path | None = CUBIN_CACHE) -> bytes:
     """NVRTC: the .cu source (or ``source``, a variant of it) to sm_90a machine code (wgmma and setmaxnreg need the
-    'a' target). ``defines`` set the source's compile-time switches (OVERLAP, PINGPONG: benchmarks time them)."""
+    'a' target), or the same build from ``cache_dir``. ``defines`` set the source's compile-time switches (OVERLAP,
+    PINGPONG: benchmarks time them)."""
     from cuda.bindings import nvrtc
 
     text = SOURCE.read_bytes() if source is None else source.encode()
-    prog = _check(nvrtc.nvrtcCreateProgram(text, b"hopper_attention.cu", 0, [], []),
-                  "nvrtcCreateProgram")
     opts = [b"--gpu-architecture=sm_90a", b"-std=c++17", f"-DSTAGES={stages}".encode(),
             f"-DFP8_STAGES={fp8_stages}".encode()]
     opts += [f"-D{k}={v}".encode() for k, v in (defines or {}).items()]
+    version = f"nvrtc {_check(nvrtc.nvrtcVersion(), 'nvrtcVersion')}".encode()
+    return cached_cubin(cache_dir, [text, *opts, version], lambda: _nvrtc_compile(nvrtc, text, opts))
+
+
+def _nvrtc_compile(nvrtc, text: bytes, opts: list[bytes]) -> bytes:
+    prog = _check(nvrtc.nvrtcCreateProgram(text, b"hopper_attention.cu", 0, [], []),
+                  "nvrtcCreateProgram")
     err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     if int(err) != 0:
         size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
@@ -113,13 +154,14 @@ class HopperPrefill:
     """The compiled kernels (bf16 and FP8 compute), loaded into ``device``'s primary context."""
 
     def __init__(self, device: torch.device, stages: int = STAGES, source: str | None = None,
-                 defines: dict[str, int] | None = None, fp8_stages: int = FP8_STAGES) -> None:
+                 defines: dict[str, int] | None = None, fp8_stages: int = FP8_STAGES,
+                 cache_dir: Path | None = CUBIN_CACHE) -> None:
         from cuda.bindings import driver
 
         self.driver = driver
         self.device = device
         self.stages = stages
-        self._image = ctypes.create_string_buffer(compile_cubin(stages, source, defines, fp8_stages))
+        self._image = ctypes.create_string_buffer(compile_cubin(stages, source, defines, fp8_stages, cache_dir))
         with torch.cuda.device(device):  # the module belongs to the device's primary context: make it current
             torch.empty(1, device=device)
             self._ensure_context()

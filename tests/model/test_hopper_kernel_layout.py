@@ -38,3 +38,28 @@ def test_shared_memory_fits_a_hopper_cta():
     for fp8, stages in ((False, hopper_attention.STAGES), (True, hopper_attention.FP8_STAGES)):
         assert hopper_attention.shared_bytes(stages, fp8) <= 227 * 1024
     assert hopper_attention.shared_bytes(hopper_attention.STAGES + 1) > 227 * 1024  # why bf16 stops at 3
+
+
+def test_compiled_kernels_are_cached_by_source_and_options(tmp_path):
+    # NVRTC's build is kept under a hash of what went into it: the same key loads it back without building, any
+    # other key (a changed source, option or compiler) builds anew
+    builds = []
+
+    def build(tag):
+        def run():
+            builds.append(tag)
+            return f"cubin of {tag}".encode()
+        return run
+
+    cache = tmp_path / "cubins"
+    assert hopper_attention.cached_cubin(cache, [b"source", b"-DSTAGES=3"], build("a")) == b"cubin of a"
+    assert hopper_attention.cached_cubin(cache, [b"source", b"-DSTAGES=3"], build("b")) == b"cubin of a"
+    assert hopper_attention.cached_cubin(cache, [b"source", b"-DSTAGES=4"], build("c")) == b"cubin of c"
+    assert builds == ["a", "c"]
+    assert sorted(p.suffix for p in cache.iterdir()) == [".cubin", ".cubin"]  # no temporary file left behind
+    # no cache, or one that cannot be written (a file stands where the directory would be): it only costs the build
+    assert hopper_attention.cached_cubin(None, [b"source", b"-DSTAGES=3"], build("d")) == b"cubin of d"
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert hopper_attention.cached_cubin(blocked / "cubins", [b"x"], build("e")) == b"cubin of e"
+    assert builds == ["a", "c", "d", "e"]
