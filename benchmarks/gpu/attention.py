@@ -27,6 +27,10 @@ Every output is checked against SDPA (relative error <= 1e-2) before it is timed
 from __future__ import annotations
 
 import argparse
+import statistics
+import subprocess
+import threading
+import time
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +69,49 @@ def bench(fn) -> float:
             times.append(start.elapsed_time(end))
         return sorted(times)[1]
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+class SmClock:
+    """The SM clock (MHz) and board power (W) while timed code runs, sampled by ``nvidia-smi`` every 50 ms in the
+    background. A variant whose dots see stale data draws less power and may clock higher; its time alone would
+    credit that to the change. ``window()`` marks a span; ``median(span)`` is the samples' median in it, or None
+    (no nvidia-smi, or no sample landed)."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float, float]] = []  # (monotonic s, MHz, W)
+        try:
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "50",
+                 "-i", str(torch.cuda.current_device())], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                text=True)
+        except OSError:
+            self._proc = None
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            try:
+                mhz, watts = (float(x) for x in line.split(","))
+            except ValueError:
+                continue
+            self.samples.append((time.monotonic(), mhz, watts))
+
+    def window(self, fn):
+        """Run ``fn``; return (its result, its (start, end) in monotonic seconds)."""
+        start = time.monotonic()
+        out = fn()
+        return out, (start, time.monotonic())
+
+    def median(self, span: tuple[float, float]) -> tuple[float, float] | None:
+        inside = [(mhz, w) for t, mhz, w in list(self.samples) if span[0] <= t <= span[1]]
+        if not inside:
+            return None
+        return statistics.median(m for m, _ in inside), statistics.median(w for _, w in inside)
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
 
 
 def graphed(fn):

@@ -5,10 +5,11 @@ load, no output stores), compiled by NVRTC and timed on the same inputs as the k
 kernel: a one-shot causal prefill of ``--length`` tokens and a 16,384-token step over ``--step-context`` cached
 keys (Scout rank shape: 5 query heads, 1 KV head, d 128), 64-token pages. Its compile-time switches (OVERLAP,
 PINGPONG, TREE, FP8_PROMOTE) are timed the same way. Variants that change the result print their error but are not
-held to it; the others are checked against SDPA (relative error <= 1e-2) first. ``--fp8``: the FP8-compute kernel over
-an e4m3 cache instead, against Triton's FP8 compute, by stage count (checked against SDPA over the same e4m3 K/V,
-relative error <= 6e-2). ``--chunked``: the one-shot prefill on a chunked(8192) layer, whose work items (a query
-tile's keys) are 16x shorter than a 128K full layer's, so their fixed costs show.
+held to it; the others are checked against SDPA (relative error <= 1e-2) first. Every row has the SM clock and power
+while it was timed: stale data in a dot draws less power, and a higher clock would flatter the variant. ``--fp8``:
+the FP8-compute kernel over an e4m3 cache instead, against Triton's FP8 compute, by stage count (checked against SDPA
+over the same e4m3 K/V, relative error <= 6e-2). ``--chunked``: the one-shot prefill on a chunked(8192) layer, whose
+work items (a query tile's keys) are 16x shorter than a 128K full layer's, so their fixed costs show.
 
     python benchmarks/gpu/hopper_kernel.py [--length 65536] [--step-context 1048576] [--fp8] [--chunked]
 """
@@ -20,7 +21,7 @@ import argparse
 import torch
 
 from benchmarks.gpu.attention import (
-    CHUNK, D, HKV, HQ, bench, e4m3, filled_backend, first_query, make_backend, rel_err, sdpa, useful_pairs,
+    CHUNK, D, HKV, HQ, SmClock, bench, e4m3, filled_backend, first_query, make_backend, rel_err, sdpa, useful_pairs,
 )
 from hybridkv.bench.tables import markdown_table
 from hybridkv.kernels import hopper_attention
@@ -108,6 +109,7 @@ def main() -> None:
         cases = [c for c in cases if any(w in c[0] for w in args.cases.split(","))]
     bound = 6e-2 if args.fp8 else 1e-2  # the GPU tests' bounds
     rows = []
+    clock = SmClock()
     cases_shapes = shapes(args.fp8, n, context, tokens, args.chunked)
     for name, edits, defines, fp8_stages in cases:
         row = [name]
@@ -125,8 +127,10 @@ def main() -> None:
             err = rel_err(out[: want.shape[0]], want)
             if not edits:
                 assert err <= bound, f"{name}: relative error {err:.2e}"
-            ms = bench(lambda: backend.attend(0, qq, kk, vv, D ** -0.5))
-            row += [f"{ms:.2f}", f"{fl / ms / 1e9:.0f}", f"{err:.1e}"]
+            ms, span = clock.window(lambda: bench(lambda: backend.attend(0, qq, kk, vv, D ** -0.5)))
+            sm = clock.median(span)
+            row += [f"{ms:.2f}", f"{fl / ms / 1e9:.0f}", f"{err:.1e}",
+                    "n/a" if sm is None else f"{sm[0]:.0f} / {sm[1]:.0f}"]
         rows.append(row)
         print(" | ".join(row), flush=True)
     print(f"\n{torch.cuda.get_device_name()}, 64-token pages: one-shot causal prefill of {n:,} tokens"
@@ -134,8 +138,9 @@ def main() -> None:
           + (f"; {tokens:,} new tokens over {context:,} cached (error of the first query)" if context else "")
           + ("; FP8 compute, errors against SDPA over the same e4m3 K/V" if args.fp8 else ""))
     head = ["variant"] + [c for s in (["one-shot"] + (["step"] if context else [])) for c in
-                          (f"{s} ms", f"{s} TFLOP/s", f"{s} rel err")]
+                          (f"{s} ms", f"{s} TFLOP/s", f"{s} rel err", f"{s} SM MHz / W")]
     print(markdown_table(head, rows))
+    clock.close()
 
 
 if __name__ == "__main__":
