@@ -1,5 +1,5 @@
-"""The Hopper prefill kernel (``hopper_attention.cu``): compiled by NVRTC for sm_90a on first use and launched
-through the CUDA driver API on torch's current stream.
+"""The Hopper prefill kernel (``hopper_attention.cu``): compiled by NVRTC for sm_90a on first use (the machine code
+kept in ``CUBIN_CACHE`` for the next process) and launched through the CUDA driver API on torch's current stream.
 
 Triton 3.6 cannot express its warp specialization (a producer warpgroup loading pages by TMA, two consumer
 warpgroups overlapping their softmax with their dots, ``setmaxnreg``), so it is CUDA C++ with inline PTX.
