@@ -103,11 +103,9 @@ struct Params {
   float* lse;
   const void* cache;  // the layer's first element (bf16, or e4m3 for FP8 compute)
   const int* table;
-  const int* tile_seq;
-  const int* tile_q0;
-  const int* q_loc;
-  const int* q_len;
-  const int* ctx_len;
+  // per work item (CTA x): its sequence, its first query's row in q and out, that query's position, and how many
+  // of the tile's tokens it has (one load a CTA at its start, where five arrays took two dependent round trips)
+  const int4* tiles;
   const u8* vt;          // FP8 compute: the segment's V^T (e4m3, [kv heads x D, columns])
   const int* vt_table;   // FP8 compute: each block's row in V^T (a row is block_size columns); table's strides
   long long stride_qt, stride_qh, stride_ot, stride_oh, stride_table;
@@ -215,6 +213,15 @@ __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
 __device__ __forceinline__ void st_shared16(u32 dst, uint4 v) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
+}
+__device__ __forceinline__ uint4 ld_shared16(u32 src) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(src)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_shared4(u32 dst, u32 v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(dst), "r"(v) : "memory");
 }
 // four floats to e4m3 (round to nearest, saturating at 448), a in the lowest byte
 __device__ __forceinline__ u32 pack_e4m3(float a, float b, float c, float d) {
@@ -443,32 +450,36 @@ __device__ __forceinline__ u32 key_mask(int key0, int w, int lo, int end) {
   return mask;
 }
 
-// This consumer's 64 query rows into shared memory (zeros for rows past the tile's tokens). FP8: each row is
-// quantized to e4m3 with its own scale (max |q| -> 448, as the Triton kernel does) and its factor max |q| / 448
-// goes to ``q_scales``. Thread ct loads 16-byte chunk ct % 16 of rows ct / 16 + 8i: a row's 16 chunks are 16
-// lanes of one warp.
-template <bool FP8>
-__device__ __forceinline__ void load_q(const Params& p, u32 q_smem, float* q_scales, int cw, int ct, int q0,
-                                       int q_loc, int q_len, int kv_head) {
+// This consumer's 64 query rows, in two halves: ``fetch_q`` loads them into registers (zeros for rows past the
+// tile's tokens) at the CTA's start, before its barriers are set up, so the round trip to memory overlaps that and
+// the producer's first page-table load; ``store_q`` writes them to shared memory (FP8: each row quantized to e4m3
+// with its own scale, max |q| -> 448, as the Triton kernel does, its factor max |q| / 448 to ``q_scales``). Thread
+// ct holds 16-byte chunk ct % 16 of rows ct / 16 + 8i: a row's 16 chunks are 16 lanes of one warp. Every load
+// goes out before any is used (in the FP8 kernel each row's shuffles would otherwise wait for its load in turn).
+__device__ __forceinline__ void fetch_q(const Params& p, uint4 (&v)[8], int cw, int ct, int q_row0, int n_tok,
+                                        int kv_head) {
   const int G = p.group;
-  // every load first, then the stores: one round trip to memory, whatever the compiler makes of the stores'
-  // "memory" clobbers and (FP8) the row-max shuffles between them, at the start of every work item (H200, FP8
-  // compute on a chunked(8192) 128K one-shot: 573 -> 605-607 TFLOP/s)
-  uint4 v[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const int r = (ct >> 4) + 8 * i, c = ct & 15;
-    const int row = cw * WG_ROWS + r;
-    const int tok = q0 + row / G;
+    const int row = cw * WG_ROWS + (ct >> 4) + 8 * i, c = ct & 15;
+    const int tok = row / G;
     v[i] = make_uint4(0, 0, 0, 0);
-    if (row < p.tokens * G && tok < q_len)
-      v[i] = *reinterpret_cast<const uint4*>(p.q + (long long)(q_loc + tok) * p.stride_qt +
+    if (tok < n_tok)  // (n_tok <= tokens, so rows past tokens x G fail it too)
+      v[i] = *reinterpret_cast<const uint4*>(p.q + (long long)(q_row0 + tok) * p.stride_qt +
                                              (long long)(kv_head * G + row % G) * p.stride_qh + c * 8);
   }
+}
+
+// bf16 Q and (staged) O: 16-byte chunk c of row r of a consumer's 64 at panel c / 8, chunk (c % 8) ^ (r % 8)
+__device__ __forceinline__ u32 q_chunk(u32 q_smem, int r, int c) {
+  return q_smem + (c >> 3) * (WG_ROWS * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+}
+
+template <bool FP8>
+__device__ __forceinline__ void store_q(const uint4 (&v)[8], u32 q_smem, float* q_scales, int cw, int ct) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int r = (ct >> 4) + 8 * i, c = ct & 15;
-    const int row = cw * WG_ROWS + r;
     if constexpr (FP8) {
       const float f[8] = {bf16_lo(v[i].x), bf16_hi(v[i].x), bf16_lo(v[i].y), bf16_hi(v[i].y),
                           bf16_lo(v[i].z), bf16_hi(v[i].z), bf16_lo(v[i].w), bf16_hi(v[i].w)};
@@ -482,9 +493,9 @@ __device__ __forceinline__ void load_q(const Params& p, u32 q_smem, float* q_sca
       const u32 w1 = pack_e4m3(f[4] * mul, f[5] * mul, f[6] * mul, f[7] * mul);
       const u32 dst = q_smem + r * 128 + ((((c >> 1) ^ (r & 7)) << 4) | ((c & 1) << 3));
       asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(dst), "r"(w0), "r"(w1) : "memory");
-      if (c == 0) q_scales[row] = q_max / 448.f;
+      if (c == 0) q_scales[cw * WG_ROWS + r] = q_max / 448.f;
     } else {
-      st_shared16(q_smem + (c >> 3) * (WG_ROWS * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4), v[i]);
+      st_shared16(q_chunk(q_smem, r, c), v[i]);
     }
   }
 }
@@ -505,14 +516,15 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
   // broadcast so the compiler knows the role is warp-uniform (wgmma under a divergent branch is serialized)
   const int wg = __shfl_sync(FULL, tid >> 7, 0);
   const int tile = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
-  const int seq = p.tile_seq[tile], q0 = p.tile_q0[tile];
-  const int q_loc = p.q_loc[seq], q_len = p.q_len[seq], ctx = p.ctx_len[seq];
+  const int4 item = p.tiles[tile];
+  const int seq = item.x, q_row0 = item.y, first = item.z, n_tok = item.w;
   const int G = p.group;
+  uint4 q_regs[8];  // a consumer's queries, on their way while the barriers are set up
+  if (wg > 0) fetch_q(p, q_regs, wg - 1, tid - 128 * wg, q_row0, n_tok, kv_head);
 
-  // keys this tile sees, its split's share, and the interior tiles (every query sees every key: no mask);
-  // the same arithmetic as the Triton kernel, with 128-key tiles
-  const int first = ctx + q0;
-  const int last = ctx + min(q0 + p.tokens, q_len) - 1;
+  // keys this tile sees (queries at positions first..last), its split's share, and the interior tiles (every
+  // query sees every key: no mask); the same arithmetic as the Triton kernel, with 128-key tiles
+  const int last = first + n_tok - 1;
   const int hi = min(last + 1, p.seg_hi);
   const int lo = max(type_lo(first, p.kind, p.reach), p.seg_lo);
   const int lo_tile = lo / BN * BN;
@@ -524,6 +536,25 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
   const int inner_lo = min(max((type_lo(last, p.kind, p.reach) + BN - 1) / BN * BN, start), end);
   const int full_tiles = first + 1 - start > 0 ? (first + 1 - start) / BN : 0;
   const int inner_hi = max(min(start + full_tiles * BN, end), inner_lo);
+
+  // the producer's page tables: a tile (aligned to 128 keys, pages a power of two) spans 128 / bs pages, or one:
+  // lane i holds the i-th (FP8: and its row in V^T). The first tile's go out before the barriers are set up; each
+  // next tile's while this one's copies go out, keeping the table's latency off the critical path
+  const int lane_id = tid & 31;
+  const int bs = p.block_size;
+  const int* table = p.table + (long long)seq * p.stride_table;
+  const int* vt_table = p.vt_table + (long long)seq * p.stride_table;
+  const int tile_pages = bs >= BN ? 1 : BN / bs;
+  auto page_of = [&](const int* t_, int t) {
+    const int first_page = (start + t * BN) / bs;
+    const int i = first_page + lane_id;
+    return (t < n_iter && lane_id < tile_pages && i * bs < end) ? t_[i] : 0;
+  };
+  int pages = 0, vt_pages = 0;
+  if (wg == 0) {
+    pages = page_of(table, 0);
+    if constexpr (FP8) vt_pages = page_of(vt_table, 0);
+  }
 
   if (tid == 0) {
     for (int s = 0; s < NS; ++s) {
@@ -537,20 +568,7 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
   if (wg == 0) {
     // ---------------- producer: K/V tiles by TMA, edge tiles by page gathers ----------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(L::producer_regs));
-    const int lane = tid & 31;
-    const int bs = p.block_size;
-    const int* table = p.table + (long long)seq * p.stride_table;
-    const int* vt_table = p.vt_table + (long long)seq * p.stride_table;
-    // a tile (aligned to 128 keys, pages a power of two) spans 128 / bs pages, or one: lane i holds the i-th
-    // (FP8: and its row in V^T); loading the next tile's while this one's copies go out keeps the table's latency
-    // off the critical path
-    const int tile_pages = bs >= BN ? 1 : BN / bs;
-    auto page_of = [&](const int* t_, int t) {
-      const int first_page = (start + t * BN) / bs;
-      const int i = first_page + lane;
-      return (t < n_iter && lane < tile_pages && i * bs < end) ? t_[i] : 0;
-    };
-    int pages = page_of(table, 0), vt_pages = FP8 ? page_of(vt_table, 0) : 0;
+    const int lane = lane_id;
     // TMA boxes of min(page, 128) rows: bf16 per tile 2 (K, V) x 2 panels x boxes_per_panel, one a lane
     const int box_rows = bs < BN ? bs : BN;
     const int boxes = BN / box_rows;
@@ -645,7 +663,7 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
   const int ct = tid - 128 * wg;
   const int warp = ct >> 5, lane = ct & 31;
   const u32 q_smem = base + cw * L::q_bytes;
-  load_q<FP8>(p, q_smem, q_scales, cw, ct, q0, q_loc, q_len, kv_head);
+  store_q<FP8>(q_regs, q_smem, q_scales, cw, ct);
   fence_proxy_async();
   bar_sync(4 + cw, 128);
 
@@ -655,7 +673,7 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
   float scale[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int pos = ctx + q0 + (row_a + 8 * h) / G;
+    const int pos = first + (row_a + 8 * h) / G;
     row_lo[h] = max(type_lo(pos, p.kind, p.reach), lo);
     row_hi[h] = min(pos, end - 1);
     scale[h] = FP8 ? p.qk_scale * q_scales[row_a + 8 * h] : p.qk_scale;
@@ -740,19 +758,47 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
 
   // ---------------- epilogue: normalise, or write this split's partial output and LSE ----------------
   // (rows past the tile's tokens skip the memory accesses, never the warp's shuffles and sync)
+  const bool unsplit = p.num_splits == 1 && !p.segmented;
+  if (!FP8 && unsplit) {
+    // bf16 O goes through this consumer's query tile (its last Q K^T is done: wgmma reads no more of it once
+    // every warp has waited) and out in whole 256-byte rows, 16 bytes a lane, as the queries came in: a quarter
+    // of the store instructions of writing the accumulators' 4-byte pieces, 8 rows a warp, straight out (H200,
+    // chunked(8192) 128K: the stores held a work item ~1.6 us of its ~57)
+    bar_sync(4 + cw, 128);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float inv = p.v_scale / fmaxf(quad_sum(l[h]), 1e-30f);
+      const int r = warp * 16 + (lane >> 2) + 8 * h;
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        st_shared4(q_chunk(q_smem, r, j) + 4 * (lane & 3),
+                   pack_bf16(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv));
+    }
+    bar_sync(4 + cw, 128);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int r = (ct >> 4) + 8 * i, c = ct & 15;
+      const int row = cw * WG_ROWS + r, tok = row / G;
+      const uint4 v = ld_shared16(q_chunk(q_smem, r, c));
+      if (tok < n_tok)
+        *reinterpret_cast<uint4*>(p.out + (long long)(q_row0 + tok) * p.stride_ot +
+                                  (long long)(kv_head * G + row % G) * p.stride_oh + c * 8) = v;
+    }
+    return;
+  }
   const float NEG_INF = __int_as_float(0xff800000);
   constexpr float BIAS = FP8 ? 8.f : 0.f;  // P's 2^8 (FP8), which the sum carries and the LSE must not
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float sum = quad_sum(l[h]);
     const int row = row_a + 8 * h;
-    const int tok = q0 + row / G;
-    const bool valid = row < p.tokens * G && tok < q_len;
-    const long long t_idx = q_loc + tok;
+    const int tok = row / G;
+    const bool valid = tok < n_tok;
+    const long long t_idx = q_row0 + tok;
     const int head = kv_head * G + row % G;
     const float inv = p.v_scale / fmaxf(sum, 1e-30f);
     const int col = 2 * (lane & 3);
-    if (p.num_splits == 1 && !p.segmented) {
+    if (unsplit) {  // FP8 (its query tile is too small to stage O)
       u16* dst = p.out + t_idx * p.stride_ot + (long long)head * p.stride_oh + col;
       if (valid) {
 #pragma unroll

@@ -41,8 +41,7 @@ FP8_STAGES = 5  # FP8 compute: K and V^T tiles of 32 KB
 # 4t + 3. So k-index a = 4t + 2b + e of V^T holds key 8b + 2t + e, and P goes from S to the next dot as it lies.
 V_PERM16 = tuple(8 * ((a >> 1) & 1) + 2 * (a >> 2) + (a & 1) for a in range(16))
 
-_POINTERS = ("q", "out", "part", "lse", "cache", "table", "tile_seq", "tile_q0", "q_loc", "q_len", "ctx_len", "vt",
-             "vt_table")
+_POINTERS = ("q", "out", "part", "lse", "cache", "table", "tiles", "vt", "vt_table")
 _STRIDES = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_table", "stride_block", "stride_tok",
             "v_offset", "stride_ps", "stride_pt", "stride_ph", "stride_ls", "stride_lt", "stride_vt")
 _INTS = ("kind", "reach", "block_size", "group", "tokens", "num_splits", "seg_lo", "seg_hi", "segmented", "accumulate",

@@ -169,6 +169,8 @@ class TritonStepState:
     tokens: int  # query tokens per tile
     num_tiles: int
     seq: list[torch.Tensor]  # tile_seq, tile_q0, q_loc, q_len, ctx_len
+    # the CUDA kernel's [num_tiles, 4] int32, one load a CTA: (sequence, first query's row, its position, tokens)
+    tiles: torch.Tensor | None = None
     groups: list[_GroupMeta] = field(default_factory=list)  # per layer group
 
 
@@ -272,7 +274,11 @@ class TritonPagedAttention:
         tile_seq, tile_q0 = tile_seq[longest_first], tile_q0[longest_first]
         as_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)  # noqa: E731
         seq = [as_dev(tile_seq), as_dev(tile_q0), as_dev(q_loc), as_dev(q_lens), as_dev(ctx)]
-        self.step_state = TritonStepState(config, tokens, len(tile_seq), seq)
+        tiles = None
+        if config.cuda:
+            tiles = as_dev(np.stack([tile_seq, q_loc[tile_seq] + tile_q0, ctx[tile_seq] + tile_q0,
+                                     np.minimum(tokens, q_lens[tile_seq] - tile_q0)], axis=1).astype(np.int32))
+        self.step_state = TritonStepState(config, tokens, len(tile_seq), seq, tiles)
         self.step_state.groups = [self._group_meta(g, seqs, ctx + q_lens, as_dev) for g in self.layout.groups]
 
     def _group_meta(self, group, seqs, seq_lens, as_dev) -> _GroupMeta:
@@ -499,9 +505,11 @@ class TritonPagedAttention:
 
     @staticmethod
     def _rows_aligned(q, out, cache) -> bool:
-        """bf16 query and output head rows, and the cache, on 16-byte boundaries (the CUDA kernel's loads)."""
+        """bf16 query and output head rows, and the cache, on 16-byte boundaries (the CUDA kernel's loads and
+        stores)."""
         return (q.dtype == torch.bfloat16 and all(t.data_ptr() % 16 == 0 for t in (q, out, cache))
-                and q.stride(2) == 1 and out.stride(2) == 1 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0)
+                and q.stride(2) == 1 and out.stride(2) == 1
+                and all(s % 8 == 0 for s in (q.stride(0), q.stride(1), out.stride(0), out.stride(1))))
 
     def _hopper_covers(self, q, out, cache, quant) -> bool:
         """What the CUDA kernel's bf16 dots take: bf16 queries and cache (an FP8 cache's widened segments too),
@@ -523,7 +531,7 @@ class TritonPagedAttention:
         if vt_table is not None:
             assert vt_table.stride(0) == table.stride(0), "the kernel reads both tables with one stride"
         tensors = dict(q=q, out=out, part=part, lse=lse, cache=cache, table=table, vt=vt, vt_table=vt_table,
-                       **dict(zip(("tile_seq", "tile_q0", "q_loc", "q_len", "ctx_len"), step.seq)))
+                       tiles=step.tiles)
         ps = (0,) * 3 if part is None else part.stride()[:3]
         ls = (0,) * 2 if lse is None else lse.stride()[:2]
         strides = dict(stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
