@@ -25,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 SOURCE = Path(__file__).with_name("hopper_attention.cu")
@@ -60,6 +61,16 @@ def shared_bytes(stages: int = STAGES, fp8: bool = False) -> int:
     (K + V) tiles of 128 keys, barriers, FP8's 128 query-row factors, and 1 KB to align the swizzled tiles."""
     elem = 1 if fp8 else 2
     return 2 * 64 * HEAD_DIM * elem + stages * 2 * BLOCK_N * HEAD_DIM * elem + 16 * stages + 512 * fp8 + 1024
+
+
+def work_items(tile_seq: np.ndarray, tile_q0: np.ndarray, q_loc: np.ndarray, q_len: np.ndarray, ctx: np.ndarray,
+               tokens: int) -> np.ndarray:
+    """The kernel's ``tiles``: per query tile (CTA x) its sequence, its first query's row in q and out, that query's
+    position, and how many of the tile's ``tokens`` it has; ``[tiles, 4]`` int32, one 16-byte load a CTA. E.g. two
+    sequences of 30 and 10 new tokens over 100 and 0 cached, 25 tokens a tile: tiles (0, 0), (0, 25), (1, 0) are
+    ``[[0, 0, 100, 25], [0, 25, 125, 5], [1, 30, 0, 10]]``."""
+    return np.stack([tile_seq, q_loc[tile_seq] + tile_q0, ctx[tile_seq] + tile_q0,
+                     np.minimum(tokens, q_len[tile_seq] - tile_q0)], axis=1).astype(np.int32)
 
 
 def page_columns(block_size: int) -> list[int]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
+
 from hybridkv.kernels import hopper_attention
 
 
@@ -63,3 +65,13 @@ def test_compiled_kernels_are_cached_by_source_and_options(tmp_path):
     blocked.write_text("")
     assert hopper_attention.cached_cubin(blocked / "cubins", [b"x"], build("e")) == b"cubin of e"
     assert builds == ["a", "c", "d", "e"]
+
+
+def test_work_items_give_each_tile_its_rows_positions_and_tokens():
+    # the kernel reads one int4 a CTA: (sequence, first query row, its position, tokens in the tile). Two
+    # sequences, 30 new tokens over 100 cached and 10 over none, 25 tokens a tile, tiles in longest-first order
+    tile_seq, tile_q0 = np.array([0, 0, 1]), np.array([25, 0, 0])
+    q_loc, q_len, ctx = np.array([0, 30]), np.array([30, 10]), np.array([100, 0])
+    items = hopper_attention.work_items(tile_seq, tile_q0, q_loc, q_len, ctx, tokens=25)
+    assert items.dtype == np.int32 and items.shape == (3, 4)
+    assert items.tolist() == [[0, 25, 125, 5], [0, 0, 100, 25], [1, 30, 0, 10]]

@@ -276,8 +276,7 @@ class TritonPagedAttention:
         seq = [as_dev(tile_seq), as_dev(tile_q0), as_dev(q_loc), as_dev(q_lens), as_dev(ctx)]
         tiles = None
         if config.cuda:
-            tiles = as_dev(np.stack([tile_seq, q_loc[tile_seq] + tile_q0, ctx[tile_seq] + tile_q0,
-                                     np.minimum(tokens, q_lens[tile_seq] - tile_q0)], axis=1).astype(np.int32))
+            tiles = as_dev(hopper_attention.work_items(tile_seq, tile_q0, q_loc, q_lens, ctx, tokens))
         self.step_state = TritonStepState(config, tokens, len(tile_seq), seq, tiles)
         self.step_state.groups = [self._group_meta(g, seqs, ctx + q_lens, as_dev) for g in self.layout.groups]
 
