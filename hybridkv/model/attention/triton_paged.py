@@ -15,7 +15,7 @@ FP8 compute (``fp8_compute=True``, e4m3 cache, compute capability 8.9+; measured
 both dots in e4m3 on the tensor cores instead: queries quantized per row with their own scale, K read from the e4m3
 pages, V from a transposed e4m3 copy of the step's reach (FP8 wgmma wants V K-major), P rounded to e4m3. On Hopper
 with 64-token pages the CUDA kernel runs it (its V^T columns in the order ``hopper_attention.page_columns`` gives):
-on an H200 769-803 TFLOP/s against its bf16 dots' 590-608 (run 79); elsewhere the Triton kernel (3x slower than
+on an H200 784-819 TFLOP/s against its bf16 dots' 607-623 (run 85); elsewhere the Triton kernel (3x slower than
 bf16 with 16-token pages). It costs e4m3's rounding of Q and P, ~5% relative error on random inputs, and is off by
 default (docs/benchmarks.md).
 """
