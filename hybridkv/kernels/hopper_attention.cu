@@ -22,6 +22,10 @@
 //             rounded to e4m3 in registers (weights down to 2^-17 survive instead of flushing below e4m3's 2^-9;
 //             the row sum carries the same factor).
 //
+// A CTA's start: its tile's four numbers (``tiles``) in one load, then the queries (consumers) and the first page
+// table entries (producer) go out before the barriers are set up. Its end (bf16, one split): O is staged through
+// each consumer's query tile and stored in whole rows. (``benchmarks/gpu/hopper_timeline.py`` times these phases.)
+//
 // Shared memory (1024-aligned): Q [2 consumers][64 rows], then per stage a K tile and a V tile. bf16: 64-column
 // panels of 128-byte rows, 16-byte chunk c of row r at chunk c ^ (r % 8) (wgmma's and TMA's 128-byte swizzle); a
 // key tile's rows are keys, so the same bytes serve as Q K^T's B (K-major) and, transposed, as P V's B (MN-major).
