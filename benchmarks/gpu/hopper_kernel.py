@@ -41,7 +41,8 @@ EDITS = {
     "gathers only": [(TMA_TILE, "} else if (false) {")],
     "no softmax": [(SOFTMAX, NO_SOFTMAX + SOFTMAX)],
     # a work item's fixed costs (--chunked: 32 key tiles an item on average, against 512 at a 128K full layer); like
-    # "no loads", "no Q load" leaves stale shared memory to the dots, which may draw less power: an upper bound
+    # "no loads", "no Q load" leaves stale shared memory to the dots, which draw less power and run at a higher
+    # clock: an upper bound (hopper_timeline.py counts its cycles)
     "no Q load": [("  if (wg > 0) fetch_q(p, q_regs, wg - 1, tid - 128 * wg, q_row0, n_tok, kv_head);\n", ""),
                   ("  store_q<FP8>(q_regs, q_smem, q_scales, cw, ct);\n", "")],
     # (a condition false at run time: the compiler keeps the work whose result is no longer written)
