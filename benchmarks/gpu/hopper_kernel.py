@@ -32,7 +32,7 @@ TMA_TILE = "} else if (p.tma && inside) {"
 SOFTMAX = "  const float NEG_INF = __int_as_float(0xff800000);\n  constexpr int CHAINS"
 OUT_STORE = ("      if (valid) {\n#pragma unroll\n        for (int j = 0; j < 16; ++j)\n"
              "          *reinterpret_cast<u32*>")  # FP8's
-STAGED_STORE = "      if (tok < n_tok)\n        *reinterpret_cast<uint4*>"  # bf16's, O staged in shared memory
+STAGED_STORE = "      if (tok < n_tok)\n        st_global16("  # bf16's, O staged in shared memory
 NO_SOFTMAX = "  if (n >= 0) return;  // the raw scores go to P V\n"
 EDITS = {
     # bf16: every tile takes the TMA branch, which then copies nothing: the barriers still turn over
@@ -43,7 +43,7 @@ EDITS = {
     # a work item's fixed costs (--chunked: 32 key tiles an item on average, against 512 at a 128K full layer); like
     # "no loads", "no Q load" leaves stale shared memory to the dots, which draw less power and run at a higher
     # clock: an upper bound (hopper_timeline.py counts its cycles)
-    "no Q load": [("  if (wg > 0) fetch_q(p, q_regs, wg - 1, tid - 128 * wg, q_row0, n_tok, kv_head);\n", ""),
+    "no Q load": [("  if (wg > 0) fetch_q(p, rows, q_regs, wg - 1, tid - 128 * wg, q_row0, n_tok, kv_head);\n", ""),
                   ("  store_q<FP8>(q_regs, q_smem, q_scales, cw, ct);\n", "")],
     # (a condition false at run time: the compiler keeps the work whose result is no longer written)
     "no output stores": [(OUT_STORE, OUT_STORE.replace("if (valid)", "if (n_tok < 0)")),

@@ -224,6 +224,11 @@ __device__ __forceinline__ uint4 ld_shared16(u32 src) {
                : "memory");
   return v;
 }
+// (written out: NVRTC split a plain 16-byte store of a uint4 into four 4-byte ones, each touching 16 sectors a warp)
+__device__ __forceinline__ void st_global16(void* dst, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
 __device__ __forceinline__ void st_shared4(u32 dst, u32 v) {
   asm volatile("st.shared.u32 [%0], %1;" ::"r"(dst), "r"(v) : "memory");
 }
@@ -454,23 +459,33 @@ __device__ __forceinline__ u32 key_mask(int key0, int w, int lo, int end) {
   return mask;
 }
 
+// A tile's rows stack the G query heads of one KV head per token: row r is token r / G, head r % G. Worked out with
+// a float reciprocal instead of integer division by a run-time G (~20 instructions each, and a thread needs a dozen
+// at a work item's start and end): r < 128 and G <= 128, so (r + 0.5) / G lies at least 0.5 / G from an integer,
+// far beyond the rounding of the product.
+struct Rows {
+  int G;
+  float inv;
+  __device__ __forceinline__ explicit Rows(int group) : G(group), inv(__frcp_rn((float)group)) {}
+  __device__ __forceinline__ int token(int r) const { return __float2int_rz((r + 0.5f) * inv); }
+};
+
 // This consumer's 64 query rows, in two halves: ``fetch_q`` loads them into registers (zeros for rows past the
 // tile's tokens) at the CTA's start, before its barriers are set up, so the round trip to memory overlaps that and
 // the producer's first page-table load; ``store_q`` writes them to shared memory (FP8: each row quantized to e4m3
 // with its own scale, max |q| -> 448, as the Triton kernel does, its factor max |q| / 448 to ``q_scales``). Thread
 // ct holds 16-byte chunk ct % 16 of rows ct / 16 + 8i: a row's 16 chunks are 16 lanes of one warp. Every load
 // goes out before any is used (in the FP8 kernel each row's shuffles would otherwise wait for its load in turn).
-__device__ __forceinline__ void fetch_q(const Params& p, uint4 (&v)[8], int cw, int ct, int q_row0, int n_tok,
-                                        int kv_head) {
-  const int G = p.group;
+__device__ __forceinline__ void fetch_q(const Params& p, const Rows& rows, uint4 (&v)[8], int cw, int ct, int q_row0,
+                                        int n_tok, int kv_head) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int row = cw * WG_ROWS + (ct >> 4) + 8 * i, c = ct & 15;
-    const int tok = row / G;
+    const int tok = rows.token(row);
     v[i] = make_uint4(0, 0, 0, 0);
     if (tok < n_tok)  // (n_tok <= tokens, so rows past tokens x G fail it too)
       v[i] = *reinterpret_cast<const uint4*>(p.q + (long long)(q_row0 + tok) * p.stride_qt +
-                                             (long long)(kv_head * G + row % G) * p.stride_qh + c * 8);
+                                             (long long)(kv_head * rows.G + row - tok * rows.G) * p.stride_qh + c * 8);
   }
 }
 
@@ -522,9 +537,9 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
   const int tile = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
   const int4 item = p.tiles[tile];
   const int seq = item.x, q_row0 = item.y, first = item.z, n_tok = item.w;
-  const int G = p.group;
+  const Rows rows(p.group);
   uint4 q_regs[8];  // a consumer's queries, on their way while the barriers are set up
-  if (wg > 0) fetch_q(p, q_regs, wg - 1, tid - 128 * wg, q_row0, n_tok, kv_head);
+  if (wg > 0) fetch_q(p, rows, q_regs, wg - 1, tid - 128 * wg, q_row0, n_tok, kv_head);
 
   // keys this tile sees (queries at positions first..last), its split's share, and the interior tiles (every
   // query sees every key: no mask); the same arithmetic as the Triton kernel, with 128-key tiles
@@ -545,14 +560,13 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
   // lane i holds the i-th (FP8: and its row in V^T). The first tile's go out before the barriers are set up; each
   // next tile's while this one's copies go out, keeping the table's latency off the critical path
   const int lane_id = tid & 31;
-  const int bs = p.block_size;
+  const int bs = p.block_size, bs_log = __ffs(bs) - 1;  // pages of a power of two: shifts, not divisions
   const int* table = p.table + (long long)seq * p.stride_table;
   const int* vt_table = p.vt_table + (long long)seq * p.stride_table;
-  const int tile_pages = bs >= BN ? 1 : BN / bs;
+  const int tile_pages = bs >= BN ? 1 : BN >> bs_log;
   auto page_of = [&](const int* t_, int t) {
-    const int first_page = (start + t * BN) / bs;
-    const int i = first_page + lane_id;
-    return (t < n_iter && lane_id < tile_pages && i * bs < end) ? t_[i] : 0;
+    const int i = ((start + t * BN) >> bs_log) + lane_id;
+    return (t < n_iter && lane_id < tile_pages && (i << bs_log) < end) ? t_[i] : 0;
   };
   int pages = 0, vt_pages = 0;
   if (wg == 0) {
@@ -582,7 +596,7 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
       const int s = t % NS;
       mbar_wait(empty_bar + 8 * s, ((t / NS) & 1) ^ 1);
       const int n = start + t * BN;
-      const int first_page = n / bs;
+      const int first_page = n >> bs_log;
       const u32 stage = kv0 + s * L::stage_bytes;
       const u32 full = full_bar + 8 * s;
       const bool inside = n >= lo && n + BN <= end;
@@ -592,16 +606,16 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
         if (tid < 32) {
           const int i = lane < boxes ? lane : 0;
           const int kkey = n + i * box_rows;
-          const int kpage = __shfl_sync(FULL, pages, kkey / bs - first_page);
+          const int kpage = __shfl_sync(FULL, pages, (kkey >> bs_log) - first_page);
           const int panel = (lane - boxes) & 1;
           const int vkey = n + 64 * panel;
-          const int vpage = __shfl_sync(FULL, vt_pages, vkey / bs - first_page);
+          const int vpage = __shfl_sync(FULL, vt_pages, (vkey >> bs_log) - first_page);
           if (lane == 0) mbar_expect_tx(full, inside ? 2 * L::k_bytes : L::k_bytes);
           __syncwarp();
           if (lane < boxes)
-            tma_load(stage + i * box_rows * 128, kmap, kv_head * D, kpage * p.rows_per_block + kkey % bs, full);
+            tma_load(stage + i * box_rows * 128, kmap, kv_head * D, kpage * p.rows_per_block + (kkey & (bs - 1)), full);
           if (inside && lane >= boxes && lane < boxes + 2)
-            tma_load(stage + L::k_bytes + panel * VT_PANEL, vmap, vpage * bs + vkey % bs, kv_head * D, full);
+            tma_load(stage + L::k_bytes + panel * VT_PANEL, vmap, vpage * bs + (vkey & (bs - 1)), kv_head * D, full);
         }
         if (!inside) {
           const int r = tid;  // V^T row: element r of the head dim
@@ -609,10 +623,10 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
 #pragma unroll 1
           for (int c = 0; c < BN / 16; ++c) {
             const int key0 = n + 16 * c;
-            const int vpage = __shfl_sync(FULL, vt_pages, key0 / bs - first_page);
+            const int vpage = __shfl_sync(FULL, vt_pages, (key0 >> bs_log) - first_page);
             uint4 v = make_uint4(0, 0, 0, 0);
             if (key0 + 16 > lo && key0 < end) {
-              v = *reinterpret_cast<const uint4*>(src + (long long)vpage * bs + key0 % bs);
+              v = *reinterpret_cast<const uint4*>(src + (long long)vpage * bs + (key0 & (bs - 1)));
               v.x &= key_mask(key0, 0, lo, end);
               v.y &= key_mask(key0, 1, lo, end);
               v.z &= key_mask(key0, 2, lo, end);
@@ -629,12 +643,12 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
           const int i = lane < 4 * boxes ? lane : 0;
           const int which = i / (2 * boxes), panel = (i / boxes) & 1, box = i % boxes;
           const int key = n + box * box_rows;
-          const int page = __shfl_sync(FULL, pages, key / bs - first_page);
+          const int page = __shfl_sync(FULL, pages, (key >> bs_log) - first_page);
           if (lane == 0) mbar_expect_tx(full, L::stage_bytes);
           __syncwarp();
           if (lane < 4 * boxes)
             tma_load(stage + which * L::k_bytes + panel * PANEL + box * box_rows * 128, kmap,
-                     kv_head * D + panel * 64, page * p.rows_per_block + key % bs + which * bs, full);
+                     kv_head * D + panel * 64, page * p.rows_per_block + (key & (bs - 1)) + which * bs, full);
         }
         mbar_arrive(full);
       } else {
@@ -647,8 +661,8 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
         for (int m = 0; m < BN / 8; ++m) {
           const int key = n + row0 + 8 * m;
           const bool ok = key >= lo && key < end;
-          const int page = __shfl_sync(FULL, pages, key / bs - first_page);
-          const long long off = ok ? (long long)page * p.stride_block + (long long)(key % bs) * p.stride_tok : 0;
+          const int page = __shfl_sync(FULL, pages, (key >> bs_log) - first_page);
+          const long long off = ok ? (long long)page * p.stride_block + (long long)(key & (bs - 1)) * p.stride_tok : 0;
           cp_async16(k_dst + m * 8 * 128, src + off, ok ? 16 : 0);
           cp_async16(k_dst + L::k_bytes + m * 8 * 128, src + off + p.v_offset, ok ? 16 : 0);
         }
@@ -677,7 +691,7 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
   float scale[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int pos = first + (row_a + 8 * h) / G;
+    const int pos = first + rows.token(row_a + 8 * h);
     row_lo[h] = max(type_lo(pos, p.kind, p.reach), lo);
     row_hi[h] = min(pos, end - 1);
     scale[h] = FP8 ? p.qk_scale * q_scales[row_a + 8 * h] : p.qk_scale;
@@ -771,7 +785,7 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
     bar_sync(4 + cw, 128);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float inv = p.v_scale / fmaxf(quad_sum(l[h]), 1e-30f);
+      const float inv = __fdividef(p.v_scale, fmaxf(quad_sum(l[h]), 1e-30f));
       const int r = warp * 16 + (lane >> 2) + 8 * h;
 #pragma unroll
       for (int j = 0; j < 16; ++j)
@@ -782,11 +796,11 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int r = (ct >> 4) + 8 * i, c = ct & 15;
-      const int row = cw * WG_ROWS + r, tok = row / G;
+      const int row = cw * WG_ROWS + r, tok = rows.token(row);
       const uint4 v = ld_shared16(q_chunk(q_smem, r, c));
       if (tok < n_tok)
-        *reinterpret_cast<uint4*>(p.out + (long long)(q_row0 + tok) * p.stride_ot +
-                                  (long long)(kv_head * G + row % G) * p.stride_oh + c * 8) = v;
+        st_global16(p.out + (long long)(q_row0 + tok) * p.stride_ot +
+                    (long long)(kv_head * rows.G + row - tok * rows.G) * p.stride_oh + c * 8, v);
     }
     return;
   }
@@ -796,11 +810,11 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
   for (int h = 0; h < 2; ++h) {
     const float sum = quad_sum(l[h]);
     const int row = row_a + 8 * h;
-    const int tok = row / G;
+    const int tok = rows.token(row);
     const bool valid = tok < n_tok;
     const long long t_idx = q_row0 + tok;
-    const int head = kv_head * G + row % G;
-    const float inv = p.v_scale / fmaxf(sum, 1e-30f);
+    const int head = kv_head * rows.G + row - tok * rows.G;
+    const float inv = __fdividef(p.v_scale, fmaxf(sum, 1e-30f));
     const int col = 2 * (lane & 3);
     if (unsplit) {  // FP8 (its query tile is too small to stage O)
       u16* dst = p.out + t_idx * p.stride_ot + (long long)head * p.stride_oh + col;
