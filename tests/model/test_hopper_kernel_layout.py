@@ -75,3 +75,19 @@ def test_work_items_give_each_tile_its_rows_positions_and_tokens():
     items = hopper_attention.work_items(tile_seq, tile_q0, q_loc, q_len, ctx, tokens=25)
     assert items.dtype == np.int32 and items.shape == (3, 4)
     assert items.tolist() == [[0, 25, 125, 5], [0, 0, 100, 25], [1, 30, 0, 10]]
+
+
+def test_rows_map_to_token_and_head_by_a_float_reciprocal_exactly():
+    # the kernel splits a tile row r into token r / G and head r % G as trunc((r + 0.5) * rcp(G)) in float32 (a
+    # correctly rounded reciprocal, one rounded product): exact for every row of a 128-row tile and every G up to 128
+    source = hopper_attention.SOURCE.read_text()
+    assert "__float2int_rz((r + 0.5f) * inv)" in source and "inv(__frcp_rn((float)group))" in source
+    r = np.arange(hopper_attention.ROWS, dtype=np.float32)
+    for group in range(1, hopper_attention.ROWS + 1):
+        inv = np.float32(1) / np.float32(group)
+        token = np.trunc((r + np.float32(0.5)) * inv).astype(np.int64)
+        assert (token == np.arange(hopper_attention.ROWS) // group).all(), group
+    # without the half, rows that are multiples of G would round down a token for some G
+    bad = [g for g in range(1, 129) if (np.trunc(r * (np.float32(1) / np.float32(g))).astype(np.int64)
+                                        != np.arange(128) // g).any()]
+    assert bad
