@@ -48,11 +48,24 @@ EDITS = {
     # (a condition false at run time: the compiler keeps the work whose result is no longer written)
     "no output stores": [(OUT_STORE, OUT_STORE.replace("if (valid)", "if (n_tok < 0)")),
                          (STAGED_STORE, STAGED_STORE.replace("tok < n_tok", "n_tok < 0"))],
+    # FP8 compute: the producer copies nothing (K, V^T by TMA, or the edge tiles' V^T), the barriers still turn over
+    "fp8 no loads": [("if (lane == 0) mbar_expect_tx(full, inside ? 2 * L::k_bytes : L::k_bytes);", ""),
+                     ("          if (lane < boxes)\n            tma_load(",
+                      "          if (false)\n            tma_load("),
+                     ("if (inside && lane >= boxes && lane < boxes + 2)", "if (false)"),
+                     ("        if (!inside) {\n          const int r = tid;",
+                      "        if (false) {\n          const int r = tid;")],
+    # FP8 compute without one of its dots (the softmax then runs on stale registers): what each dot costs
+    "no QK dots": [("      wgmma_ss_e4m3(s, smem_desc(q_smem + kk * 32, 16, 1024), "
+                    "smem_desc(k_smem + kk * 32, 16, 1024), kk > 0);\n", "      ;\n")],
+    "no PV dots": [("      wgmma_rs_e4m3(o, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3], b, "
+                    "FP8_PROMOTE ? kk > 0 : 1);\n", "")],
 }
 
 
-def variant(names: list[str]) -> str:
-    text = hopper_attention.SOURCE.read_text()
+def variant(names: list[str], text: str | None = None) -> str:
+    """The kernel's source (or ``text``, another version of it) with the named edits."""
+    text = hopper_attention.SOURCE.read_text() if text is None else text
     for name in names:
         for old, new in EDITS[name]:
             assert old in text, f"{name}: the kernel's source changed ({old[:40]!r} not found)"
@@ -101,7 +114,10 @@ def main() -> None:
         cases += [(f"CUDA kernel, FP8 compute, {st} stages", [], {}, st) for st in (4, 5, 6)]
         cases += [(f"CUDA kernel, FP8 compute, {k}={v}", [], {k: v}, None)
                   for k, v in (("OVERLAP", 0), ("TREE", 0), ("FP8_PROMOTE", 0))]
-        cases += [("CUDA kernel, FP8 compute, no softmax", ["no softmax"], {}, None)]
+        cases += [("CUDA kernel, FP8 compute, PINGPONG=0", [], {"PINGPONG": 0}, None)]
+        cases += [(f"CUDA kernel, FP8 compute, {' + '.join(c)}", c, {}, None)
+                  for c in (["no softmax"], ["fp8 no loads"], ["no softmax", "fp8 no loads"], ["no QK dots"],
+                            ["no PV dots"], ["no QK dots", "no PV dots"])]
     else:
         cases = [("Triton kernel", None, {}, None), ("CUDA kernel (as built)", [], {}, None)]
         cases += [(f"OVERLAP={o}, PINGPONG={p}", [], {"OVERLAP": o, "PINGPONG": p}, None) for o in (0, 1)

@@ -8,12 +8,19 @@ edits): the SM clock inside the kernel (its cycles over its nanoseconds), the me
 at that clock, and the gap between one CTA's exit and the next CTA's entry on the same SM. Chunked(8192) by
 default: its work items are short (32 key tiles on average), so their fixed costs show.
 
+The SM clock under this load moves with temperature and with the data the dots multiply, by several percent between
+two launches of the same kernel; a work item's cycles do not. ``--baseline FILE`` times another version of the
+kernel's source (e.g. ``git show REV:hybridkv/kernels/hopper_attention.cu``, with the same launch parameters) beside
+each case, interleaved over ``--rounds``, so a change is judged by its cycles per item in the same run.
+
     python benchmarks/gpu/hopper_timeline.py [--length 131072] [--full] [--fp8] [--cases "as built,no Q load"]
+        [--baseline FILE] [--rounds 2]
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -56,8 +63,8 @@ TIMELINE = [
 ]
 
 
-def timeline_source(edits: list[str]) -> str:
-    text = variant(edits)
+def timeline_source(edits: list[str], text: str | None = None) -> str:
+    text = variant(edits, text)
     for old, new in TIMELINE:
         assert text.count(old) == 1, f"the kernel's source changed ({old[:40]!r} found {text.count(old)} times)"
         text = text.replace(old, new)
@@ -82,7 +89,7 @@ def phases(stamps: np.ndarray) -> list[str]:
     busy = (g1 - g0).sum() / (span * len(np.unique(sm)))
     return [f"{mhz:.0f}", f"{live.sum():,}", f"{n_iter[live].mean():.1f}", f"{us(cq - c0):.2f}", f"{us(ck - c0):.2f}",
             f"{us(cl - ck) / n_iter[live].mean():.2f}", f"{us(c1 - cl):.2f}", f"{us(c1 - c0):.2f}",
-            f"{np.median(gap) / 1e3:.2f}", f"{busy:.1%}"]
+            f"{(c1 - c0)[live].mean():,.0f}", f"{np.median(gap) / 1e3:.2f}", f"{busy:.1%}"]
 
 
 def main() -> None:
@@ -92,14 +99,20 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="the FP8-compute kernel over an e4m3 cache")
     ap.add_argument("--cases", default="as built,no Q load", help="comma-separated: 'as built' or hopper_kernel "
                     "edits joined by ' + '")
+    ap.add_argument("--baseline", help="another version of hopper_attention.cu, timed beside each case")
+    ap.add_argument("--rounds", type=int, default=1, help="times each case (and its baseline) is timed, interleaved")
     args = ap.parse_args()
+    sources = [("", None)] + ([("baseline: ", Path(args.baseline).read_text())] if args.baseline else [])
     torch.manual_seed(0)
     backend, _, seqs, q, k, v, want, flop = shapes(args.fp8, args.length, 0, 0, chunked=not args.full)[0]
     clock = SmClock()
     rows = []
-    for case in args.cases.split(","):
+    runs = [(label, case, text) for _ in range(args.rounds) for case in args.cases.split(",")
+            for label, text in sources]
+    for label, case, text in runs:
         edits = [] if case == "as built" else case.split(" + ")
-        kernel = hopper_attention.HopperPrefill(torch.device("cuda"), source=timeline_source(edits), cache_dir=None)
+        kernel = hopper_attention.HopperPrefill(torch.device("cuda"), source=timeline_source(edits, text),
+                                                cache_dir=None)
         backend.hopper = kernel
         stamps = torch.zeros(0, dtype=torch.int64, device="cuda")
         launch = kernel.launch
@@ -118,7 +131,8 @@ def main() -> None:
         ms, span = clock.window(lambda: bench(lambda: backend.attend(0, q, k, v, D ** -0.5)))
         torch.cuda.synchronize()
         sm = clock.median(span)
-        row = [case, f"{ms:.2f}", f"{flop / ms / 1e9:.0f}", f"{err:.1e}", "n/a" if sm is None else f"{sm[0]:.0f}"]
+        row = [label + case, f"{ms:.2f}", f"{flop / ms / 1e9:.0f}", f"{err:.1e}",
+               "n/a" if sm is None else f"{sm[0]:.0f}"]
         rows.append(row + phases(stamps.cpu().numpy().view(np.uint64)))
         print(" | ".join(rows[-1]), flush=True)
     clock.close()
@@ -127,7 +141,7 @@ def main() -> None:
           + "; per CTA (one work item), means in microseconds at the SM clock inside the kernel")
     print(markdown_table(["variant", "ms", "TFLOP/s", "rel err", "nvidia-smi MHz", "in-kernel MHz", "work items",
                           "key tiles / item", "entry -> Q in", "entry -> 1st tile", "per key tile", "last P V -> exit",
-                          "entry -> exit", "gap on SM (median)", "SMs busy"], rows))
+                          "entry -> exit", "cycles / item", "gap on SM (median)", "SMs busy"], rows))
 
 
 if __name__ == "__main__":
