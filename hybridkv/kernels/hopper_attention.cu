@@ -22,8 +22,8 @@
 //             rounded to e4m3 in registers (weights down to 2^-17 survive instead of flushing below e4m3's 2^-9;
 //             the row sum carries the same factor).
 //
-// A CTA's start: its tile's four numbers (``tiles``) in one load, then the queries (consumers) and the first page
-// table entries (producer) go out before the barriers are set up. Its end (bf16, one split): O is staged through
+// A CTA's start: its tile's four numbers (``tiles``) in one load (none for a step of one sequence), then the queries
+// (consumers) and the first page table entries (producer) go out before the barriers are set up. Its end (bf16, one split): O is staged through
 // each consumer's query tile and stored in whole rows. (``benchmarks/gpu/hopper_timeline.py`` times these phases.)
 //
 // Shared memory (1024-aligned): Q [2 consumers][64 rows], then per stage a K tile and a V tile. bf16: 64-column
@@ -108,7 +108,8 @@ struct Params {
   const void* cache;  // the layer's first element (bf16, or e4m3 for FP8 compute)
   const int* table;
   // per work item (CTA x): its sequence, its first query's row in q and out, that query's position, and how many
-  // of the tile's tokens it has (one load a CTA at its start, where five arrays took two dependent round trips)
+  // of the tile's tokens it has (one load a CTA at its start, where five arrays took two dependent round trips).
+  // Null for a step of one sequence: its items are worked out from the CTA's index (``seq_len``, ``seq_ctx``)
   const int4* tiles;
   const u8* vt;          // FP8 compute: the segment's V^T (e4m3, [kv heads x D, columns])
   const int* vt_table;   // FP8 compute: each block's row in V^T (a row is block_size columns); table's strides
@@ -129,6 +130,7 @@ struct Params {
   int accumulate;
   int tma;             // 1: ``kmap`` describes the cache's token rows, tiles inside the reach arrive by TMA
   int rows_per_block;  // token rows of a page in ``kmap``: its K rows, then its V rows
+  int seq_len, seq_ctx;  // no ``tiles``: the one sequence's new tokens, and the tokens cached before them
 };
 
 // CUtensorMap, opaque: 128 bytes, 64-byte aligned
@@ -535,7 +537,15 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
   // broadcast so the compiler knows the role is warp-uniform (wgmma under a divergent branch is serialized)
   const int wg = __shfl_sync(FULL, tid >> 7, 0);
   const int tile = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
-  const int4 item = p.tiles[tile];
+  int4 item;
+  if (p.tiles != nullptr) {
+    item = p.tiles[tile];
+  } else {
+    // one sequence, its tiles longest first (the last first), as the backend orders them: no load ahead of the
+    // queries' and the page table's own (a long prompt's steps, where the first K/V tile is a CTA's longest wait)
+    const int q0 = (gridDim.x - 1 - tile) * p.tokens;
+    item = make_int4(0, q0, p.seq_ctx + q0, min(p.tokens, p.seq_len - q0));
+  }
   const int seq = item.x, q_row0 = item.y, first = item.z, n_tok = item.w;
   const Rows rows(p.group);
   uint4 q_regs[8];  // a consumer's queries, on their way while the barriers are set up
