@@ -23,8 +23,9 @@
 //             the row sum carries the same factor).
 //
 // A CTA's start: its tile's four numbers (``tiles``) in one load (none for a step of one sequence), then the queries
-// (consumers) and the first page table entries (producer) go out before the barriers are set up. Its end (bf16, one split): O is staged through
-// each consumer's query tile and stored in whole rows. (``benchmarks/gpu/hopper_timeline.py`` times these phases.)
+// (consumers) and the first page table entries (producer) go out before the barriers are set up. Its end (bf16, one
+// split): O is staged through each consumer's query tile and stored in whole rows. (``benchmarks/gpu/
+// hopper_timeline.py`` times these phases.)
 //
 // Shared memory (1024-aligned): Q [2 consumers][64 rows], then per stage a K tile and a V tile. bf16: 64-column
 // panels of 128-byte rows, 16-byte chunk c of row r at chunk c ^ (r % 8) (wgmma's and TMA's 128-byte swizzle); a
