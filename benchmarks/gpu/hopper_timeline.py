@@ -10,9 +10,8 @@ default: its work items are short (32 key tiles on average), so their fixed cost
 
 The SM clock under this load moves with temperature and with the data the dots multiply, by several percent between
 two launches of the same kernel; a work item's cycles do not. ``--baseline FILE`` times another version of the
-kernel's source (e.g. ``git show REV:hybridkv/kernels/hopper_attention.cu``, with the same launch parameters; one
-from before a one-sequence step launched without its work items is given them) beside each case, interleaved over
-``--rounds``, so a change is judged by its cycles per item in the same run.
+kernel's source (e.g. ``git show REV:hybridkv/kernels/hopper_attention.cu``, with the same launch parameters) beside
+each case, interleaved over ``--rounds``, so a change is judged by its cycles per item in the same run.
 
     python benchmarks/gpu/hopper_timeline.py [--length 131072] [--full] [--fp8] [--cases "as built,no Q load"]
         [--baseline FILE] [--rounds 2]
@@ -106,10 +105,6 @@ def main() -> None:
     sources = [("", None)] + ([("baseline: ", Path(args.baseline).read_text())] if args.baseline else [])
     torch.manual_seed(0)
     backend, _, seqs, q, k, v, want, flop = shapes(args.fp8, args.length, 0, 0, chunked=not args.full)[0]
-    backend.begin_step(seqs)
-    # a kernel from before one-sequence steps launched without their work items reads them: it is given the array
-    items = torch.from_numpy(hopper_attention.work_items(
-        *(t.cpu().numpy() for t in backend.step_state.seq), backend.step_state.tokens)).cuda()
     clock = SmClock()
     rows = []
     runs = [(label, case, text) for _ in range(args.rounds) for case in args.cases.split(",")
@@ -122,14 +117,12 @@ def main() -> None:
         stamps = torch.zeros(0, dtype=torch.int64, device="cuda")
         launch = kernel.launch
 
-        def stamped(grid, tensors, *rest, launch=launch, baseline=text is not None):
+        def stamped(grid, tensors, *rest, launch=launch):
             # one buffer for every launch (every slot is rewritten), so the timed launches run no extra memset
             nonlocal stamps
             if stamps.shape[0] != grid[0] * grid[1] * grid[2]:
                 stamps = torch.zeros(grid[0] * grid[1] * grid[2], FIELDS, dtype=torch.int64, device="cuda")
             assert tensors.get("lse") is None, "the timeline needs an unsplit one-shot launch (no LSE)"
-            if baseline and tensors.get("tiles") is None:
-                tensors = dict(tensors, tiles=items)
             launch(grid, dict(tensors, lse=stamps), *rest)
 
         kernel.launch = stamped

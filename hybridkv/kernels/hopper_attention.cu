@@ -22,10 +22,9 @@
 //             rounded to e4m3 in registers (weights down to 2^-17 survive instead of flushing below e4m3's 2^-9;
 //             the row sum carries the same factor).
 //
-// A CTA's start: its tile's four numbers (``tiles``) in one load (none for a step of one sequence), then the queries
-// (consumers) and the first page table entries (producer) go out before the barriers are set up. Its end (bf16, one
-// split): O is staged through each consumer's query tile and stored in whole rows. (``benchmarks/gpu/
-// hopper_timeline.py`` times these phases.)
+// A CTA's start: its tile's four numbers (``tiles``) in one load, then the queries (consumers) and the first page
+// table entries (producer) go out before the barriers are set up. Its end (bf16, one split): O is staged through
+// each consumer's query tile and stored in whole rows. (``benchmarks/gpu/hopper_timeline.py`` times these phases.)
 //
 // Shared memory (1024-aligned): Q [2 consumers][64 rows], then per stage a K tile and a V tile. bf16: 64-column
 // panels of 128-byte rows, 16-byte chunk c of row r at chunk c ^ (r % 8) (wgmma's and TMA's 128-byte swizzle); a
@@ -109,8 +108,7 @@ struct Params {
   const void* cache;  // the layer's first element (bf16, or e4m3 for FP8 compute)
   const int* table;
   // per work item (CTA x): its sequence, its first query's row in q and out, that query's position, and how many
-  // of the tile's tokens it has (one load a CTA at its start, where five arrays took two dependent round trips).
-  // Null for a step of one sequence: its items are worked out from the CTA's index (``seq_len``, ``seq_ctx``)
+  // of the tile's tokens it has (one load a CTA at its start, where five arrays took two dependent round trips)
   const int4* tiles;
   const u8* vt;          // FP8 compute: the segment's V^T (e4m3, [kv heads x D, columns])
   const int* vt_table;   // FP8 compute: each block's row in V^T (a row is block_size columns); table's strides
@@ -131,7 +129,6 @@ struct Params {
   int accumulate;
   int tma;             // 1: ``kmap`` describes the cache's token rows, tiles inside the reach arrive by TMA
   int rows_per_block;  // token rows of a page in ``kmap``: its K rows, then its V rows
-  int seq_len, seq_ctx;  // no ``tiles``: the one sequence's new tokens, and the tokens cached before them
 };
 
 // CUtensorMap, opaque: 128 bytes, 64-byte aligned
@@ -471,6 +468,7 @@ struct Rows {
   float inv;
   __device__ __forceinline__ explicit Rows(int group) : G(group), inv(__frcp_rn((float)group)) {}
   __device__ __forceinline__ int token(int r) const { return __float2int_rz((r + 0.5f) * inv); }
+  __device__ __forceinline__ int head(int r, int tok) const { return r - tok * G; }  // tok = token(r)
 };
 
 // This consumer's 64 query rows, in two halves: ``fetch_q`` loads them into registers (zeros for rows past the
@@ -488,7 +486,7 @@ __device__ __forceinline__ void fetch_q(const Params& p, const Rows& rows, uint4
     v[i] = make_uint4(0, 0, 0, 0);
     if (tok < n_tok)  // (n_tok <= tokens, so rows past tokens x G fail it too)
       v[i] = *reinterpret_cast<const uint4*>(p.q + (long long)(q_row0 + tok) * p.stride_qt +
-                                             (long long)(kv_head * rows.G + row - tok * rows.G) * p.stride_qh + c * 8);
+                                             (long long)(kv_head * rows.G + rows.head(row, tok)) * p.stride_qh + c * 8);
   }
 }
 
@@ -538,15 +536,7 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
   // broadcast so the compiler knows the role is warp-uniform (wgmma under a divergent branch is serialized)
   const int wg = __shfl_sync(FULL, tid >> 7, 0);
   const int tile = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
-  int4 item;
-  if (p.tiles != nullptr) {
-    item = p.tiles[tile];
-  } else {
-    // one sequence, its tiles longest first (the last first), as the backend orders them: no load ahead of the
-    // queries' and the page table's own (a long prompt's steps, where the first K/V tile is a CTA's longest wait)
-    const int q0 = (gridDim.x - 1 - tile) * p.tokens;
-    item = make_int4(0, q0, p.seq_ctx + q0, min(p.tokens, p.seq_len - q0));
-  }
+  const int4 item = p.tiles[tile];
   const int seq = item.x, q_row0 = item.y, first = item.z, n_tok = item.w;
   const Rows rows(p.group);
   uint4 q_regs[8];  // a consumer's queries, on their way while the barriers are set up
@@ -811,7 +801,7 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
       const uint4 v = ld_shared16(q_chunk(q_smem, r, c));
       if (tok < n_tok)
         st_global16(p.out + (long long)(q_row0 + tok) * p.stride_ot +
-                    (long long)(kv_head * rows.G + row - tok * rows.G) * p.stride_oh + c * 8, v);
+                    (long long)(kv_head * rows.G + rows.head(row, tok)) * p.stride_oh + c * 8, v);
     }
     return;
   }
@@ -824,7 +814,7 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
     const int tok = rows.token(row);
     const bool valid = tok < n_tok;
     const long long t_idx = q_row0 + tok;
-    const int head = kv_head * rows.G + row - tok * rows.G;
+    const int head = kv_head * rows.G + rows.head(row, tok);
     const float inv = __fdividef(p.v_scale, fmaxf(sum, 1e-30f));
     const int col = 2 * (lane & 3);
     if (unsplit) {  // FP8 (its query tile is too small to stage O)

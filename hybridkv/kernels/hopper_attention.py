@@ -46,7 +46,7 @@ _POINTERS = ("q", "out", "part", "lse", "cache", "table", "tiles", "vt", "vt_tab
 _STRIDES = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_table", "stride_block", "stride_tok",
             "v_offset", "stride_ps", "stride_pt", "stride_ph", "stride_ls", "stride_lt", "stride_vt")
 _INTS = ("kind", "reach", "block_size", "group", "tokens", "num_splits", "seg_lo", "seg_hi", "segmented", "accumulate",
-         "tma", "rows_per_block", "seq_len", "seq_ctx")
+         "tma", "rows_per_block")
 
 
 class _Params(ctypes.Structure):

@@ -94,23 +94,6 @@ def test_rows_map_to_token_and_head_by_a_float_reciprocal_exactly():
     assert bad
 
 
-def test_one_sequence_items_are_worked_out_in_the_kernel_as_the_backend_orders_them():
-    # a step of one sequence launches with no ``tiles``: CTA x works its item out as the (T - 1 - x)-th tile, which
-    # must be the item the backend's longest-first order would have given it
-    source = hopper_attention.SOURCE.read_text()
-    assert "const int q0 = (gridDim.x - 1 - tile) * p.tokens;" in source
-    assert "item = make_int4(0, q0, p.seq_ctx + q0, min(p.tokens, p.seq_len - q0));" in source
-    for q_len, ctx, tokens in ((30, 100, 25), (131072, 0, 25), (16384, 1048576, 16), (1, 7, 25)):
-        tile_seq, tile_q0 = query_tiles(np.array([q_len]), np.array([ctx]), tokens)
-        items = hopper_attention.work_items(tile_seq, tile_q0, np.array([0]), np.array([q_len]), np.array([ctx]),
-                                            tokens)
-        x = np.arange(len(items))
-        q0 = (len(items) - 1 - x) * tokens
-        worked_out = np.stack([0 * q0, q0, ctx + q0, np.minimum(tokens, q_len - q0)], axis=1)
-        assert (items == worked_out).all(), (q_len, ctx)
-        assert items[:, 3].min() >= 1 and items[:, 3].sum() == q_len
-
-
 def test_query_tiles_go_longest_first():
     # 30 and 10 new tokens over 100 and 0 cached, 25 tokens a tile: (0, 25) reads the most keys, (1, 0) the fewest
     tile_seq, tile_q0 = query_tiles(np.array([30, 10]), np.array([100, 0]), 25)

@@ -138,8 +138,7 @@ def plan_segments(first: list[int], ends: list[int], table: np.ndarray, block_si
 def query_tiles(q_lens: np.ndarray, ctx: np.ndarray, tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """A step's query tiles of ``tokens`` tokens, as (sequence, first query's offset in it), longest first: the GPU
     starts programs in grid order, so the short causal tiles fill the last wave. E.g. 30 and 10 new tokens over 100
-    and 0 cached, 25 tokens a tile: sequences [0, 0, 1], offsets [25, 0, 0]. One sequence's tiles come last first,
-    which the CUDA kernel relies on when it works them out itself."""
+    and 0 cached, 25 tokens a tile: sequences [0, 0, 1], offsets [25, 0, 0]."""
     tiles_per_seq = -(-q_lens // tokens)
     tile_seq = np.repeat(np.arange(len(q_lens), dtype=np.int32), tiles_per_seq)
     tile_q0 = np.concatenate([np.arange(n, dtype=np.int32) * tokens for n in tiles_per_seq])
@@ -181,10 +180,8 @@ class TritonStepState:
     tokens: int  # query tokens per tile
     num_tiles: int
     seq: list[torch.Tensor]  # tile_seq, tile_q0, q_loc, q_len, ctx_len
-    # the CUDA kernel's [num_tiles, 4] int32, one load a CTA: (sequence, first query's row, its position, tokens);
-    # None for a step of one sequence: the kernel works them out from its new and cached tokens, ``one_seq``
+    # the CUDA kernel's [num_tiles, 4] int32, one load a CTA: (sequence, first query's row, its position, tokens)
     tiles: torch.Tensor | None = None
-    one_seq: tuple[int, int] = (0, 0)
     groups: list[_GroupMeta] = field(default_factory=list)  # per layer group
 
 
@@ -284,10 +281,9 @@ class TritonPagedAttention:
         as_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)  # noqa: E731
         seq = [as_dev(tile_seq), as_dev(tile_q0), as_dev(q_loc), as_dev(q_lens), as_dev(ctx)]
         tiles = None
-        if config.cuda and len(seqs) > 1:  # (one sequence: the kernel works its items out)
+        if config.cuda:
             tiles = as_dev(hopper_attention.work_items(tile_seq, tile_q0, q_loc, q_lens, ctx, tokens))
-        self.step_state = TritonStepState(config, tokens, len(tile_seq), seq, tiles,
-                                          one_seq=(int(q_lens[0]), int(ctx[0])))
+        self.step_state = TritonStepState(config, tokens, len(tile_seq), seq, tiles)
         self.step_state.groups = [self._group_meta(g, seqs, ctx + q_lens, as_dev) for g in self.layout.groups]
 
     def _group_meta(self, group, seqs, seq_lens, as_dev) -> _GroupMeta:
@@ -548,11 +544,9 @@ class TritonPagedAttention:
                        v_offset=self.block_size * stride_tok, stride_ps=ps[0], stride_pt=ps[1], stride_ph=ps[2],
                        stride_ls=ls[0], stride_lt=ls[1], stride_vt=0 if vt is None else vt.stride(0))
         seg_lo, seg_hi, segmented, accumulate = segment
-        one = step.tiles is None  # one sequence
         ints = dict(kind=spec.kernel_kind, reach=max(spec.reach, 1), block_size=self.block_size,
                     group=q.shape[1] // spec.num_kv_heads, tokens=step.tokens, num_splits=splits, seg_lo=seg_lo,
-                    seg_hi=seg_hi, segmented=int(segmented), accumulate=int(accumulate),
-                    seq_len=step.one_seq[0] if one else 0, seq_ctx=step.one_seq[1] if one else 0)
+                    seg_hi=seg_hi, segmented=int(segmented), accumulate=int(accumulate))
         self.hopper.launch((step.num_tiles, spec.num_kv_heads, splits), tensors, strides,
                            scale * 1.4426950408889634, v_scale, ints)
 
