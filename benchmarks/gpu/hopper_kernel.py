@@ -52,12 +52,12 @@ EDITS = {
     "fp8 no loads": [("if (lane == 0) mbar_expect_tx(full, inside ? 2 * L::k_bytes : L::k_bytes);", ""),
                      ("          if (lane < boxes)\n            tma_load(",
                       "          if (false)\n            tma_load("),
-                     ("if (inside && lane >= boxes && lane < boxes + 2)", "if (false)"),
+                     ("if (inside && lane >= boxes && lane < boxes + bn / 64)", "if (false)"),
                      ("        if (!inside) {\n          const int r = tid;",
                       "        if (false) {\n          const int r = tid;")],
     # FP8 compute without one of its dots (the softmax then runs on stale registers): what each dot costs
-    "no QK dots": [("      wgmma_ss_e4m3(s, smem_desc(q_smem + kk * 32, 16, 1024), "
-                    "smem_desc(k_smem + kk * 32, 16, 1024), kk > 0);\n", "      ;\n")],
+    "no QK dots": [("      wgmma_ss_e4m3<BN<FP8>>(s, desc_at(q, kk * 32), desc_at(k, kk * 32), kk > 0);\n",
+                    "      ;\n")],
     # the exponentials of an unmasked tile against the running max instead of the new one (wrong wherever a row's
     # max rises; the first tile overflows): the tile's max is still reduced, but off the exponentials' path. A bound
     # on what starting the exponentials before the max is known could buy
@@ -73,6 +73,20 @@ EDITS = {
     "rescale when the max moves": [("        update_o<false>(o, o, alpha);\n",
                                     "        if (__any_sync(FULL, alpha[0] != 1.f || alpha[1] != 1.f)) "
                                     "update_o<false>(o, o, alpha);\n")],
+    # 2^x on the FMA pipe for some of an unmasked tile's exponentials (FlashAttention-4's offload of MUFU): x rounded
+    # by the 1.5 x 2^23 trick, 2^f of the rest by a quadratic (relative error 1.8e-3, under P's e4m3 rounding), the
+    # integer part added to the exponent; 8 instructions where MUFU takes one, but MUFU's pipe does an exponential
+    # a warp per 8 cycles. ``ex2 poly k/8``: k of every 8 scores of a row
+    **{f"ex2 poly {k}/8": [
+        ("template <bool MASKED, bool FP8>\n__device__ __forceinline__ void softmax_scores(",
+         "__device__ __forceinline__ float ex2_poly(float x) {\n"
+         "  x = fmaxf(x, -126.f);\n  const float t = x + 12582912.f;\n  const float f = x - (t - 12582912.f);\n"
+         "  const float q = fmaf(fmaf(0.23783041f, f, 0.70339650f), f, 1.00051367f);\n"
+         "  return __int_as_float(__float_as_int(q) + (__float_as_int(t) << 23));\n}\n"
+         "template <bool MASKED, bool FP8>\n__device__ __forceinline__ void softmax_scores("),
+        ("        const float x = MASKED ? ex2(s[i] + shift) : ex2(fmaf(s[i], scale[h], shift));\n",
+         f"        const float x = MASKED ? ex2(s[i] + shift) : (2 * j + e) % 8 < {k} ? "
+         "ex2_poly(fmaf(s[i], scale[h], shift)) : ex2(fmaf(s[i], scale[h], shift));\n")] for k in (1, 2, 3)},
     "no PV dots": [("      wgmma_rs_e4m3(o, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3], b, "
                     "FP8_PROMOTE ? kk > 0 : 1);\n", "")],
 }
@@ -123,24 +137,25 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     n, context, tokens = args.length, args.step_context, 16384
-    # (name, source edits (None: the Triton kernel), compile-time defines, FP8 stages)
+    # (name, source edits (None: the Triton kernel), compile-time defines, HopperPrefill's FP8 tile and stages)
     if args.fp8:
-        cases = [("Triton kernel, FP8 compute", None, {}, None)]
-        cases += [(f"CUDA kernel, FP8 compute, {st} stages", [], {}, st) for st in (4, 5, 6)]
-        cases += [(f"CUDA kernel, FP8 compute, {k}={v}", [], {k: v}, None)
-                  for k, v in (("OVERLAP", 0), ("TREE", 0), ("FP8_PROMOTE", 0))]
-        cases += [("CUDA kernel, FP8 compute, PINGPONG=0", [], {"PINGPONG": 0}, None)]
-        cases += [("CUDA kernel, FP8 compute, FP8_PROMOTE=0, rescale when the max moves",
-                   ["rescale when the max moves"], {"FP8_PROMOTE": 0}, None)]
-        cases += [(f"CUDA kernel, FP8 compute, {' + '.join(c)}", c, {}, None)
+        old = {"fp8_block_n": 128, "fp8_stages": 5}  # the tile before FP8_BN (with FP8_PROMOTE)
+        cases = [("Triton kernel, FP8 compute", None, {}, {})]
+        cases += [(f"CUDA kernel, FP8 compute, {st} stages", [], {}, {"fp8_stages": st}) for st in (3, 4)]
+        cases += [("CUDA kernel, FP8 compute, 128-key tiles, 5 stages", [], {}, old),
+                  ("CUDA kernel, FP8 compute, 128-key tiles, 5 stages, FP8_PROMOTE=0", [], {"FP8_PROMOTE": 0}, old)]
+        cases += [(f"CUDA kernel, FP8 compute, {k}=0", [], {k: 0}, {}) for k in ("OVERLAP", "TREE", "PINGPONG")]
+        cases += [("CUDA kernel, FP8 compute, rescale when the max moves", ["rescale when the max moves"], {}, {})]
+        cases += [(f"CUDA kernel, FP8 compute, ex2 poly {k}/8", [f"ex2 poly {k}/8"], {}, {}) for k in (1, 2, 3)]
+        cases += [(f"CUDA kernel, FP8 compute, {' + '.join(c)}", c, {}, {})
                   for c in (["no softmax"], ["fp8 no loads"], ["no softmax", "fp8 no loads"], ["no QK dots"],
                             ["no PV dots"], ["no QK dots", "no PV dots"], ["stale max"], ["no row sums"],
                             ["no O update"], ["no row sums", "no O update"])]
     else:
-        cases = [("Triton kernel", None, {}, None), ("CUDA kernel (as built)", [], {}, None)]
-        cases += [(f"OVERLAP={o}, PINGPONG={p}", [], {"OVERLAP": o, "PINGPONG": p}, None) for o in (0, 1)
+        cases = [("Triton kernel", None, {}, {}), ("CUDA kernel (as built)", [], {}, {})]
+        cases += [(f"OVERLAP={o}, PINGPONG={p}", [], {"OVERLAP": o, "PINGPONG": p}, {}) for o in (0, 1)
                   for p in (0, 1)]
-        cases += [(" + ".join(c), c, {}, None)
+        cases += [(" + ".join(c), c, {}, {})
                   for c in (["gathers only"], ["no loads"], ["no softmax"], ["no loads", "no softmax"], ["no Q load"],
                             ["no output stores"], ["no Q load", "no output stores"], ["stale max"])]
     if args.cases:
@@ -149,13 +164,12 @@ def main() -> None:
     rows = []
     clock = SmClock()
     cases_shapes = shapes(args.fp8, n, context, tokens, args.chunked)
-    for name, edits, defines, fp8_stages in cases:
+    for name, edits, defines, tile in cases:
         row = [name]
         kernel = None
         if edits is not None:
-            stages = {} if fp8_stages is None else {"fp8_stages": fp8_stages}
             kernel = hopper_attention.HopperPrefill(torch.device("cuda"), source=variant(edits), defines=defines,
-                                                    **stages)
+                                                    **tile)
         for cuda_backend, triton_backend, seqs, qq, kk, vv, want, fl in cases_shapes:
             backend = triton_backend if kernel is None else cuda_backend
             if kernel is not None:

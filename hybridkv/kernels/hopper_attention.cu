@@ -1,7 +1,7 @@
 // Paged hybrid attention prefill for Hopper (sm_90a), FlashAttention-3 style, compiled at run time by NVRTC.
 //
 // One CTA computes one query tile (128 rows: the query heads of one KV head stacked per token, as in the Triton
-// kernel) over the keys [start, end) of its KV split, in key tiles of 128. Three warpgroups:
+// kernel) over the keys [start, end) of its KV split, in key tiles of 128 (FP8 compute: 192). Three warpgroups:
 //   producer  (warpgroup 0): brings each K and V tile into swizzled shared memory, STAGES tiles ahead, landing on
 //             an mbarrier. A tile inside the reach comes by TMA, one box per page (and 64-column panel; a warp's
 //             lanes issue them); an edge tile, whose rows outside [lo, end) may be dropped blocks or NaN, is
@@ -15,7 +15,8 @@
 //
 // Two instances of the one kernel body (``prefill<FP8>``):
 //   paged_prefill_hopper      bf16 Q, K, V (a bf16 cache, or an FP8 cache's segments widened to bf16); m64n128k16.
-//   paged_prefill_hopper_fp8  FP8 compute over an e4m3 cache (m64n128k32, twice bf16's rate): each query row is
+//   paged_prefill_hopper_fp8  FP8 compute over an e4m3 cache (m64n192k32 and m64n128k32, twice bf16's rate;
+//             192-key tiles, as the softmax binds here: FP8_BN): each query row is
 //             quantized to e4m3 with its own scale (its max |q| to 448) as it enters shared memory; K tiles come
 //             from the e4m3 pages as they are; 8-bit wgmma takes B K-major only, so V comes from V^T, a copy of
 //             the segment's V transposed ([heads x 128 rows, key columns]) by the backend; P is scaled by 2^8 and
@@ -29,8 +30,8 @@
 // Shared memory (1024-aligned): Q [2 consumers][64 rows], then per stage a K tile and a V tile. bf16: 64-column
 // panels of 128-byte rows, 16-byte chunk c of row r at chunk c ^ (r % 8) (wgmma's and TMA's 128-byte swizzle); a
 // key tile's rows are keys, so the same bytes serve as Q K^T's B (K-major) and, transposed, as P V's B (MN-major).
-// FP8: Q and K rows are 128 bytes (one panel); V^T is two panels of 64 keys, 128 rows of 64 bytes, chunk c of row
-// r at c ^ (r / 2 % 4) (the 64-byte swizzle).
+// FP8: Q and K rows are 128 bytes (one panel); V^T is panels of 64 keys (three in a 192-key tile), 128 rows of 64
+// bytes, chunk c of row r at c ^ (r / 2 % 4) (the 64-byte swizzle).
 //
 // FP8's P layout: the S accumulator gives a thread of quad position t the columns 8j + 2t + {0, 1}; the A fragment
 // of an m64n128k32 wgmma wants its 4-byte registers to hold k-indices 4t..4t+3 (and 16 + 4t..). Instead of shuffling
@@ -48,7 +49,14 @@ typedef unsigned char u8;
 #define STAGES 3
 #endif
 #ifndef FP8_STAGES
-#define FP8_STAGES 5
+#define FP8_STAGES 4
+#endif
+// FP8_BN: the FP8 kernel's keys per tile. 192 (FlashAttention-3's choice for FP8 at d128 with V^T): the softmax binds
+// FP8 compute, and each tile's fixed work (its row max and sum reductions, the waits for the two dots, O's rescale,
+// the barriers) is spread over 1.5x the scores. Its S accumulators take the registers FP8_PROMOTE's second O would,
+// so 192 goes without it. 128: the tile of the bf16 kernel, with FP8_PROMOTE.
+#ifndef FP8_BN
+#define FP8_BN 192
 #endif
 // OVERLAP 1: a consumer issues Q K_{t+1}^T before P_t V_t and waits for the scores alone, so its exponentials run
 // while its P V dot does (FlashAttention-3's intra-warpgroup overlap). 0: both dots, then the softmax.
@@ -70,13 +78,16 @@ typedef unsigned char u8;
 // the rescale was): Hopper's FP8 wgmma accumulates in reduced precision, which a long reach would otherwise pile up
 // in O. 0: P V accumulates straight into O.
 #ifndef FP8_PROMOTE
-#define FP8_PROMOTE 1
+#define FP8_PROMOTE (FP8_BN == 128)
 #endif
+static_assert(!(FP8_PROMOTE && FP8_BN > 128), "FP8_PROMOTE's second O does not fit beside a wider S tile");
+static_assert(FP8_BN == 128 || FP8_BN == 192, "FP8 key tiles of 128 or 192 keys (256 spills: S 128 + P 32 + O 64)");
 
 constexpr int D = 128;        // head dim
-constexpr int BN = 128;       // keys per tile
+template <bool FP8>
+constexpr int BN = FP8 ? FP8_BN : 128;  // keys per tile
 constexpr int WG_ROWS = 64;   // query rows per consumer warpgroup
-constexpr u32 PANEL = BN * 128;  // bf16: one 64-column panel of a key tile (16 KB)
+constexpr u32 PANEL = 128 * 128;  // bf16: one 64-column panel of a key tile (16 KB)
 constexpr u32 VT_PANEL = D * 64;  // FP8: 64 keys of V^T, 128 rows of 64 bytes (8 KB)
 constexpr unsigned FULL = 0xffffffffu;
 
@@ -86,14 +97,14 @@ struct Smem {
   static constexpr int stages = FP8 ? FP8_STAGES : STAGES;
   static constexpr u32 elem = FP8 ? 1 : 2;
   static constexpr u32 q_bytes = WG_ROWS * D * elem;  // per consumer
-  static constexpr u32 k_bytes = BN * D * elem;       // a key tile (bf16: 2 panels)
+  static constexpr u32 k_bytes = BN<FP8> * D * elem;  // a key tile (bf16: 2 panels; FP8 V^T: BN / 64)
   static constexpr u32 stage_bytes = 2 * k_bytes;     // K, then V (FP8: V^T)
   static constexpr u32 kv = 2 * q_bytes;              // the first stage
   static constexpr u32 bars = kv + stages * stage_bytes;  // full[stages], empty[stages]
   static constexpr u32 q_scales = bars + 16 * stages;     // FP8: each query row's factor, float[128]
   static constexpr u32 bytes = q_scales + (FP8 ? 4 * 2 * WG_ROWS : 0);
   // setmaxnreg: 128 x producer + 256 x consumer <= 64K registers. FP8_PROMOTE's second set of O accumulators
-  // wants 240 in a consumer.
+  // wants 240 in a consumer (FP8_BN 192 without it: S 96 + O 64 + P 24).
   static constexpr int producer_regs = FP8 && FP8_PROMOTE ? 24 : 40;
   static constexpr int consumer_regs = FP8 && FP8_PROMOTE ? 240 : 232;
 };
@@ -190,10 +201,11 @@ template <int N>
 __device__ __forceinline__ void wg_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
-__device__ __forceinline__ void fence_regs(float (&d)[64]) {
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&d)[N]) {
   // keeps the compiler from reading accumulators before the wait that completes them
 #pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 __device__ __forceinline__ float ex2(float x) {
   float y;
@@ -249,14 +261,20 @@ __device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo, u32 sbo, u64 mode = 
   return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo & 0x3FFFF) >> 4) << 16) | ((u64)((sbo & 0x3FFFF) >> 4) << 32) |
          (mode << 62);
 }
-// A wgmma's 64 float accumulators d[0..63] of one thread: as its template names them (operands %0-%63) and as
-// the asm statement binds them (read and written)
-#define WG_ACC \
-  "{" \
+// the descriptor of ``bytes`` further on: the address field holds addr / 16 in 14 bits, and a CTA's shared memory
+// (< 2^18 bytes) never carries out of it. One add per wgmma, where each built its own in five uniform instructions
+__device__ __forceinline__ u64 desc_at(u64 desc, u32 bytes) { return desc + (bytes >> 4); }
+// A wgmma's float accumulators d[0..N/2) of one thread (N/2 = 64, or 96 for FP8's m64n192 Q K^T): as its
+// template names them (operands %0..) and as the asm statement binds them (read and written)
+#define WG_REGS_64 \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define WG_ACC "{" WG_REGS_64 "}"
+#define WG_ACC96 "{" WG_REGS_64 ", " \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95" \
   "}"
 #define WG_ACC_OPERANDS \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
@@ -267,6 +285,11 @@ __device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo, u32 sbo, u64 mode = 
   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define WG_ACC96_OPERANDS WG_ACC_OPERANDS, \
+  "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+  "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+  "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+  "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
 // S (+)= A B: both operands in shared memory, K-major
 __device__ __forceinline__ void wgmma_ss(float (&d)[64], u64 a, u64 b, int scale_d) {
   asm volatile(
@@ -283,13 +306,23 @@ __device__ __forceinline__ void wgmma_rs_tb(float (&d)[64], u32 a0, u32 a1, u32 
       : WG_ACC_OPERANDS
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b), "r"(1));
 }
-// FP8 (e4m3): K-major operands only (8-bit wgmma has no transpose)
-__device__ __forceinline__ void wgmma_ss_e4m3(float (&d)[64], u64 a, u64 b, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " WG_ACC ", %64, %65, p, 1, 1;\n}\n"
-      : WG_ACC_OPERANDS
-      : "l"(a), "l"(b), "r"(scale_d));
+// FP8 (e4m3): K-major operands only (8-bit wgmma has no transpose); S = Q K^T over 128 or 192 keys
+template <int N>
+__device__ __forceinline__ void wgmma_ss_e4m3(float (&d)[N / 2], u64 a, u64 b, int scale_d) {
+  static_assert(N == 128 || N == 192, "FP8 key tiles of 128 or 192");
+  if constexpr (N == 128) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " WG_ACC ", %64, %65, p, 1, 1;\n}\n"
+        : WG_ACC_OPERANDS
+        : "l"(a), "l"(b), "r"(scale_d));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 " WG_ACC96 ", %96, %97, p, 1, 1;\n}\n"
+        : WG_ACC96_OPERANDS
+        : "l"(a), "l"(b), "r"(scale_d));
+  }
 }
 __device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[64], u32 a0, u32 a1, u32 a2, u32 a3, u64 b, int scale_d) {
   asm volatile(
@@ -314,50 +347,57 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
+// A consumer thread's S accumulators (half a tile's keys: 64, FP8_BN 192: 96) and its P (bf16 pairs, or FP8 quads)
+template <bool FP8>
+constexpr int S_REGS = BN<FP8> / 2;
+template <bool FP8>
+constexpr int P_REGS = FP8 ? BN<FP8> / 8 : BN<FP8> / 4;
+
 // S = Q K^T over the head dim. bf16: 8 steps of 16 (4 per 64-column panel, 32 bytes apart inside the swizzle);
 // FP8: 4 steps of 32 along one 128-byte row.
 template <bool FP8>
-__device__ __forceinline__ void qk_dot(float (&s)[64], u32 q_smem, u32 k_smem) {
+__device__ __forceinline__ void qk_dot(float (&s)[S_REGS<FP8>], u32 q_smem, u32 k_smem) {
+  const u64 q = smem_desc(q_smem, 16, 1024), k = smem_desc(k_smem, 16, 1024);
   if constexpr (FP8) {
 #pragma unroll
     for (int kk = 0; kk < D / 32; ++kk)
-      wgmma_ss_e4m3(s, smem_desc(q_smem + kk * 32, 16, 1024), smem_desc(k_smem + kk * 32, 16, 1024), kk > 0);
+      wgmma_ss_e4m3<BN<FP8>>(s, desc_at(q, kk * 32), desc_at(k, kk * 32), kk > 0);
   } else {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      const u64 a = smem_desc(q_smem + (kk >> 2) * (WG_ROWS * 128) + (kk & 3) * 32, 16, 1024);
-      const u64 b = smem_desc(k_smem + (kk >> 2) * PANEL + (kk & 3) * 32, 16, 1024);
+      const u64 a = desc_at(q, (kk >> 2) * (WG_ROWS * 128) + (kk & 3) * 32);
+      const u64 b = desc_at(k, (kk >> 2) * PANEL + (kk & 3) * 32);
       wgmma_ss(s, a, b, kk > 0);
     }
   }
 }
 
-// O += P V over the tile's keys. bf16: 8 steps of 16 keys (2 KB of rows each), V the MN-major B. FP8: 4 steps of
-// 32 keys, V^T the K-major B (two 64-key panels, 32 bytes apart inside a 64-byte row).
+// O += P V over the tile's keys. bf16: 8 steps of 16 keys (2 KB of rows each), V the MN-major B. FP8: steps of
+// 32 keys, V^T the K-major B (64-key panels, 32 bytes apart inside a 64-byte row).
 template <bool FP8>
-__device__ __forceinline__ void pv_dot(float (&o)[64], const u32 (&p)[FP8 ? 16 : 32], u32 v_smem) {
+__device__ __forceinline__ void pv_dot(float (&o)[64], const u32 (&p)[P_REGS<FP8>], u32 v_smem) {
   if constexpr (FP8) {
+    const u64 v = smem_desc(v_smem, 16, 512, 2);
 #pragma unroll
-    for (int kk = 0; kk < BN / 32; ++kk) {
-      const u64 b = smem_desc(v_smem + (kk >> 1) * VT_PANEL + (kk & 1) * 32, 16, 512, 2);
+    for (int kk = 0; kk < BN<FP8> / 32; ++kk) {
+      const u64 b = desc_at(v, (kk >> 1) * VT_PANEL + (kk & 1) * 32);
       wgmma_rs_e4m3(o, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3], b, FP8_PROMOTE ? kk > 0 : 1);
     }
   } else {
+    const u64 v = smem_desc(v_smem, PANEL, 1024);
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      const u64 b = smem_desc(v_smem + kk * 16 * 128, PANEL, 1024);
-      wgmma_rs_tb(o, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3], b);
-    }
+    for (int kk = 0; kk < BN<FP8> / 16; ++kk)
+      wgmma_rs_tb(o, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3], desc_at(v, kk * 16 * 128));
   }
 }
 
-// Online softmax of one S tile (keys n..n+127) in the wgmma accumulator layout: s[4j + 2h + e] is row
+// Online softmax of one S tile (keys n..n + BN - 1) in the wgmma accumulator layout: s[4j + 2h + e] is row
 // (lane / 4 + 8h) of this warp's 16, column 8j + 2 (lane % 4) + e. ``softmax_scores`` turns s into the tile's
 // weights in place, 2^(s scale - m + BIAS), and updates the running max m and sum; then ``update_o`` rescales O,
 // which must be complete by then, and ``pack_p`` packs P in the layout of the next dot's A fragments. ``scale`` is
 // per row (FP8: each query row's quantization factor is in it).
 template <bool MASKED, bool FP8>
-__device__ __forceinline__ void softmax_scores(float (&s)[64], float (&m)[2], float (&l)[2], float (&alpha)[2],
+__device__ __forceinline__ void softmax_scores(float (&s)[S_REGS<FP8>], float (&m)[2], float (&l)[2], float (&alpha)[2],
                                                const int (&row_lo)[2], const int (&row_hi)[2], int n, int lane,
                                                const float (&scale)[2]) {
   constexpr float BIAS = FP8 ? 8.f : 0.f;  // FP8: P x 2^8 before its e4m3 rounding
@@ -370,7 +410,7 @@ __device__ __forceinline__ void softmax_scores(float (&s)[64], float (&m)[2], fl
 #pragma unroll
     for (int c = 0; c < CHAINS; ++c) part[c] = NEG_INF;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < BN<FP8> / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float x = s[4 * j + 2 * h + e];
@@ -397,7 +437,7 @@ __device__ __forceinline__ void softmax_scores(float (&s)[64], float (&m)[2], fl
 #pragma unroll
     for (int c = 0; c < CHAINS; ++c) sum[c] = 0.f;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < BN<FP8> / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int i = 4 * j + 2 * h + e;
@@ -416,10 +456,10 @@ __device__ __forceinline__ void softmax_scores(float (&s)[64], float (&m)[2], fl
 // u = i / 2, packs s[16kk + 8u + 2h + {0, 1}] and s[16kk + 8u + 4 + 2h + {0, 1}]: columns 16u + 2t + {0, 1} and
 // 16u + 8 + 2t + {0, 1}, which V^T's permuted columns put at k-indices 16u + 4t .. 16u + 4t + 3.
 template <bool FP8>
-__device__ __forceinline__ void pack_p(const float (&s)[64], u32 (&p)[FP8 ? 16 : 32]) {
+__device__ __forceinline__ void pack_p(const float (&s)[S_REGS<FP8>], u32 (&p)[P_REGS<FP8>]) {
   if constexpr (FP8) {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
+    for (int i = 0; i < P_REGS<FP8>; ++i) {
       const int j = 16 * (i >> 2) + 8 * ((i >> 1) & 1) + 2 * (i & 1);
       p[i] = pack_e4m3(s[j], s[j + 1], s[j + 4], s[j + 5]);
     }
@@ -438,7 +478,7 @@ __device__ __forceinline__ void update_o(float (&o)[64], const float (&pv)[64], 
 }
 
 template <bool FP8>
-__device__ __forceinline__ void softmax_any(float (&s)[64], float (&m)[2], float (&l)[2], float (&alpha)[2],
+__device__ __forceinline__ void softmax_any(float (&s)[S_REGS<FP8>], float (&m)[2], float (&l)[2], float (&alpha)[2],
                                             const int (&row_lo)[2], const int (&row_hi)[2], int n, int lane,
                                             const float (&scale)[2], bool masked) {
   if (masked)
@@ -525,6 +565,7 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
                                         unsigned char* smem_raw) {
   using L = Smem<FP8>;
   constexpr int NS = L::stages;
+  constexpr int bn = BN<FP8>;
   const u32 raw = smem_u32(smem_raw);
   const u32 base = (raw + 1023) & ~1023u;
   const u32 kv0 = base + L::kv;
@@ -543,31 +584,35 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
   if (wg > 0) fetch_q(p, rows, q_regs, wg - 1, tid - 128 * wg, q_row0, n_tok, kv_head);
 
   // keys this tile sees (queries at positions first..last), its split's share, and the interior tiles (every
-  // query sees every key: no mask); the same arithmetic as the Triton kernel, with 128-key tiles
+  // query sees every key: no mask); the same arithmetic as the Triton kernel, with tiles of bn keys (segments and
+  // reaches need not start on one: keys of a tile below lo are masked)
   const int last = first + n_tok - 1;
   const int hi = min(last + 1, p.seg_hi);
   const int lo = max(type_lo(first, p.kind, p.reach), p.seg_lo);
-  const int lo_tile = lo / BN * BN;
-  const int num_tiles = (hi - lo_tile + BN - 1) / BN;
+  const int lo_tile = lo / bn * bn;
+  const int num_tiles = (hi - lo_tile + bn - 1) / bn;
   const int per_split = (num_tiles + p.num_splits - 1) / p.num_splits;
-  const int start = lo_tile + split * per_split * BN;
-  const int end = min(start + per_split * BN, hi);
-  const int n_iter = __shfl_sync(FULL, end > start ? (end - start + BN - 1) / BN : 0, 0);
-  const int inner_lo = min(max((type_lo(last, p.kind, p.reach) + BN - 1) / BN * BN, start), end);
-  const int full_tiles = first + 1 - start > 0 ? (first + 1 - start) / BN : 0;
-  const int inner_hi = max(min(start + full_tiles * BN, end), inner_lo);
+  const int start = lo_tile + split * per_split * bn;
+  const int end = min(start + per_split * bn, hi);
+  const int n_iter = __shfl_sync(FULL, end > start ? (end - start + bn - 1) / bn : 0, 0);
+  // (a segment's ends, multiples of 128 keys or a page, need not fall on a tile of 192: a tile across seg_lo or
+  // end is masked, else it would take keys of the previous segment or past the split)
+  const int inner_lo = min(max((max(type_lo(last, p.kind, p.reach), p.seg_lo) + bn - 1) / bn * bn, start), end);
+  const int full_tiles = max(min(first + 1, end) - start, 0) / bn;
+  const int inner_hi = max(start + full_tiles * bn, inner_lo);
 
-  // the producer's page tables: a tile (aligned to 128 keys, pages a power of two) spans 128 / bs pages, or one:
-  // lane i holds the i-th (FP8: and its row in V^T). The first tile's go out before the barriers are set up; each
-  // next tile's while this one's copies go out, keeping the table's latency off the critical path
+  // the producer's page tables: lane i holds the i-th page a tile touches (FP8: and its row in V^T), for pages
+  // that start before the tile's and the split's end (a power of two of 4+ tokens: a tile of 128 spans at most 32).
+  // The first tile's go out before the barriers are set up; each next tile's while this one's copies go out,
+  // keeping the table's latency off the critical path
   const int lane_id = tid & 31;
   const int bs = p.block_size, bs_log = __ffs(bs) - 1;  // pages of a power of two: shifts, not divisions
   const int* table = p.table + (long long)seq * p.stride_table;
   const int* vt_table = p.vt_table + (long long)seq * p.stride_table;
-  const int tile_pages = bs >= BN ? 1 : BN >> bs_log;
   auto page_of = [&](const int* t_, int t) {
-    const int i = ((start + t * BN) >> bs_log) + lane_id;
-    return (t < n_iter && lane_id < tile_pages && (i << bs_log) < end) ? t_[i] : 0;
+    const int n = start + t * bn;
+    const int i = (n >> bs_log) + lane_id;
+    return (t < n_iter && (i << bs_log) < min(n + bn, end)) ? t_[i] : 0;
   };
   int pages = 0, vt_pages = 0;
   if (wg == 0) {
@@ -588,19 +633,20 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
     // ---------------- producer: K/V tiles by TMA, edge tiles by page gathers ----------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(L::producer_regs));
     const int lane = lane_id;
-    // TMA boxes of min(page, 128) rows: bf16 per tile 2 (K, V) x 2 panels x boxes_per_panel, one a lane
-    const int box_rows = bs < BN ? bs : BN;
-    const int boxes = BN / box_rows;
+    // TMA boxes of min(page, 128) rows (FP8: of 64 rows, so that none straddles a page in a tile of 192): bf16 per
+    // tile 2 (K, V) x 2 panels x boxes_per_panel, one a lane
+    const int box_rows = FP8 ? 64 : bs < bn ? bs : bn;
+    const int boxes = bn / box_rows;
     for (int t = 0; t < n_iter; ++t) {
       const int next_pages = page_of(table, t + 1);
       const int next_vt_pages = FP8 ? page_of(vt_table, t + 1) : 0;
       const int s = t % NS;
       mbar_wait(empty_bar + 8 * s, ((t / NS) & 1) ^ 1);
-      const int n = start + t * BN;
+      const int n = start + t * bn;
       const int first_page = n >> bs_log;
       const u32 stage = kv0 + s * L::stage_bytes;
       const u32 full = full_bar + 8 * s;
-      const bool inside = n >= lo && n + BN <= end;
+      const bool inside = n >= lo && n + bn <= end;
       if constexpr (FP8) {
         // K by TMA always (keys outside the reach get -inf scores, whatever their bytes); V^T by TMA inside the
         // reach, else loaded here with the bytes of keys outside [lo, end) zeroed (P is 0 there, but 0 x NaN is not)
@@ -608,21 +654,21 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
           const int i = lane < boxes ? lane : 0;
           const int kkey = n + i * box_rows;
           const int kpage = __shfl_sync(FULL, pages, (kkey >> bs_log) - first_page);
-          const int panel = (lane - boxes) & 1;
+          const int panel = lane >= boxes && lane < boxes + bn / 64 ? lane - boxes : 0;  // of V^T
           const int vkey = n + 64 * panel;
           const int vpage = __shfl_sync(FULL, vt_pages, (vkey >> bs_log) - first_page);
           if (lane == 0) mbar_expect_tx(full, inside ? 2 * L::k_bytes : L::k_bytes);
           __syncwarp();
           if (lane < boxes)
             tma_load(stage + i * box_rows * 128, kmap, kv_head * D, kpage * p.rows_per_block + (kkey & (bs - 1)), full);
-          if (inside && lane >= boxes && lane < boxes + 2)
+          if (inside && lane >= boxes && lane < boxes + bn / 64)
             tma_load(stage + L::k_bytes + panel * VT_PANEL, vmap, vpage * bs + (vkey & (bs - 1)), kv_head * D, full);
         }
         if (!inside) {
           const int r = tid;  // V^T row: element r of the head dim
           const u8* src = p.vt + (long long)(kv_head * D + r) * p.stride_vt;
 #pragma unroll 1
-          for (int c = 0; c < BN / 16; ++c) {
+          for (int c = 0; c < bn / 16; ++c) {
             const int key0 = n + 16 * c;
             const int vpage = __shfl_sync(FULL, vt_pages, (key0 >> bs_log) - first_page);
             uint4 v = make_uint4(0, 0, 0, 0);
@@ -659,7 +705,7 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
         const u16* src = static_cast<const u16*>(p.cache) + (long long)kv_head * D + chunk * 8;
         const u32 k_dst = stage + (chunk >> 3) * PANEL + row0 * 128 + (((chunk & 7) ^ row0) << 4);
 #pragma unroll
-        for (int m = 0; m < BN / 8; ++m) {
+        for (int m = 0; m < bn / 8; ++m) {
           const int key = n + row0 + 8 * m;
           const bool ok = key >= lo && key < end;
           const int page = __shfl_sync(FULL, pages, (key >> bs_log) - first_page);
@@ -699,9 +745,9 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
   }
 
   constexpr bool PROMOTE = FP8 && FP8_PROMOTE;
-  float o[64], s[64], ot[64];
+  float o[64], s[S_REGS<FP8>], ot[64];
   float (&pv)[64] = PROMOTE ? ot : o;  // where P V lands
-  u32 pf[FP8 ? 16 : 32];
+  u32 pf[P_REGS<FP8>];
   float m[2] = {-1e30f, -1e30f}, l[2] = {0.f, 0.f};
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.f;
@@ -727,7 +773,7 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
     // data-dependent branch: ptxas would serialize them)
     for (int t = 0; t + 1 < n_iter; ++t) {
       const int cur = t % NS, nxt = (t + 1) % NS;
-      const int n = start + (t + 1) * BN;
+      const int n = start + (t + 1) * bn;
       mbar_wait(full_bar + 8 * nxt, ((t + 1) / NS) & 1);
       fence_proxy_async();
       wait_turn(my_turn);

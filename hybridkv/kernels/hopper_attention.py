@@ -33,10 +33,11 @@ CUBIN_CACHE = Path.home() / ".cache" / "hybridkv" / "cubins"  # compiled kernels
 THREADS = 384  # a producer warpgroup and two consumers
 ROWS = 128  # query rows per CTA: 64 per consumer
 BLOCK_N = 128  # keys per tile
+FP8_BLOCK_N = 192  # FP8 compute: keys per tile (FP8_BN in the .cu file says why)
 HEAD_DIM = 128
 MAX_TENSOR_MAPS = 256  # a model's layers, a few times over
 STAGES = 3  # key tiles in flight (K and V: 64 KB each; 3 fill the 227 KB a CTA may have)
-FP8_STAGES = 5  # FP8 compute: K and V^T tiles of 32 KB
+FP8_STAGES = 4  # FP8 compute: K and V^T tiles of 24 KB each
 # FP8 compute: V^T's column order within each 16 keys. The S accumulator gives a thread the keys 2t, 2t + 1, 8 + 2t,
 # 9 + 2t of each 16 (t: its place in a quad); an 8-bit wgmma's A fragment reads a thread's 4 bytes as k-indices 4t..
 # 4t + 3. So k-index a = 4t + 2b + e of V^T holds key 8b + 2t + e, and P goes from S to the next dot as it lies.
@@ -56,11 +57,12 @@ class _Params(ctypes.Structure):
                 + [("qk_scale", ctypes.c_float), ("v_scale", ctypes.c_float)] + [(n, ctypes.c_int) for n in _INTS])
 
 
-def shared_bytes(stages: int = STAGES, fp8: bool = False) -> int:
+def shared_bytes(stages: int = STAGES, fp8: bool = False, fp8_block_n: int = FP8_BLOCK_N) -> int:
     """Dynamic shared memory of one CTA (``struct Smem`` in the .cu file): two query tiles of 64 rows, ``stages`` x
-    (K + V) tiles of 128 keys, barriers, FP8's 128 query-row factors, and 1 KB to align the swizzled tiles."""
-    elem = 1 if fp8 else 2
-    return 2 * 64 * HEAD_DIM * elem + stages * 2 * BLOCK_N * HEAD_DIM * elem + 16 * stages + 512 * fp8 + 1024
+    (K + V) key tiles (128 keys; FP8: ``fp8_block_n``), barriers, FP8's 128 query-row factors, and 1 KB to align
+    the swizzled tiles."""
+    elem, block_n = (1, fp8_block_n) if fp8 else (2, BLOCK_N)
+    return 2 * 64 * HEAD_DIM * elem + stages * 2 * block_n * HEAD_DIM * elem + 16 * stages + 512 * fp8 + 1024
 
 
 def work_items(tile_seq: np.ndarray, tile_q0: np.ndarray, q_loc: np.ndarray, q_len: np.ndarray, ctx: np.ndarray,
@@ -130,7 +132,8 @@ def cached_cubin(cache_dir: Path | None, key_parts: list[bytes], build: Callable
 
 
 def compile_cubin(stages: int = STAGES, source: str | None = None, defines: dict[str, int] | None = None,
-                  fp8_stages: int = FP8_STAGES, cache_dir: Path | None = CUBIN_CACHE) -> bytes:
+                  fp8_stages: int = FP8_STAGES, cache_dir: Path | None = CUBIN_CACHE,
+                  fp8_block_n: int = FP8_BLOCK_N) -> bytes:
     """NVRTC: the .cu source (or ``source``, a variant of it) to sm_90a machine code (wgmma and setmaxnreg need the
     'a' target), or the same build from ``cache_dir``. ``defines`` set the source's compile-time switches (OVERLAP,
     PINGPONG: benchmarks time them)."""
@@ -138,7 +141,7 @@ def compile_cubin(stages: int = STAGES, source: str | None = None, defines: dict
 
     text = SOURCE.read_bytes() if source is None else source.encode()
     opts = [b"--gpu-architecture=sm_90a", b"-std=c++17", f"-DSTAGES={stages}".encode(),
-            f"-DFP8_STAGES={fp8_stages}".encode()]
+            f"-DFP8_STAGES={fp8_stages}".encode(), f"-DFP8_BN={fp8_block_n}".encode()]
     opts += [f"-D{k}={v}".encode() for k, v in (defines or {}).items()]
     version = f"nvrtc {_check(nvrtc.nvrtcVersion(), 'nvrtcVersion')}".encode()
     return cached_cubin(cache_dir, [text, *opts, version], lambda: _nvrtc_compile(nvrtc, text, opts))
@@ -165,13 +168,14 @@ class HopperPrefill:
 
     def __init__(self, device: torch.device, stages: int = STAGES, source: str | None = None,
                  defines: dict[str, int] | None = None, fp8_stages: int = FP8_STAGES,
-                 cache_dir: Path | None = CUBIN_CACHE) -> None:
+                 cache_dir: Path | None = CUBIN_CACHE, fp8_block_n: int = FP8_BLOCK_N) -> None:
         from cuda.bindings import driver
 
         self.driver = driver
         self.device = device
         self.stages = stages
-        self._image = ctypes.create_string_buffer(compile_cubin(stages, source, defines, fp8_stages, cache_dir))
+        self._image = ctypes.create_string_buffer(
+            compile_cubin(stages, source, defines, fp8_stages, cache_dir, fp8_block_n))
         with torch.cuda.device(device):  # the module belongs to the device's primary context: make it current
             torch.empty(1, device=device)
             self._ensure_context()
@@ -181,7 +185,7 @@ class HopperPrefill:
             for fp8, name, n in ((False, b"paged_prefill_hopper", stages), (True, b"paged_prefill_hopper_fp8",
                                                                                fp8_stages)):
                 function = _check(driver.cuModuleGetFunction(self.module, name), "cuModuleGetFunction")
-                smem = shared_bytes(n, fp8)
+                smem = shared_bytes(n, fp8, fp8_block_n)
                 attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
                 _check(driver.cuFuncSetAttribute(function, attr, smem), "cuFuncSetAttribute")
                 self.kernels[fp8] = (function, smem)
@@ -239,8 +243,8 @@ class HopperPrefill:
             raise ValueError(f"FP8 compute in the CUDA kernel needs TMA pages of 64+ tokens (got {bs})")
         ints = dict(ints, tma=int(tma), rows_per_block=strides["stride_block"] // row_elems)
         maps = [self._no_map]
-        if tma:  # bf16: 64-column panels; FP8: one 128-byte row of a head
-            maps[0] = self.tensor_map(cache, row_elems, (HEAD_DIM if fp8 else 64, min(bs, BLOCK_N)))
+        if tma:  # bf16: 64-column panels of min(page, 128) rows; FP8: one 128-byte row of a head, 64 rows a box
+            maps[0] = self.tensor_map(cache, row_elems, (HEAD_DIM, 64) if fp8 else (64, min(bs, BLOCK_N)))
         if fp8:  # V^T: boxes of 64 key columns x the head's 128 rows
             vt = tensors["vt"]
             maps.append(self.tensor_map(vt, vt.shape[1], (64, HEAD_DIM), swizzle_bytes=64))

@@ -41,6 +41,19 @@ def test_shared_memory_fits_a_hopper_cta():
     for fp8, stages in ((False, hopper_attention.STAGES), (True, hopper_attention.FP8_STAGES)):
         assert hopper_attention.shared_bytes(stages, fp8) <= 227 * 1024
     assert hopper_attention.shared_bytes(hopper_attention.STAGES + 1) > 227 * 1024  # why bf16 stops at 3
+    # FP8 compute: 192-key tiles of 24 KB (K) + 24 KB (V^T) a stage, so 4 stages where 128-key tiles had 5
+    assert hopper_attention.shared_bytes(hopper_attention.FP8_STAGES + 1, True) > 227 * 1024
+    assert hopper_attention.shared_bytes(5, True, fp8_block_n=128) <= 227 * 1024
+
+
+def test_fp8_tile_switches_mirror_the_kernel_source():
+    # the loader passes FP8_BN and FP8_STAGES to NVRTC and sizes shared memory by them: the source's own defaults
+    # and limits must agree (a tile of 192 keys goes without FP8_PROMOTE's second O, for registers)
+    source = hopper_attention.SOURCE.read_text()
+    assert f"#define FP8_BN {hopper_attention.FP8_BLOCK_N}\n" in source
+    assert f"#define FP8_STAGES {hopper_attention.FP8_STAGES}\n" in source
+    assert "#define FP8_PROMOTE (FP8_BN == 128)" in source
+    assert hopper_attention.FP8_BLOCK_N % 64 == 0  # whole 64-key panels of V^T, TMA boxes of 64 rows
 
 
 def test_compiled_kernels_are_cached_by_source_and_options(tmp_path):
