@@ -87,6 +87,12 @@ EDITS = {
         ("        const float x = MASKED ? ex2(s[i] + shift) : ex2(fmaf(s[i], scale[h], shift));\n",
          f"        const float x = MASKED ? ex2(s[i] + shift) : (2 * j + e) % 8 < {k} ? "
          "ex2_poly(fmaf(s[i], scale[h], shift)) : ex2(fmaf(s[i], scale[h], shift));\n")] for k in (1, 2, 3)},
+    # the FP8 softmax's row max and sum as c independent chains (TREE's 4), and the consumers at 240 registers
+    # (the producer at 24) where FP8_BN 192 leaves them 232: more room for ptxas's schedule
+    **{f"{c} chains": [("constexpr int CHAINS = FP8 && TREE ? 4 : 1;", f"constexpr int CHAINS = FP8 && TREE ? {c} : 1;")]
+       for c in (2, 6, 8)},
+    "240 registers": [("producer_regs = FP8 && FP8_PROMOTE ? 24 : 40;", "producer_regs = FP8 ? 24 : 40;"),
+                      ("consumer_regs = FP8 && FP8_PROMOTE ? 240 : 232;", "consumer_regs = FP8 ? 240 : 232;")],
     "no PV dots": [("      wgmma_rs_e4m3(o, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3], b, "
                     "FP8_PROMOTE ? kk > 0 : 1);\n", "")],
 }
@@ -147,6 +153,8 @@ def main() -> None:
         cases += [(f"CUDA kernel, FP8 compute, {k}=0", [], {k: 0}, {}) for k in ("OVERLAP", "TREE", "PINGPONG")]
         cases += [("CUDA kernel, FP8 compute, rescale when the max moves", ["rescale when the max moves"], {}, {})]
         cases += [(f"CUDA kernel, FP8 compute, ex2 poly {k}/8", [f"ex2 poly {k}/8"], {}, {}) for k in (1, 2, 3)]
+        cases += [(f"CUDA kernel, FP8 compute, {e}", [e], {}, {}) for e in ("2 chains", "6 chains", "8 chains",
+                                                                          "240 registers")]
         cases += [(f"CUDA kernel, FP8 compute, {' + '.join(c)}", c, {}, {})
                   for c in (["no softmax"], ["fp8 no loads"], ["no softmax", "fp8 no loads"], ["no QK dots"],
                             ["no PV dots"], ["no QK dots", "no PV dots"], ["stale max"], ["no row sums"],
