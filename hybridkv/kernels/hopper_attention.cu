@@ -807,6 +807,9 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
       } else {
         update_o<false>(o, o, alpha);
       }
+      // P is packed only after P_t V_t's wait, which alone keeps its registers: ptxas counts a dot's register A as
+      // read when the dot is issued, and gave those registers to other values while the dot still read them when
+      // the next P was packed early (twelfth session, run 114: NaN)
       pack_p<FP8>(s, pf);
     }
     const int cur = (n_iter - 1) % NS;
