@@ -20,6 +20,7 @@ import ctypes
 import hashlib
 import importlib.util
 import os
+import re
 import tempfile
 from collections import OrderedDict
 from collections.abc import Callable
@@ -80,6 +81,34 @@ def page_columns(block_size: int) -> list[int]:
     16-key group never straddles two pages). E.g. columns 0..15 hold offsets 0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12,
     13, 6, 7, 14, 15: V^T is gathered as ``v[:, page_columns(block_size)]``."""
     return [16 * (c // 16) + V_PERM16[c % 16] for c in range(block_size)]
+
+
+# an RS wgmma in SASS (HGMMA bf16, QGMMA FP8): accumulators, then register A (4 registers from the one named)
+_RS_DOT = re.compile(r"[HQ]GMMA\.\S+ R\d+, R(\d+), gdesc")
+_WRITES = re.compile(r"^(?:@!?U?P[T\d]\s+)?([A-Z][\w.]*)\s+R(\d+)\b")
+_NOT_WRITES = ("ST", "BAR", "SYNCS", "BRA", "WARPGROUP", "HGMMA", "QGMMA", "RED", "ATOM", "FENCE", "MEMBAR")
+
+
+def inflight_register_writes(sass: str) -> list[str]:
+    """The instructions of a disassembled kernel (``cuobjdump -sass``) that write a register a P V dot reads as its A
+    while the dot may still run: between an RS wgmma and the next ``WARPGROUP.DEPBAR.LE gsb0, 0x0``, in address
+    order. ptxas counts register A as read when the dot is issued and may give those registers to other values,
+    but the dot reads them until its wait (a P packed early gave NaN, twelfth session). E.g. ``QGMMA.64x128x32...
+    R120, R184, gdesc[UR8], R120`` then ``FFMA R186, R2, R3, R4`` before the wait: that FFMA. Empty for a sound
+    build; the GPU tests check each."""
+    a_regs: set[int] = set()  # of the dots issued since the last full wait (and within one function)
+    found = []
+    for line in sass.splitlines():
+        body = line.split("*/", 1)[-1].split(";", 1)[0].strip()
+        if dot := _RS_DOT.search(body):
+            a_regs.update(range(int(dot.group(1)), int(dot.group(1)) + 4))
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in body or "Function :" in line:
+            a_regs.clear()
+        elif a_regs and (w := _WRITES.match(body)) and not w.group(1).startswith(_NOT_WRITES):
+            width = 4 if ".128" in w.group(1) else 2 if (".64" in w.group(1) or ".WIDE" in w.group(1)) else 1
+            if a_regs & set(range(int(w.group(2)), int(w.group(2)) + width)):
+                found.append(body)
+    return found
 
 
 def unavailable(device: torch.device) -> str | None:

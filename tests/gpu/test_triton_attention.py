@@ -368,3 +368,33 @@ def test_hopper_cuda_prefill_leaves_what_it_does_not_cover_to_triton():
     off = TritonPagedAttention(plan_layout(specs("bfloat16"), 64), 64, "bfloat16", HQ, DEVICE, hopper_kernel=False)
     assert off.hopper is None and off.prefill is HOPPER_PREFILL
 
+
+
+def _cuobjdump() -> str | None:
+    """The CUDA toolkit's, or the one Triton bundles."""
+    import shutil
+
+    import triton
+
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return shutil.which("cuobjdump") or (bundled if os.path.exists(bundled) else None)
+
+
+@pytest.mark.skipif(not HOPPER_CUDA or _cuobjdump() is None,
+                    reason="the CUDA prefill kernel (Hopper, cuda-bindings) and cuobjdump")
+@pytest.mark.parametrize("fp8_tile", [(192, 4), (128, 5)])
+def test_hopper_cuda_builds_leave_p_alone_while_p_v_dots_read_it(tmp_path, fp8_tile):
+    # ptxas counts a P V dot's register A as read at issue and may hand those registers to other values while the dot
+    # still reads them; only packing P after the dot's wait keeps them. Checked on each build's machine code, both
+    # kernels (bf16 and FP8 compute), FP8 with its 192-key tile and the 128-key one with FP8_PROMOTE.
+    import subprocess
+
+    block_n, stages = fp8_tile
+    cubin = tmp_path / "kernel.cubin"
+    cubin.write_bytes(hopper_attention.compile_cubin(fp8_block_n=block_n, fp8_stages=stages, cache_dir=None))
+    sass = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    for kernel in ("paged_prefill_hopper", "paged_prefill_hopper_fp8"):
+        assert f"Function : {kernel}\n" in sass
+    assert sass.count("HGMMA") and sass.count("QGMMA")  # both kernels' dots, P V's with register A among them
+    assert hopper_attention._RS_DOT.search(sass)
+    assert hopper_attention.inflight_register_writes(sass) == []

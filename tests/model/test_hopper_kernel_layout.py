@@ -111,3 +111,24 @@ def test_query_tiles_go_longest_first():
     # 30 and 10 new tokens over 100 and 0 cached, 25 tokens a tile: (0, 25) reads the most keys, (1, 0) the fewest
     tile_seq, tile_q0 = query_tiles(np.array([30, 10]), np.array([100, 0]), 25)
     assert tile_seq.tolist() == [0, 0, 1] and tile_q0.tolist() == [25, 0, 0]
+
+
+def test_register_writes_while_a_p_v_dot_reads_its_a_are_found():
+    # ptxas counts an RS wgmma's register A as read at issue; a write to those registers before the full wait
+    # corrupts the dot (NaN in the twelfth session). The check must see such writes and nothing else.
+    sass = "\n".join([
+        "        Function : paged_prefill_hopper_fp8",
+        "        /*b0b0*/                   QGMMA.64x192x32.F32.E4M3.E4M3 R24, gdesc[UR8], RZ, !UPT ;",  # SS: no A
+        "        /*b250*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R120, R184, gdesc[UR8], R120 ;",
+        "        /*b2c0*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R120, R188, gdesc[UR8], R120, gsb0 ;",
+        "        /*b4d0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;",
+        "        /*b4e0*/                   FFMA R24, R9, R24, R6 ;",  # not an A register
+        "        /*b4f0*/                   FFMA R186, R9, R25, R6 ;",  # A of the first dot, in flight
+        "        /*b500*/              @!P0 LDS.128 R180, [UR4] ;",  # R180..R183: not A
+        "        /*b510*/                   LDS.128 R182, [UR4] ;",  # R182..R185: reaches R184
+        "        /*b520*/              @!P0 STS.128 [UR4], R184 ;",  # a read
+        "        /*b530*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;",
+        "        /*b540*/                   F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R184, R25, R24, RZ ;",  # after
+    ])
+    assert hopper_attention.inflight_register_writes(sass) == ["FFMA R186, R9, R25, R6", "LDS.128 R182, [UR4]"]
+    assert hopper_attention.inflight_register_writes(sass.replace("0x1 ;", "0x0 ;")) == []
