@@ -89,8 +89,8 @@ EDITS = {
          "ex2_poly(fmaf(s[i], scale[h], shift)) : ex2(fmaf(s[i], scale[h], shift));\n")] for k in (1, 2, 3)},
     # the FP8 softmax's row max and sum as c independent chains (TREE's 4), and the consumers at 240 registers
     # (the producer at 24) where FP8_BN 192 leaves them 232: more room for ptxas's schedule
-    **{f"{c} chains": [("constexpr int CHAINS = FP8 && TREE ? 4 : 1;", f"constexpr int CHAINS = FP8 && TREE ? {c} : 1;")]
-       for c in (2, 6, 8)},
+    **{f"{c} chains": [("constexpr int CHAINS = FP8 && TREE ? 4 : 1;",
+                        f"constexpr int CHAINS = FP8 && TREE ? {c} : 1;")] for c in (2, 6, 8)},
     "240 registers": [("producer_regs = FP8 && FP8_PROMOTE ? 24 : 40;", "producer_regs = FP8 ? 24 : 40;"),
                       ("consumer_regs = FP8 && FP8_PROMOTE ? 240 : 232;", "consumer_regs = FP8 ? 240 : 232;")],
     "no PV dots": [("      wgmma_rs_e4m3(o, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3], b, "
