@@ -398,3 +398,34 @@ def test_hopper_cuda_builds_leave_p_alone_while_p_v_dots_read_it(tmp_path, fp8_t
         # each kernel's P V dots take P from registers (else the check below would have nothing to look at)
         assert hopper_attention._RS_DOT.search(code), name
         assert hopper_attention.inflight_register_writes(code) == [], name
+
+
+@pytest.mark.parametrize("heads, dim, block_size", [(1, 128, 64), (3, 64, 16)])  # one KV head; H * D not a power of 2
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
+def test_kv_write_and_v_transpose_place_every_value(heads, dim, block_size, kv_dtype):
+    # 100 new tokens after 5 cached (slots start mid-page, the last program is partly masked), pages permuted
+    if INTERPRET and kv_dtype == "fp8_e4m3":
+        pytest.skip("Triton's interpreter rounds to e4m3 unlike the GPU (1.99 -> 1.0)")
+    spec = FullAttentionSpec(heads, dim, kv_dtype)
+    scales = {0: (0.5, 2.0)} if kv_dtype == "fp8_e4m3" else None
+    tri = TritonPagedAttention(plan_layout([spec], block_size), 64, kv_dtype, heads, DEVICE, kv_scales=scales)
+    table = np.random.default_rng(0).permutation(np.arange(1, 64, dtype=np.int32))
+    tri.begin_step([StepSequence(5, 100, [table])])
+    k = torch.randn(100, heads, dim, device=DEVICE, dtype=torch.bfloat16) * 4
+    v = torch.randn_like(k) * 4
+    tri.write(0, k, v)
+    view = tri.cache.layers[0].view
+    pos = torch.arange(5, 105, device=DEVICE)
+    blocks = torch.as_tensor(table, device=DEVICE).long()[pos // block_size]
+    k_scale, v_scale = scales[0] if scales else (1.0, 1.0)
+    cast = lambda x, s: (x.float() / s).clamp(-448, 448).to(view.dtype)  # noqa: E731
+    assert torch.equal(view[blocks, 0, pos % block_size].float(), cast(k, k_scale).float())
+    assert torch.equal(view[blocks, 1, pos % block_size].float(), cast(v, v_scale).float())
+    if kv_dtype == "fp8_e4m3":
+        # V^T of three pages in a permuted column order, against torch's gather and transpose
+        pages = torch.as_tensor(table[:3], device=DEVICE).long()
+        columns = torch.as_tensor(hopper_attention.page_columns(block_size), device=DEVICE)
+        raw = view.view(torch.uint8)
+        vt = tri._v_transposed(raw, pages, columns, heads * dim)
+        want = raw[pages[:, None], 1, columns[None, :]].permute(2, 3, 0, 1).reshape(heads * dim, -1)
+        assert vt.shape == want.shape and torch.equal(vt.view(torch.uint8), want)

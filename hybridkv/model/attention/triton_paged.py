@@ -244,6 +244,7 @@ class TritonPagedAttention:
         self._v_columns = None  # None: FP8 compute stays on Triton (no CUDA kernel, or pages under 64 tokens)
         if self.hopper is not None and bs >= 64 and bs & (bs - 1) == 0:
             self._v_columns = torch.tensor(hopper_attention.page_columns(bs), dtype=torch.int64, device=self.device)
+        self._v_in_order = torch.arange(bs, dtype=torch.int64, device=self.device)  # Triton's FP8 V^T columns
         self.prefill, self.decode, self.max_splits = prefill, decode, max_splits
         self.segment_bytes = segment_bytes
         # graphs need CUDA (a CPU device only happens under Triton's interpreter)
@@ -405,11 +406,14 @@ class TritonPagedAttention:
         meta = self.step_state.groups[layer.group_id]
         heads, dim = layer.spec.num_kv_heads, layer.spec.head_dim
         k_scale, v_scale = self.kv_scales.get(layer_id, (1.0, 1.0))
-        k, v = k.contiguous(), v.contiguous()
-        self.kernels.kv_write_kernel[(k.shape[0],)](
-            k, v, self._base(layer), meta.slot_block, meta.slot_offset, k_scale, v_scale,
-            k.stride(0), k.stride(1), self.cache.buffer.stride(0), heads * dim, self.block_size * heads * dim,
-            H=heads, H_PAD=_next_pow2(heads), D=dim, D_PAD=_next_pow2(dim), QUANT=self.quantized,
+        # one token's K (or V) rows: heads * dim contiguous values, in the inputs as in a slot
+        k, v = k.reshape(k.shape[0], -1).contiguous(), v.reshape(v.shape[0], -1).contiguous()
+        hd_pad = _next_pow2(heads * dim)
+        tokens = max(1, 4096 // hd_pad)
+        self.kernels.kv_write_kernel[(-(-k.shape[0] // tokens),)](
+            k, v, self._base(layer), meta.slot_block, meta.slot_offset, k_scale, v_scale, k.shape[0],
+            k.stride(0), self.cache.buffer.stride(0), self.block_size * heads * dim,
+            HD=heads * dim, HD_PAD=hd_pad, TOKENS=tokens, QUANT=self.quantized,
         )
         return layer, k_scale, v_scale
 
@@ -434,13 +438,9 @@ class TritonPagedAttention:
             fp8 = layer.view.view(torch.uint8)
             heads, dim = spec.num_kv_heads, spec.head_dim
             cuda = self._hopper_fp8_covers(q, out)  # the CUDA kernel, its own V^T column order; else Triton's
+            columns = self._v_columns if cuda else self._v_in_order
             for i, seg in enumerate(meta.segments):
-                if cuda:
-                    v = fp8[seg.blocks[:, None], 1, self._v_columns[None, :]]  # [n, block, heads, dim]
-                else:
-                    v = fp8[seg.blocks, 1]
-                vt = v.permute(2, 3, 0, 1).contiguous().view(heads * dim, -1).view(torch.float8_e4m3fn)
-                del v
+                vt = self._v_transposed(fp8, seg.blocks, columns, heads * dim)
                 self._launch(*args, self._base(layer), meta.table, self.cache.buffer.stride(0), True,
                              seg_lo=seg.lo, seg_hi=seg.hi, segmented=segmented, accumulate=i > 0,
                              vt=vt, vt_table=meta.scratch_table, cuda_vt=cuda)
@@ -465,6 +465,18 @@ class TritonPagedAttention:
                 D_SLICE=d_slice,
             )
         return out
+
+    def _v_transposed(self, fp8: torch.Tensor, blocks: torch.Tensor, columns: torch.Tensor, hd: int) -> torch.Tensor:
+        """V^T [heads * dim, pages * block] (e4m3) of the pages ``blocks`` of one layer's cache (``fp8``, bytes),
+        each page's keys in ``columns`` order."""
+        n_cols = blocks.shape[0] * self.block_size
+        vt = torch.empty((hd, n_cols), dtype=torch.uint8, device=fp8.device)
+        cols = 128
+        self.kernels.v_transpose_kernel[(-(-n_cols // cols),)](
+            fp8, blocks, columns, vt, n_cols, fp8.stride(0), fp8.stride(1),
+            HD=hd, HD_PAD=_next_pow2(hd), BLOCK_SIZE=self.block_size, COLS=cols,
+        )
+        return vt.view(torch.float8_e4m3fn)
 
     def _launch(self, q, out, part, lse, spec, scale, k_scale, v_scale, splits, cache, table, stride_block, quant,
                 seg_lo=0, seg_hi=2**31 - 1, segmented=False, accumulate=False, vt=None, vt_table=None,
