@@ -310,8 +310,8 @@ class TritonPagedAttention:
 
     def _plan_segments(self, meta: _GroupMeta, spec, seqs, table: np.ndarray, as_dev) -> None:
         unit = max(self.block_size, self.prefill.block_n)  # segments start on key-tile boundaries
-        # bf16 K and V; FP8 compute: V's e4m3 gather and its transposed copy
-        per_token = spec.num_kv_heads * spec.head_dim * (2 if self.fp8_compute else 4)
+        # bf16 K and V; FP8 compute: V's transposed e4m3 copy (gathered from the pages by the same pass)
+        per_token = spec.num_kv_heads * spec.head_dim * (1 if self.fp8_compute else 4)
         first = [spec.first_needed_token(s.context_len) for s in seqs]
         ends = [s.context_len + s.query_len for s in seqs]
         # whole blocks round each reach out: its last block, and its first where a window starts inside one
