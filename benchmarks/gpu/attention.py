@@ -164,7 +164,7 @@ def sdpa(q, k, v, chunked: bool, cudnn: bool = False):
     else:
         qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     # enable_gqa: the 5 query heads read the one KV head in place; a repeat_interleave copy of K/V first made
-    # cuDNN's chunked 128K row 500 TFLOP/s instead of 575 (run 121)
+    # cuDNN's chunked 128K row 500 TFLOP/s instead of 575 (run 123)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION if cudnn else SDPBackend.FLASH_ATTENTION):
         out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
     return out.transpose(1, 2).reshape(n, HQ, D)
