@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attention as A  # noqa: E402
 
-from hybridkv.kv.specs import ChunkedLocalSpec, FullAttentionSpec  # noqa: E402
+from hybridkv.kv.specs import FullAttentionSpec  # noqa: E402
 from hybridkv.model.attention.base import StepSequence  # noqa: E402
 
 
@@ -100,14 +100,7 @@ def print_kernels(fn) -> None:
 
 def prefill_rows() -> None:
     for n, chunked in ((131072, True), (1 << 20, True), (131072, False)):
-        spec = (ChunkedLocalSpec(A.HKV, A.D, "bfloat16", chunk=A.CHUNK) if chunked
-                else FullAttentionSpec(A.HKV, A.D, "bfloat16"))
-        backend, table = A.make_backend(spec, n, n)
-        q = torch.randn(n, A.HQ, A.D, device=A.DEV, dtype=torch.bfloat16)
-        k = torch.randn(n, A.HKV, A.D, device=A.DEV, dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        backend.begin_step([StepSequence(0, n, [table])])
-        fn = lambda: backend.attend(0, q, k, v, A.D ** -0.5)  # noqa: E731
+        _, backend, q, k, v, fn = A.one_shot(n, chunked)
         err = A.rel_err(fn(), A.sdpa(q, k, v, chunked))
         assert err < 1e-2
         flops = 4 * A.HQ * A.D * A.useful_pairs(n, chunked)

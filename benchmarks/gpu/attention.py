@@ -154,8 +154,10 @@ def make_backend(spec, n: int, max_q: int, block: int = BLOCK, **kernel_options)
     return backend, table
 
 
-def sdpa(q, k, v, chunked: bool, cudnn: bool = False):
-    """q [n, HQ, D], k/v [n, HKV, D] -> [n, HQ, D], flash (or cuDNN) backend, causal (per chunk if chunked)."""
+def sdpa(q, k, v, chunked: bool, cudnn: bool = False, repeat_kv: bool = False):
+    """q [n, HQ, D], k/v [n, HKV, D] -> [n, HQ, D], flash (or cuDNN) backend, causal (per chunk if chunked).
+    ``repeat_kv``: copy the KV head to every query head first, as this table did before run 124
+    (``eager_graphed.py`` times both)."""
     n = q.shape[0]
     if chunked and n > CHUNK:
         assert n % CHUNK == 0
@@ -165,8 +167,10 @@ def sdpa(q, k, v, chunked: bool, cudnn: bool = False):
         qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     # enable_gqa: the 5 query heads read the one KV head in place; a repeat_interleave copy of K/V first made
     # cuDNN's chunked 128K row 500 TFLOP/s instead of 575 (run 123)
+    if repeat_kv:
+        kb, vb = kb.repeat_interleave(HQ // HKV, 1), vb.repeat_interleave(HQ // HKV, 1)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION if cudnn else SDPBackend.FLASH_ATTENTION):
-        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
+        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=not repeat_kv)
     return out.transpose(1, 2).reshape(n, HQ, D)
 
 
@@ -223,20 +227,25 @@ def triton_prefill(backend, spec, n: int, block: int, q, k, v, ref, flops: int) 
     return f"{flops / bench(lambda: tri.attend(0, q, k, v, D ** -0.5)) / 1e9:.0f}"
 
 
-def prefill_row(n: int, chunked: bool, flex_max: int, block: int) -> list[str]:
+def one_shot(n: int, chunked: bool, block: int = BLOCK):
+    """A one-shot prefill of n random tokens through a fresh backend (permuted pages): the layer's spec, the
+    backend, q, k, v, and the call that attends them."""
     spec = ChunkedLocalSpec(HKV, D, "bfloat16", chunk=CHUNK) if chunked else FullAttentionSpec(HKV, D, "bfloat16")
     backend, table = make_backend(spec, n, n, block=block)
     q = torch.randn(n, HQ, D, device=DEV, dtype=torch.bfloat16)
     k = torch.randn(n, HKV, D, device=DEV, dtype=torch.bfloat16)
     v = torch.randn(n, HKV, D, device=DEV, dtype=torch.bfloat16)
-    scale = D ** -0.5
     backend.begin_step([StepSequence(0, n, [table])])
-    ours = backend.attend(0, q, k, v, scale)
+    return spec, backend, q, k, v, lambda: backend.attend(0, q, k, v, D ** -0.5)
+
+
+def prefill_row(n: int, chunked: bool, flex_max: int, block: int) -> list[str]:
+    spec, backend, q, k, v, attend = one_shot(n, chunked, block)
     ref = sdpa(q, k, v, chunked)
-    err = rel_err(ours, ref)
+    err = rel_err(attend(), ref)
     assert err <= 1e-2, f"prefill n={n} chunked={chunked}: relative error {err:.2e}"
     flops = 4 * HQ * D * useful_pairs(n, chunked)
-    t_ours = bench(lambda: backend.attend(0, q, k, v, scale))
+    t_ours = bench(attend)
     triton_col = triton_prefill(backend, spec, n, block, q, k, v, ref, flops)
     t_sdpa = bench(lambda: sdpa(q, k, v, chunked))
     try:

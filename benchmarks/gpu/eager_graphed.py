@@ -12,30 +12,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import triton.testing
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attention as A  # noqa: E402
-
-from hybridkv.kv.specs import ChunkedLocalSpec, FullAttentionSpec  # noqa: E402
-from hybridkv.model.attention.base import StepSequence  # noqa: E402
-
-
-def sdpa_peer(q, k, v, chunked: bool, cudnn: bool, gqa: bool):
-    """SDPA over Scout's rank shapes; ``gqa``: the KV head read in place, else copied to every query head first."""
-    n = q.shape[0]
-    if chunked and n > A.CHUNK:
-        shape = lambda x: x.view(n // A.CHUNK, A.CHUNK, x.shape[1], A.D).transpose(1, 2)  # noqa: E731
-        qb, kb, vb = shape(q), shape(k), shape(v)
-    else:
-        qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    if not gqa:
-        kb, vb = kb.repeat_interleave(A.HQ // A.HKV, 1), vb.repeat_interleave(A.HQ // A.HKV, 1)
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION if cudnn else SDPBackend.FLASH_ATTENTION):
-        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=gqa)
-    return out.transpose(1, 2).reshape(n, A.HQ, A.D)
 
 
 def median_ms(fn) -> float:
@@ -43,14 +23,7 @@ def median_ms(fn) -> float:
 
 
 def row(n: int, chunked: bool) -> str:
-    spec = (ChunkedLocalSpec(A.HKV, A.D, "bfloat16", chunk=A.CHUNK) if chunked
-            else FullAttentionSpec(A.HKV, A.D, "bfloat16"))
-    backend, table = A.make_backend(spec, n, n)
-    q = torch.randn(n, A.HQ, A.D, device=A.DEV, dtype=torch.bfloat16)
-    k = torch.randn(n, A.HKV, A.D, device=A.DEV, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    backend.begin_step([StepSequence(0, n, [table])])
-    fn = lambda: backend.attend(0, q, k, v, A.D ** -0.5)  # noqa: E731
+    _, _, q, k, v, fn = A.one_shot(n, chunked)
     ref = A.sdpa(q, k, v, chunked)
     assert A.rel_err(fn(), ref) < 1e-2
     flops = 4 * A.HQ * A.D * A.useful_pairs(n, chunked)
@@ -65,8 +38,8 @@ def row(n: int, chunked: bool) -> str:
              f"attend CPU {cpu_us:.0f} us"]
     for cudnn in (False, True):
         name = "cuDNN" if cudnn else "flash"
-        copied = lambda: sdpa_peer(q, k, v, chunked, cudnn, gqa=False)  # noqa: E731
-        in_place = lambda: sdpa_peer(q, k, v, chunked, cudnn, gqa=True)  # noqa: E731
+        copied = lambda: A.sdpa(q, k, v, chunked, cudnn, repeat_kv=True)  # noqa: E731
+        in_place = lambda: A.sdpa(q, k, v, chunked, cudnn)  # noqa: E731
         try:
             err = A.rel_err(in_place(), ref)
             assert err < 1e-2, err

@@ -21,8 +21,7 @@ from hybridkv.kv.specs import KERNEL_CHUNKED as CHUNKED, KERNEL_FULL as FULL, KE
 
 @triton.jit
 def kv_write_kernel(
-    k_ptr, v_ptr, cache_ptr, slot_block_ptr, slot_offset_ptr, k_scale, v_scale, n,
-    stride_kt, stride_block, v_offset,
+    k_ptr, v_ptr, cache_ptr, slot_block_ptr, slot_offset_ptr, k_scale, v_scale, n, stride_block, v_offset,
     HD: tl.constexpr, HD_PAD: tl.constexpr, TOKENS: tl.constexpr, QUANT: tl.constexpr,
 ):
     """TOKENS new tokens a program: each token's K and V rows (its KV heads' H * D values, contiguous in the
@@ -35,7 +34,7 @@ def kv_write_kernel(
     offset = tl.load(slot_offset_ptr + t, mask=t_ok, other=0).to(tl.int64)
     j = tl.arange(0, HD_PAD)[None, :]
     ok = t_ok[:, None] & (j < HD)
-    src = t[:, None] * stride_kt + j
+    src = t[:, None] * HD + j
     dst = cache_ptr + block[:, None] * stride_block + offset[:, None] * HD + j
     k = tl.load(k_ptr + src, mask=ok)
     v = tl.load(v_ptr + src, mask=ok)

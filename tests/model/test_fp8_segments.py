@@ -1,7 +1,11 @@
 """How an FP8 long prefill's key range is cut into segments widened to bf16 one at a time (pure numpy, no GPU)."""
 
 import numpy as np
+import pytest
 
+from hybridkv.kv import plan_layout
+from hybridkv.kv.specs import FullAttentionSpec
+from hybridkv.model.attention.base import StepSequence
 from hybridkv.model.attention.triton_paged import plan_segments, segment_tokens
 
 
@@ -45,3 +49,21 @@ def test_segment_length_keeps_the_whole_scratch_within_budget():
     for reaches in ([1_000_000, 4096, 4096], [1 << 20] * 4, [70_000, 300_000, 9_000]):
         s = segment_tokens(reaches, 1 << 19, 64)
         assert sum(min(s, r) for r in reaches) <= 1 << 19
+
+
+def test_a_segment_holds_v_transposed_at_one_byte_a_value_or_k_and_v_widened_at_four():
+    # planning only, no kernel runs: 600 new tokens over 16,000 cached, 64-token pages, 640,000 bytes a segment
+    pytest.importorskip("triton")
+    from hybridkv.model.attention.triton_paged import TritonPagedAttention
+
+    def segments(fp8_compute: bool) -> list[tuple[int, int]]:
+        tri = TritonPagedAttention(plan_layout([FullAttentionSpec(1, 128, "fp8_e4m3")], 64), 300, "fp8_e4m3", 5,
+                                   "cpu", fp8_compute=fp8_compute, segment_bytes=640_000)
+        tri.begin_step([StepSequence(16_000, 600, [np.arange(1, 300, dtype=np.int32)])])
+        return [(s.lo, s.hi) for s in tri.step_state.groups[0].segments]
+
+    # FP8 compute: V^T alone, 128 bytes a key -> 5,000 keys, less a page at each end, in whole tiles: 4,864
+    assert segments(True) == [(0, 4864), (4864, 9728), (9728, 14592), (14592, 19456)]
+    # widened to bf16: K and V, 512 bytes a key -> 1,250 keys, less the two pages: 1,088
+    widened = segments(False)
+    assert len(widened) == 16 and widened[:2] == [(0, 1088), (1088, 2176)]

@@ -412,7 +412,7 @@ class TritonPagedAttention:
         tokens = max(1, 4096 // hd_pad)
         self.kernels.kv_write_kernel[(-(-k.shape[0] // tokens),)](
             k, v, self._base(layer), meta.slot_block, meta.slot_offset, k_scale, v_scale, k.shape[0],
-            k.stride(0), self.cache.buffer.stride(0), self.block_size * heads * dim,
+            self.cache.buffer.stride(0), self.block_size * heads * dim,
             HD=heads * dim, HD_PAD=hd_pad, TOKENS=tokens, QUANT=self.quantized,
         )
         return layer, k_scale, v_scale
