@@ -21,6 +21,8 @@ import hashlib
 import importlib.util
 import os
 import re
+import shutil
+import subprocess
 import tempfile
 from collections import OrderedDict
 from collections.abc import Callable
@@ -111,6 +113,23 @@ def inflight_register_writes(sass: str) -> list[str]:
     return found
 
 
+def cuobjdump() -> str | None:
+    """The disassembler (``inflight_register_writes`` reads its output): the CUDA toolkit's, or the one Triton
+    bundles; None where neither is installed."""
+    bundled = None
+    if importlib.util.find_spec("triton") is not None:
+        import triton
+
+        bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return shutil.which("cuobjdump") or (str(bundled) if bundled is not None and bundled.exists() else None)
+
+
+def disassemble(cubin: Path) -> dict[str, str]:
+    """Each kernel's machine code in ``cubin``, by name (``cuobjdump -sass``)."""
+    sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return dict(part.split("\n", 1) for part in sass.split("Function : ")[1:])
+
+
 def unavailable(device: torch.device) -> str | None:
     """Why the kernel cannot run on ``device`` (None: it can)."""
     if device.type != "cuda" or not torch.cuda.is_available():
@@ -160,18 +179,24 @@ def cached_cubin(cache_dir: Path | None, key_parts: list[bytes], build: Callable
     return cubin
 
 
+def compile_options(stages: int = STAGES, defines: dict[str, int] | None = None, fp8_stages: int = FP8_STAGES,
+                    fp8_block_n: int = FP8_BLOCK_N) -> list[str]:
+    """The compiler's options for the .cu file, NVRTC's and nvcc's alike: sm_90a (wgmma and setmaxnreg need the
+    'a' target) and the source's compile-time switches."""
+    opts = ["--gpu-architecture=sm_90a", "-std=c++17", f"-DSTAGES={stages}", f"-DFP8_STAGES={fp8_stages}",
+            f"-DFP8_BN={fp8_block_n}"]
+    return opts + [f"-D{k}={v}" for k, v in (defines or {}).items()]
+
+
 def compile_cubin(stages: int = STAGES, source: str | None = None, defines: dict[str, int] | None = None,
                   fp8_stages: int = FP8_STAGES, cache_dir: Path | None = CUBIN_CACHE,
                   fp8_block_n: int = FP8_BLOCK_N) -> bytes:
-    """NVRTC: the .cu source (or ``source``, a variant of it) to sm_90a machine code (wgmma and setmaxnreg need the
-    'a' target), or the same build from ``cache_dir``. ``defines`` set the source's compile-time switches (OVERLAP,
-    PINGPONG: benchmarks time them)."""
+    """NVRTC: the .cu source (or ``source``, a variant of it) to sm_90a machine code, or the same build from
+    ``cache_dir``. ``defines`` set the source's compile-time switches (OVERLAP, PINGPONG: benchmarks time them)."""
     from cuda.bindings import nvrtc
 
     text = SOURCE.read_bytes() if source is None else source.encode()
-    opts = [b"--gpu-architecture=sm_90a", b"-std=c++17", f"-DSTAGES={stages}".encode(),
-            f"-DFP8_STAGES={fp8_stages}".encode(), f"-DFP8_BN={fp8_block_n}".encode()]
-    opts += [f"-D{k}={v}".encode() for k, v in (defines or {}).items()]
+    opts = [o.encode() for o in compile_options(stages, defines, fp8_stages, fp8_block_n)]
     version = f"nvrtc {_check(nvrtc.nvrtcVersion(), 'nvrtcVersion')}".encode()
     return cached_cubin(cache_dir, [text, *opts, version], lambda: _nvrtc_compile(nvrtc, text, opts))
 

@@ -369,30 +369,17 @@ def test_hopper_cuda_prefill_leaves_what_it_does_not_cover_to_triton():
     assert off.hopper is None and off.prefill is HOPPER_PREFILL
 
 
-def _cuobjdump() -> str | None:
-    """The CUDA toolkit's, or the one Triton bundles."""
-    import shutil
-
-    import triton
-
-    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    return shutil.which("cuobjdump") or (bundled if os.path.exists(bundled) else None)
-
-
-@pytest.mark.skipif(not HOPPER_CUDA or _cuobjdump() is None,
+@pytest.mark.skipif(not HOPPER_CUDA or hopper_attention.cuobjdump() is None,
                     reason="the CUDA prefill kernel (Hopper, cuda-bindings) and cuobjdump")
 @pytest.mark.parametrize("fp8_tile", [(192, 4), (128, 5)])
 def test_hopper_cuda_builds_leave_p_alone_while_p_v_dots_read_it(tmp_path, fp8_tile):
     # ptxas counts a P V dot's register A as read at issue and may hand those registers to other values while the dot
     # still reads them; only packing P after the dot's wait keeps them. Checked on each build's machine code, both
     # kernels (bf16 and FP8 compute), FP8 with its 192-key tile and the 128-key one with FP8_PROMOTE.
-    import subprocess
-
     block_n, stages = fp8_tile
     cubin = tmp_path / "kernel.cubin"
     cubin.write_bytes(hopper_attention.compile_cubin(fp8_block_n=block_n, fp8_stages=stages, cache_dir=None))
-    sass = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    functions = dict(part.split("\n", 1) for part in sass.split("Function : ")[1:])
+    functions = hopper_attention.disassemble(cubin)
     assert sorted(functions) == ["paged_prefill_hopper", "paged_prefill_hopper_fp8"]
     for name, code in functions.items():
         # each kernel's P V dots take P from registers (else the check below would have nothing to look at)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 
 import numpy as np
+import pytest
 
 from hybridkv.kernels import hopper_attention
 from hybridkv.model.attention.triton_paged import query_tiles
@@ -132,3 +135,27 @@ def test_register_writes_while_a_p_v_dot_reads_its_a_are_found():
     ])
     assert hopper_attention.inflight_register_writes(sass) == ["FFMA R186, R9, R25, R6", "LDS.128 R182, [UR4]"]
     assert hopper_attention.inflight_register_writes(sass.replace("0x1 ;", "0x0 ;")) == []
+
+
+NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(NVCC is None or hopper_attention.cuobjdump() is None, reason="needs nvcc and cuobjdump")
+@pytest.mark.parametrize("fp8_tile", [(hopper_attention.FP8_BLOCK_N, hopper_attention.FP8_STAGES), (128, 5)])
+def test_kernels_build_for_hopper_without_spills_and_leave_p_alone(tmp_path, fp8_tile):
+    # Without a GPU: nvcc builds the .cu file with the loader's options. ptxas must keep every value of both kernels
+    # in registers (setmaxnreg's 232 a consumer bind: a persistent variant spilled the queries and loop bounds,
+    # fourteenth session), and no instruction may write a register a P V dot still reads (the GPU test checks the
+    # NVRTC build that runs; this one catches a change before it reaches a GPU).
+    block_n, stages = fp8_tile
+    cubin = tmp_path / "kernel.cubin"
+    options = hopper_attention.compile_options(fp8_stages=stages, fp8_block_n=block_n)
+    build = subprocess.run([NVCC, "-cubin", "-O3", "-Xptxas", "-v", *options, "-o", str(cubin),
+                            str(hopper_attention.SOURCE)], capture_output=True, text=True, check=True)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", build.stdout + build.stderr)
+    assert spills == [("0", "0"), ("0", "0")], build.stdout + build.stderr
+    functions = hopper_attention.disassemble(cubin)
+    assert sorted(functions) == ["paged_prefill_hopper", "paged_prefill_hopper_fp8"]
+    for name, code in functions.items():
+        assert hopper_attention._RS_DOT.search(code), name
+        assert hopper_attention.inflight_register_writes(code) == [], name
