@@ -144,7 +144,7 @@ NVCC = shutil.which("nvcc")
 @pytest.mark.parametrize("fp8_tile", [(hopper_attention.FP8_BLOCK_N, hopper_attention.FP8_STAGES), (128, 5)])
 def test_kernels_build_for_hopper_without_spills_and_leave_p_alone(tmp_path, fp8_tile):
     # Without a GPU: nvcc builds the .cu file with the loader's options. ptxas must keep every value of both kernels
-    # in registers (setmaxnreg's 232 a consumer bind: a persistent variant spilled the queries and loop bounds,
+    # in registers (setmaxnreg leaves a consumer 232; a persistent variant spilled its queries and loop bound, the
     # fourteenth session), and no instruction may write a register a P V dot still reads (the GPU test checks the
     # NVRTC build that runs; this one catches a change before it reaches a GPU).
     block_n, stages = fp8_tile
