@@ -1,7 +1,8 @@
 // Paged hybrid attention prefill for Hopper (sm_90a), FlashAttention-3 style, compiled at run time by NVRTC.
 //
-// One CTA computes one query tile (128 rows: the query heads of one KV head stacked per token, as in the Triton
-// kernel) over the keys [start, end) of its KV split, in key tiles of 128 (FP8 compute: 192). Three warpgroups:
+// One CTA computes one query tile (128 rows: a sequence's query heads of one KV head stacked per token, taken in
+// that order across tokens, so a tile may start and end inside a token's heads) over the keys [start, end) of its
+// KV split, in key tiles of 128 (FP8 compute: 192). Three warpgroups:
 //   producer  (warpgroup 0): brings each K and V tile into swizzled shared memory, STAGES tiles ahead, landing on
 //             an mbarrier. A tile inside the reach comes by TMA, one box per page (and 64-column panel; a warp's
 //             lanes issue them); an edge tile, whose rows outside [lo, end) may be dropped blocks or NaN, is
@@ -118,8 +119,9 @@ struct Params {
   float* lse;
   const void* cache;  // the layer's first element (bf16, or e4m3 for FP8 compute)
   const int* table;
-  // per work item (CTA x): its sequence, its first query's row in q and out, that query's position, and how many
-  // of the tile's tokens it has (one load a CTA at its start, where five arrays took two dependent round trips)
+  // per work item (CTA x): its sequence, its first token's row in q and out, that token's position, and (low 16
+  // bits) how many tokens its rows touch, (high 16) the head of the first token its row 0 holds (one load a CTA
+  // at its start, where five arrays took two dependent round trips)
   const int4* tiles;
   const u8* vt;          // FP8 compute: the segment's V^T (e4m3, [kv heads x D, columns])
   const int* vt_table;   // FP8 compute: each block's row in V^T (a row is block_size columns); table's strides
@@ -133,7 +135,6 @@ struct Params {
   int reach;       // window or chunk (1 for full)
   int block_size;  // tokens per page
   int group;       // query heads per KV head
-  int tokens;      // query tokens per tile
   int num_splits;
   int seg_lo, seg_hi;  // keys [seg_lo, seg_hi) only: one segment of an FP8 cache's reach (widened, or V^T)
   int segmented;       // always write partial outputs and LSE (``accumulate``: merged into the previous segment's)
@@ -175,6 +176,10 @@ __device__ __forceinline__ void tma_load(u32 dst, const TensorMap* map, int col,
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
       ::"r"(dst), "l"(reinterpret_cast<u64>(map)), "r"(col), "r"(row), "r"(bar) : "memory");
+}
+// a TMA map's 128 bytes fetched ahead, so that the first copies through it do not wait for them
+__device__ __forceinline__ void prefetch_map(const TensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<u64>(map)) : "memory");
 }
 __device__ __forceinline__ void cp_async_arrive(u32 bar) {
   // the barrier counts this thread's arrival once all its earlier cp.async have landed
@@ -499,16 +504,17 @@ __device__ __forceinline__ u32 key_mask(int key0, int w, int lo, int end) {
   return mask;
 }
 
-// A tile's rows stack the G query heads of one KV head per token: row r is token r / G, head r % G. Worked out with
-// a float reciprocal instead of integer division by a run-time G (~20 instructions each, and a thread needs a dozen
-// at a work item's start and end): r < 128 and G <= 128, so (r + 0.5) / G lies at least 0.5 / G from an integer,
-// far beyond the rounding of the product.
+// A tile's rows stack the G query heads of one KV head per token, from head h0 of its first token on: row r is
+// token (r + h0) / G, head (r + h0) % G (h0 0 where G divides the tile: Scout's G 5 packs 128 rows, not 25 x 5).
+// Worked out with a float reciprocal instead of integer division by a run-time G (~20 instructions each, and a
+// thread needs a dozen at a work item's start and end): r + h0 < 256 and G <= 128, so (r + h0 + 0.5) / G lies at
+// least 0.5 / G from an integer, far beyond the rounding of the product.
 struct Rows {
-  int G;
+  int G, h0;
   float inv;
-  __device__ __forceinline__ explicit Rows(int group) : G(group), inv(__frcp_rn((float)group)) {}
-  __device__ __forceinline__ int token(int r) const { return __float2int_rz((r + 0.5f) * inv); }
-  __device__ __forceinline__ int head(int r, int tok) const { return r - tok * G; }  // tok = token(r)
+  __device__ __forceinline__ Rows(int group, int head0) : G(group), h0(head0), inv(__frcp_rn((float)group)) {}
+  __device__ __forceinline__ int token(int r) const { return __float2int_rz(((float)(r + h0) + 0.5f) * inv); }
+  __device__ __forceinline__ int head(int r, int tok) const { return r + h0 - tok * G; }  // tok = token(r)
 };
 
 // This consumer's 64 query rows, in two halves: ``fetch_q`` loads them into registers (zeros for rows past the
@@ -524,7 +530,7 @@ __device__ __forceinline__ void fetch_q(const Params& p, const Rows& rows, uint4
     const int row = cw * WG_ROWS + (ct >> 4) + 8 * i, c = ct & 15;
     const int tok = rows.token(row);
     v[i] = make_uint4(0, 0, 0, 0);
-    if (tok < n_tok)  // (n_tok <= tokens, so rows past tokens x G fail it too)
+    if (tok < n_tok)  // (rows past the sequence's last token fail it)
       v[i] = *reinterpret_cast<const uint4*>(p.q + (long long)(q_row0 + tok) * p.stride_qt +
                                              (long long)(kv_head * rows.G + rows.head(row, tok)) * p.stride_qh + c * 8);
   }
@@ -577,9 +583,13 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
   // broadcast so the compiler knows the role is warp-uniform (wgmma under a divergent branch is serialized)
   const int wg = __shfl_sync(FULL, tid >> 7, 0);
   const int tile = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
+  if (tid == 0 && p.tma) {
+    prefetch_map(kmap);
+    if constexpr (FP8) prefetch_map(vmap);
+  }
   const int4 item = p.tiles[tile];
-  const int seq = item.x, q_row0 = item.y, first = item.z, n_tok = item.w;
-  const Rows rows(p.group);
+  const int seq = item.x, q_row0 = item.y, first = item.z, n_tok = item.w & 0xffff;
+  const Rows rows(p.group, item.w >> 16);
   uint4 q_regs[8];  // a consumer's queries, on their way while the barriers are set up
   if (wg > 0) fetch_q(p, rows, q_regs, wg - 1, tid - 128 * wg, q_row0, n_tok, kv_head);
 

@@ -49,7 +49,7 @@ V_PERM16 = tuple(8 * ((a >> 1) & 1) + 2 * (a >> 2) + (a & 1) for a in range(16))
 _POINTERS = ("q", "out", "part", "lse", "cache", "table", "tiles", "vt", "vt_table")
 _STRIDES = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_table", "stride_block", "stride_tok",
             "v_offset", "stride_ps", "stride_pt", "stride_ph", "stride_ls", "stride_lt", "stride_vt")
-_INTS = ("kind", "reach", "block_size", "group", "tokens", "num_splits", "seg_lo", "seg_hi", "segmented", "accumulate",
+_INTS = ("kind", "reach", "block_size", "group", "num_splits", "seg_lo", "seg_hi", "segmented", "accumulate",
          "tma", "rows_per_block")
 
 
@@ -68,14 +68,26 @@ def shared_bytes(stages: int = STAGES, fp8: bool = False, fp8_block_n: int = FP8
     return 2 * 64 * HEAD_DIM * elem + stages * 2 * block_n * HEAD_DIM * elem + 16 * stages + 512 * fp8 + 1024
 
 
-def work_items(tile_seq: np.ndarray, tile_q0: np.ndarray, q_loc: np.ndarray, q_len: np.ndarray, ctx: np.ndarray,
-               tokens: int) -> np.ndarray:
-    """The kernel's ``tiles``: per query tile (CTA x) its sequence, its first query's row in q and out, that query's
-    position, and how many of the tile's ``tokens`` it has; ``[tiles, 4]`` int32, one 16-byte load a CTA. E.g. two
-    sequences of 30 and 10 new tokens over 100 and 0 cached, 25 tokens a tile: tiles (0, 0), (0, 25), (1, 0) are
-    ``[[0, 0, 100, 25], [0, 25, 125, 5], [1, 30, 0, 10]]``."""
-    return np.stack([tile_seq, q_loc[tile_seq] + tile_q0, ctx[tile_seq] + tile_q0,
-                     np.minimum(tokens, q_len[tile_seq] - tile_q0)], axis=1).astype(np.int32)
+def work_items(q_loc: np.ndarray, q_len: np.ndarray, ctx: np.ndarray, group: int, rows: int = ROWS) -> np.ndarray:
+    """The kernel's ``tiles``: each sequence's query rows (its tokens x the ``group`` query heads of one KV head,
+    token by token) cut into tiles of ``rows``, longest first (the GPU starts CTAs in grid order, so the short
+    causal tiles fill the last wave). Per tile: its sequence, its first token's row in q and out, that token's
+    position, and the tokens its rows touch | (the head its row 0 holds) << 16; ``[tiles, 4]`` int32, one 16-byte
+    load a CTA. A tile may end inside a token's heads and the next go on from there: a G of 5 fills 128 rows where
+    whole tokens would fill 125.
+
+    E.g. G 5: 30 new tokens over 100 cached are 150 rows, tile 0 rows 0-127 (tokens 0-24 and heads 0-2 of token
+    25) and tile 1 rows 128-149 (token 25 from head 3, tokens 26-29); 10 new tokens over none, one tile:
+    ``[[0, 25, 125, 5 | 3 << 16], [0, 0, 100, 26], [1, 30, 0, 10]]``."""
+    q_len = np.asarray(q_len, dtype=np.int64)
+    per_seq = -(-q_len * group // rows)
+    seq = np.repeat(np.arange(len(q_len)), per_seq)
+    row0 = (np.arange(int(per_seq.sum())) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)) * rows
+    t0, h0 = row0 // group, row0 % group
+    n_tok = np.minimum((h0 + rows - 1) // group + 1, q_len[seq] - t0)
+    pos = np.asarray(ctx)[seq] + t0
+    items = np.stack([seq, np.asarray(q_loc)[seq] + t0, pos, n_tok | (h0 << 16)], axis=1)
+    return items[np.argsort(-pos, kind="stable")].astype(np.int32)
 
 
 def page_columns(block_size: int) -> list[int]:

@@ -292,7 +292,7 @@ def wide_specs(kv_dtype):
 
 @pytest.mark.skipif(not HOPPER_CUDA, reason="the CUDA prefill kernel: Hopper (sm_90) and cuda-bindings")
 @pytest.mark.parametrize("block_size", [16, 64])
-@pytest.mark.parametrize("hq", [5, 8])  # 25 tokens x 5 heads in 128 rows (3 unused), or 16 x 8
+@pytest.mark.parametrize("hq", [5, 8])  # 5: tiles packed across tokens (a tile may start inside a token), 8: not
 def test_hopper_cuda_prefill_matches_reference(block_size, hq):
     # the default on Hopper for a bf16 cache: mixed prefill/decode batches over cached prefixes, unsplit; then a
     # long reach split 4 ways (the local layers' few tiles leave some splits empty; combine_splits_kernel merges)

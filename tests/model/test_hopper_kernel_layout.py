@@ -84,29 +84,62 @@ def test_compiled_kernels_are_cached_by_source_and_options(tmp_path):
     assert builds == ["a", "c", "d", "e"]
 
 
+def kernel_rows(item: np.ndarray, group: int) -> list[tuple[int, int, int]]:
+    """(token row in q, position, head) of each valid row of one work item, as the kernel's ``Rows`` works them out
+    (float32 reciprocal, truncation) and ``fetch_q`` keeps them (token < the item's tokens)."""
+    seq, q_row0, first, w = (int(x) for x in item)
+    n_tok, h0 = w & 0xFFFF, w >> 16
+    r = np.arange(hopper_attention.ROWS)
+    inv = np.float32(1) / np.float32(group)
+    tok = np.trunc(((r + h0).astype(np.float32) + np.float32(0.5)) * inv).astype(np.int64)
+    head = r + h0 - tok * group
+    keep = tok < n_tok
+    return list(zip((q_row0 + tok[keep]).tolist(), (first + tok[keep]).tolist(), head[keep].tolist()))
+
+
 def test_work_items_give_each_tile_its_rows_positions_and_tokens():
-    # the kernel reads one int4 a CTA: (sequence, first query row, its position, tokens in the tile). Two
-    # sequences, 30 new tokens over 100 cached and 10 over none, 25 tokens a tile, tiles in longest-first order
-    tile_seq, tile_q0 = np.array([0, 0, 1]), np.array([25, 0, 0])
+    # the kernel reads one int4 a CTA: (sequence, first token's row, its position, tokens | first head << 16). G 5:
+    # 30 new tokens over 100 cached are 150 rows, tiles of 128 and 22 (the second from token 25's head 3 on); 10 new
+    # tokens over none, one tile; longest first
     q_loc, q_len, ctx = np.array([0, 30]), np.array([30, 10]), np.array([100, 0])
-    items = hopper_attention.work_items(tile_seq, tile_q0, q_loc, q_len, ctx, tokens=25)
+    items = hopper_attention.work_items(q_loc, q_len, ctx, group=5)
     assert items.dtype == np.int32 and items.shape == (3, 4)
-    assert items.tolist() == [[0, 25, 125, 5], [0, 0, 100, 25], [1, 30, 0, 10]]
+    assert items.tolist() == [[0, 25, 125, 5 | 3 << 16], [0, 0, 100, 26], [1, 30, 0, 10]]
+    assert kernel_rows(items[0], 5)[:3] == [(25, 125, 3), (25, 125, 4), (26, 126, 0)]
+    assert kernel_rows(items[1], 5)[-1] == (25, 125, 2) and len(kernel_rows(items[1], 5)) == 128
+
+
+@pytest.mark.parametrize("group", [1, 3, 5, 6, 7, 8, 40, 128])
+def test_work_items_cover_every_query_row_once_in_full_tiles(group):
+    # every (token, head) of every sequence in exactly one tile, at its position; every tile but a sequence's last
+    # full (Scout's G 5: 128 rows, where tiles of whole tokens held 125)
+    rng = np.random.default_rng(group)
+    q_len = np.array([1, 2, 25, 26, 129, 1000, 3])
+    ctx = rng.integers(0, 5000, len(q_len))
+    q_loc = np.concatenate([[0], np.cumsum(q_len)[:-1]])
+    items = hopper_attention.work_items(q_loc, q_len, ctx, group)
+    assert (np.diff(items[:, 2]) <= 0).all()  # longest first
+    seen = [row for item in items for row in kernel_rows(item, group)]
+    expected = [(int(q_loc[s] + t), int(ctx[s] + t), h) for s in range(len(q_len)) for t in range(q_len[s])
+                for h in range(group)]
+    assert sorted(seen) == sorted(expected)
+    assert len(items) == sum(-(-n * group // hopper_attention.ROWS) for n in q_len)
 
 
 def test_rows_map_to_token_and_head_by_a_float_reciprocal_exactly():
-    # the kernel splits a tile row r into token r / G and head r % G as trunc((r + 0.5) * rcp(G)) in float32 (a
-    # correctly rounded reciprocal, one rounded product): exact for every row of a 128-row tile and every G up to 128
+    # the kernel splits a tile row r, from head h0 of its first token on, into token (r + h0) / G and head
+    # (r + h0) % G as trunc((r + h0 + 0.5) * rcp(G)) in float32 (a correctly rounded reciprocal, one rounded
+    # product): exact for r + h0 < 256 (r < 128, h0 < G) and every G up to 128
     source = hopper_attention.SOURCE.read_text()
-    assert "__float2int_rz((r + 0.5f) * inv)" in source and "inv(__frcp_rn((float)group))" in source
-    r = np.arange(hopper_attention.ROWS, dtype=np.float32)
+    assert "__float2int_rz(((float)(r + h0) + 0.5f) * inv)" in source and "inv(__frcp_rn((float)group))" in source
+    x = np.arange(2 * hopper_attention.ROWS, dtype=np.float32)
     for group in range(1, hopper_attention.ROWS + 1):
         inv = np.float32(1) / np.float32(group)
-        token = np.trunc((r + np.float32(0.5)) * inv).astype(np.int64)
-        assert (token == np.arange(hopper_attention.ROWS) // group).all(), group
+        token = np.trunc((x + np.float32(0.5)) * inv).astype(np.int64)
+        assert (token == np.arange(2 * hopper_attention.ROWS) // group).all(), group
     # without the half, rows that are multiples of G would round down a token for some G
-    bad = [g for g in range(1, 129) if (np.trunc(r * (np.float32(1) / np.float32(g))).astype(np.int64)
-                                        != np.arange(128) // g).any()]
+    bad = [g for g in range(1, 129) if (np.trunc(x * (np.float32(1) / np.float32(g))).astype(np.int64)
+                                        != np.arange(256) // g).any()]
     assert bad
 
 

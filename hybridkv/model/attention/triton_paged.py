@@ -58,8 +58,9 @@ DECODE = KernelConfig(rows=16, block_n=128, num_warps=4, num_stages=3)
 HOPPER_PREFILL = KernelConfig(rows=128, block_n=64, num_warps=4, num_stages=3, tma=True, programs_per_sm=2)
 # Hopper, head dim 128, bf16 queries over a bf16 cache, an FP8 cache's widened segments, or FP8 compute (pages of
 # 64+ tokens): the warp-specialized CUDA kernel (a TMA producer warpgroup, two wgmma consumers; one CTA per SM). Its
-# tiles have HOPPER_PREFILL's 128 rows, so a step's tile list serves both, and what it does not cover (fp16/fp32
-# queries, FP8 read in the kernel, FP8 compute over small pages) runs the Triton kernel over the same tiles.
+# tiles have HOPPER_PREFILL's 128 rows, packed across tokens (``hopper_attention.work_items``); what it does not
+# cover (fp16/fp32 queries, FP8 read in the kernel, FP8 compute over small pages) runs the Triton kernel over the
+# step's tiles of whole tokens.
 # `benchmarks/gpu/hopper_kernel.py` on an H200 (docs/benchmarks.md, runs 61 and 68): 600 TFLOP/s one-shot and 620 on
 # a 16K step over 1M (HOPPER_PREFILL: 481 / 499); FP8 compute 779 / 756 (Triton's: 579 / 538).
 HOPPER_CUDA_PREFILL = KernelConfig(rows=hopper_attention.ROWS, block_n=hopper_attention.BLOCK_N,
@@ -180,7 +181,8 @@ class TritonStepState:
     tokens: int  # query tokens per tile
     num_tiles: int
     seq: list[torch.Tensor]  # tile_seq, tile_q0, q_loc, q_len, ctx_len
-    # the CUDA kernel's [num_tiles, 4] int32, one load a CTA: (sequence, first query's row, its position, tokens)
+    # the CUDA kernel's own tiles (``hopper_attention.work_items``: 128 rows each, a tile may end inside a token's
+    # heads), [CTAs, 4] int32, one load a CTA
     tiles: torch.Tensor | None = None
     groups: list[_GroupMeta] = field(default_factory=list)  # per layer group
 
@@ -235,8 +237,10 @@ class TritonPagedAttention:
         # the Triton tiles of prefill steps the CUDA kernel does not cover: 128 rows like it, gathered if not TMA
         self.triton_prefill = prefill if prefill.rows == HOPPER_PREFILL.rows else replace(HOPPER_PREFILL, tma=False)
         self.hopper = None
+        # (its tiles cut a step's rows by one G: every layer's must be it)
         if hopper_kernel and hopper and default_prefill and all(
-                g.spec.head_dim == hopper_attention.HEAD_DIM for g in layout.groups):
+                g.spec.head_dim == hopper_attention.HEAD_DIM and g.spec.num_kv_heads * self.group == num_q_heads
+                for g in layout.groups):
             self.hopper = self._load_hopper_kernel()
             prefill = HOPPER_CUDA_PREFILL if self.hopper is not None else prefill
         # FP8 compute in the CUDA kernel: the V^T copy gathers each page's columns in the kernel's order
@@ -283,7 +287,7 @@ class TritonPagedAttention:
         seq = [as_dev(tile_seq), as_dev(tile_q0), as_dev(q_loc), as_dev(q_lens), as_dev(ctx)]
         tiles = None
         if config.cuda:
-            tiles = as_dev(hopper_attention.work_items(tile_seq, tile_q0, q_loc, q_lens, ctx, tokens))
+            tiles = as_dev(hopper_attention.work_items(q_loc, q_lens, ctx, self.group))
         self.step_state = TritonStepState(config, tokens, len(tile_seq), seq, tiles)
         self.step_state.groups = [self._group_meta(g, seqs, ctx + q_lens, as_dev) for g in self.layout.groups]
 
@@ -379,7 +383,7 @@ class TritonPagedAttention:
     def _num_splits(self, longest_reach: int, kv_heads: int) -> int:
         """Split the KV range only when too few programs would run otherwise (decode of few long sequences)."""
         step = self.step_state
-        programs = step.num_tiles * kv_heads
+        programs = (step.num_tiles if step.tiles is None else len(step.tiles)) * kv_heads
         block_n = step.config.block_n
         if programs >= self.num_sms:
             # prefill over a long context (Scout's full layers at 16K+, not its 8K chunks): over short ones the
@@ -557,9 +561,9 @@ class TritonPagedAttention:
                        stride_ls=ls[0], stride_lt=ls[1], stride_vt=0 if vt is None else vt.stride(0))
         seg_lo, seg_hi, segmented, accumulate = segment
         ints = dict(kind=spec.kernel_kind, reach=max(spec.reach, 1), block_size=self.block_size,
-                    group=q.shape[1] // spec.num_kv_heads, tokens=step.tokens, num_splits=splits, seg_lo=seg_lo,
+                    group=q.shape[1] // spec.num_kv_heads, num_splits=splits, seg_lo=seg_lo,
                     seg_hi=seg_hi, segmented=int(segmented), accumulate=int(accumulate))
-        self.hopper.launch((step.num_tiles, spec.num_kv_heads, splits), tensors, strides,
+        self.hopper.launch((len(step.tiles), spec.num_kv_heads, splits), tensors, strides,
                            scale * 1.4426950408889634, v_scale, ints)
 
     def _descriptor(self, cfg: KernelConfig, cache: torch.Tensor, spec, stride_tok: int, stride_block: int):
