@@ -30,9 +30,7 @@ from hybridkv.model.attention.base import StepSequence
 
 TMA_TILE = "} else if (p.tma && inside) {"
 SOFTMAX = "  const float NEG_INF = __int_as_float(0xff800000);\n  constexpr int CHAINS"
-OUT_STORE = ("      if (valid) {\n#pragma unroll\n        for (int j = 0; j < 16; ++j)\n"
-             "          *reinterpret_cast<u32*>")  # FP8's
-STAGED_STORE = "      if (tok < n_tok)\n        st_global16("  # bf16's, O staged in shared memory
+STAGED_STORE = "      if (tok < n_tok)\n        st_global16("  # O staged in shared memory (bf16 and FP8)
 NO_SOFTMAX = "  if (n >= 0) return;  // the raw scores go to P V\n"
 EDITS = {
     # bf16: every tile takes the TMA branch, which then copies nothing: the barriers still turn over
@@ -46,8 +44,7 @@ EDITS = {
     "no Q load": [("  if (wg > 0) fetch_q(p, rows, q_regs, wg - 1, tid - 128 * wg, q_row0, n_tok, kv_head);\n", ""),
                   ("  store_q<FP8>(q_regs, q_smem, q_scales, cw, ct);\n", "")],
     # (a condition false at run time: the compiler keeps the work whose result is no longer written)
-    "no output stores": [(OUT_STORE, OUT_STORE.replace("if (valid)", "if (n_tok < 0)")),
-                         (STAGED_STORE, STAGED_STORE.replace("tok < n_tok", "n_tok < 0"))],
+    "no output stores": [(STAGED_STORE, STAGED_STORE.replace("tok < n_tok", "n_tok < 0"))],
     # FP8 compute: the producer copies nothing (K, V^T by TMA, or the edge tiles' V^T), the barriers still turn over
     "fp8 no loads": [("if (lane == 0) mbar_expect_tx(full, inside ? 2 * L::k_bytes : L::k_bytes);", ""),
                      ("          if (lane < boxes)\n            tma_load(",

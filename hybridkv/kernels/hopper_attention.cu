@@ -25,8 +25,9 @@
 //             the row sum carries the same factor).
 //
 // A CTA's start: its tile's four numbers (``tiles``) in one load, then the queries (consumers) and the first page
-// table entries (producer) go out before the barriers are set up. Its end (bf16, one split): O is staged through
-// each consumer's query tile and stored in whole rows. (``benchmarks/gpu/hopper_timeline.py`` times these phases.)
+// table entries (producer) go out before the barriers are set up. Its end (one split): O is staged in shared memory
+// (bf16: each consumer's query tile; FP8: a K/V stage no tile uses any more) and stored in whole rows.
+// (``benchmarks/gpu/hopper_timeline.py`` times these phases.)
 //
 // Shared memory (1024-aligned): Q [2 consumers][64 rows], then per stage a K tile and a V tile. bf16: 64-column
 // panels of 128-byte rows, 16-byte chunk c of row r at chunk c ^ (r % 8) (wgmma's and TMA's 128-byte swizzle); a
@@ -111,6 +112,8 @@ struct Smem {
 };
 // a CTA may have 227 KB of shared memory; the launch asks for ``bytes`` + 1 KB to align the tiles
 static_assert(Smem<false>::bytes + 1024 <= 227 * 1024 && Smem<true>::bytes + 1024 <= 227 * 1024, "shared memory");
+// FP8's O (bf16, 2 x 64 rows of 256 bytes) is staged in one K/V stage, which needs NS >= 3 (the epilogue says why)
+static_assert(Smem<true>::stage_bytes >= 2 * WG_ROWS * D * 2 && Smem<true>::stages >= 3, "FP8 O staging");
 
 struct Params {
   const u16* q;
@@ -738,6 +741,8 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
   const int ct = tid - 128 * wg;
   const int warp = ct >> 5, lane = ct & 31;
   const u32 q_smem = base + cw * L::q_bytes;
+  // where the epilogue stages O (FP8: the stage after the last tile's, once its last tile is released)
+  const u32 o_smem = FP8 ? kv0 + (n_iter % NS) * L::stage_bytes + cw * (WG_ROWS * D * 2) : q_smem;
   store_q<FP8>(q_regs, q_smem, q_scales, cw, ct);
   fence_proxy_async();
   bar_sync(4 + cw, 128);
@@ -837,11 +842,15 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
   // ---------------- epilogue: normalise, or write this split's partial output and LSE ----------------
   // (rows past the tile's tokens skip the memory accesses, never the warp's shuffles and sync)
   const bool unsplit = p.num_splits == 1 && !p.segmented;
-  if (!FP8 && unsplit) {
-    // bf16 O goes through this consumer's query tile (its last Q K^T is done: wgmma reads no more of it once
-    // every warp has waited) and out in whole 256-byte rows, 16 bytes a lane, as the queries came in: a quarter
-    // of the store instructions of writing the accumulators' 4-byte pieces, 8 rows a warp, straight out (H200,
-    // chunked(8192) 128K: the stores held a work item ~1.6 us of its ~57)
+  if (unsplit) {
+    // O goes through shared memory and out in whole 256-byte rows, 16 bytes a lane, as the queries came in: a
+    // quarter of the store instructions of writing the accumulators' 4-byte pieces, 8 rows a warp, straight out
+    // (H200, chunked(8192) 128K: the stores held a work item ~1.6 us of its ~57). bf16: through this consumer's
+    // query tile (its last Q K^T is done: wgmma reads no more of it once every warp has waited). FP8, whose
+    // query tile is half O's size: through the stage after the last tile's, 16 KB a consumer. It last held tile
+    // n_iter - NS: once both consumers have released that tile (its phase of the stage's empty barrier), nothing
+    // reads it. (With the turns the other consumer is within a phase of this one and has; without, it may not.)
+    if (FP8 && n_iter >= NS) mbar_wait(empty_bar + 8 * (n_iter % NS), ((n_iter - NS) / NS) & 1);
     bar_sync(4 + cw, 128);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -849,7 +858,7 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
       const int r = warp * 16 + (lane >> 2) + 8 * h;
 #pragma unroll
       for (int j = 0; j < 16; ++j)
-        st_shared4(q_chunk(q_smem, r, j) + 4 * (lane & 3),
+        st_shared4(q_chunk(o_smem, r, j) + 4 * (lane & 3),
                    pack_bf16(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv));
     }
     bar_sync(4 + cw, 128);
@@ -857,7 +866,7 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
     for (int i = 0; i < 8; ++i) {
       const int r = (ct >> 4) + 8 * i, c = ct & 15;
       const int row = cw * WG_ROWS + r, tok = rows.token(row);
-      const uint4 v = ld_shared16(q_chunk(q_smem, r, c));
+      const uint4 v = ld_shared16(q_chunk(o_smem, r, c));
       if (tok < n_tok)
         st_global16(p.out + (long long)(q_row0 + tok) * p.stride_ot +
                     (long long)(kv_head * rows.G + rows.head(row, tok)) * p.stride_oh + c * 8, v);
@@ -876,15 +885,6 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
     const int head = kv_head * rows.G + rows.head(row, tok);
     const float inv = __fdividef(p.v_scale, fmaxf(sum, 1e-30f));
     const int col = 2 * (lane & 3);
-    if (unsplit) {  // FP8 (its query tile is too small to stage O)
-      u16* dst = p.out + t_idx * p.stride_ot + (long long)head * p.stride_oh + col;
-      if (valid) {
-#pragma unroll
-        for (int j = 0; j < 16; ++j)
-          *reinterpret_cast<u32*>(dst + 8 * j) = pack_bf16(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-      }
-      continue;
-    }
     float* dst = p.part + split * p.stride_ps + t_idx * p.stride_pt + (long long)head * p.stride_ph + col;
     float* lse_at = p.lse + split * p.stride_ls + t_idx * p.stride_lt + head;
     float lse = sum > 0.f ? (m[h] - BIAS + lg2(sum)) * 0.6931471805599453f : NEG_INF;
