@@ -237,7 +237,7 @@ class TritonPagedAttention:
         # the Triton tiles of prefill steps the CUDA kernel does not cover: 128 rows like it, gathered if not TMA
         self.triton_prefill = prefill if prefill.rows == HOPPER_PREFILL.rows else replace(HOPPER_PREFILL, tma=False)
         self.hopper = None
-        # (its tiles cut a step's rows by one G: every layer's must be it)
+        # the CUDA kernel's tiles cut a step's rows by one G (self.group): every layer group must have that G
         if hopper_kernel and hopper and default_prefill and all(
                 g.spec.head_dim == hopper_attention.HEAD_DIM and g.spec.num_kv_heads * self.group == num_q_heads
                 for g in layout.groups):
