@@ -561,7 +561,7 @@ class TritonPagedAttention:
                        stride_ls=ls[0], stride_lt=ls[1], stride_vt=0 if vt is None else vt.stride(0))
         seg_lo, seg_hi, segmented, accumulate = segment
         ints = dict(kind=spec.kernel_kind, reach=max(spec.reach, 1), block_size=self.block_size,
-                    group=q.shape[1] // spec.num_kv_heads, num_splits=splits, seg_lo=seg_lo,
+                    group=self.group, num_splits=splits, seg_lo=seg_lo,  # the G the step's tiles were cut by
                     seg_hi=seg_hi, segmented=int(segmented), accumulate=int(accumulate))
         self.hopper.launch((len(step.tiles), spec.num_kv_heads, splits), tensors, strides,
                            scale * 1.4426950408889634, v_scale, ints)
