@@ -8,7 +8,11 @@ cache is; the peers read contiguous tensors.
 - prefill: one sequence of n tokens, no cached prefix. TFLOP/s counts only unmasked work
   (causal: n(n+1)/2 query-key pairs; chunked: the same within each chunk). Ours includes writing the n tokens'
   K/V into the paged cache; in brackets, without it (the write timed alone and taken off), as the peers are
-  given K/V in place. SDPA's chunked row runs flash on the n/C chunks as a batch (the best a dense kernel
+  given K/V in place. Ours and cuDNN are timed in turn, ``--rounds`` times each (medians, with the SM clock
+  each ran at): under this load the clock drifts with the card's temperature by several percent over a
+  table's minutes (H100: ours ran chunked 1M at 552 TFLOP/s in a table, timed once after the row before, and at
+  586-589 in another script's rounds minutes later), so peers timed one after the other would compare clocks as
+  much as kernels. SDPA's chunked row runs flash on the n/C chunks as a batch (the best a dense kernel
   can do); FlexAttention uses a block mask. All peers read the one KV head in place (``enable_gqa``).
 - decode: one query at context n (split over the KV length). GB/s = K+V bytes read / time, against the
   device-to-device copy bandwidth measured in the same run (bytes read + written). Timed as CUDA-graph replays
@@ -139,6 +143,24 @@ def rel_err(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def paired(fns, clock: SmClock, rounds: int) -> list[tuple[float, float | None]]:
+    """Median milliseconds and median SM clock (MHz; None without nvidia-smi) of each of ``fns``, timed in turn
+    ``rounds`` times, so that each sees the same drift of the clock."""
+    times: list[list[float]] = [[] for _ in fns]
+    clocks: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, t, c in zip(fns, times, clocks):
+            ms, span = clock.window(lambda fn=fn: bench(fn))
+            t.append(ms)
+            if (sm := clock.median(span)) is not None:
+                c.append(sm[0])
+    return [(statistics.median(t), statistics.median(c) if c else None) for t, c in zip(times, clocks)]
+
+
+def at_clock(tflops: str, mhz: float | None) -> str:
+    return tflops if mhz is None else f"{tflops} @{mhz:.0f}"
+
+
 def useful_pairs(n: int, chunked: bool) -> int:
     if not chunked:
         return n * (n + 1) // 2
@@ -240,22 +262,25 @@ def one_shot(n: int, chunked: bool, block: int = BLOCK):
     return spec, backend, q, k, v, lambda: backend.attend(0, q, k, v, D ** -0.5)
 
 
-def prefill_row(n: int, chunked: bool, flex_max: int, block: int) -> list[str]:
+def prefill_row(n: int, chunked: bool, flex_max: int, block: int, clock: SmClock, rounds: int) -> list[str]:
     spec, backend, q, k, v, attend = one_shot(n, chunked, block)
     ref = sdpa(q, k, v, chunked)
     err = rel_err(attend(), ref)
     assert err <= 1e-2, f"prefill n={n} chunked={chunked}: relative error {err:.2e}"
     flops = 4 * HQ * D * useful_pairs(n, chunked)
-    t_ours = bench(attend)
+    cudnn_fn = lambda: sdpa(q, k, v, chunked, cudnn=True)  # noqa: E731
+    try:
+        err_cudnn = rel_err(cudnn_fn(), ref)
+        assert err_cudnn <= 1e-2, err_cudnn
+    except Exception as e:  # report, don't hide: cuDNN may refuse a shape
+        cudnn_fn, cudnn = None, f"error: {type(e).__name__}"
+    timed = paired([attend] + ([cudnn_fn] if cudnn_fn else []), clock, rounds)
+    t_ours, mhz_ours = timed[0]
+    if cudnn_fn:
+        cudnn = at_clock(f"{flops / timed[1][0] / 1e9:.0f}", timed[1][1])
     t_write = bench(lambda: backend.write(0, k, v))
     triton_col = triton_prefill(backend, spec, n, block, q, k, v, ref, flops)
     t_sdpa = bench(lambda: sdpa(q, k, v, chunked))
-    try:
-        err_cudnn = rel_err(sdpa(q, k, v, chunked, cudnn=True), ref)
-        assert err_cudnn <= 1e-2, err_cudnn
-        cudnn = f"{flops / bench(lambda: sdpa(q, k, v, chunked, cudnn=True)) / 1e9:.0f}"
-    except Exception as e:  # report, don't hide: cuDNN may refuse a shape
-        cudnn = f"error: {type(e).__name__}"
     try:
         fp8 = fp8_prefill(n, chunked, block, q, k, v, ref, flops)
     except Exception as e:  # noqa: BLE001 - report, don't hide
@@ -270,7 +295,7 @@ def prefill_row(n: int, chunked: bool, flex_max: int, block: int) -> list[str]:
         except Exception as e:  # report, don't hide: FlexAttention may not handle this length
             flex = f"error: {type(e).__name__}"
     kind = f"chunked({CHUNK})" if chunked else "full"
-    ours = f"{flops / t_ours / 1e9:.0f} ({flops / (t_ours - t_write) / 1e9:.0f})"
+    ours = at_clock(f"{flops / t_ours / 1e9:.0f} ({flops / (t_ours - t_write) / 1e9:.0f})", mhz_ours)
     return [f"prefill {kind}", f"{n:,}", f"{t_ours:.2f}", ours, triton_col,
             f"{flops / t_sdpa / 1e9:.0f}", cudnn, flex, f"{err:.1e}", *fp8]
 
@@ -471,6 +496,7 @@ def main() -> None:
     ap.add_argument("--step-kv-dtypes", default="bfloat16",
                     help="cache dtypes of the step rows: bfloat16,fp8_e4m3,fp8_compute (an FP8 cache with FP8 dots)")
     ap.add_argument("--sweep-fp8", action="store_true", help="time candidate tile shapes of the FP8-compute path")
+    ap.add_argument("--rounds", type=int, default=3, help="prefill rows: ours and cuDNN timed in turn this often")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.sweep or args.sweep_fp8:
@@ -478,10 +504,12 @@ def main() -> None:
         return
     copy_gbs = copy_bandwidth()
     rows = []
+    clock = SmClock()
     for chunked in (False, True):
         for n in (int(x) for x in args.lengths.split(",") if x):
-            rows.append(prefill_row(n, chunked, args.flex_max, args.block_size))
+            rows.append(prefill_row(n, chunked, args.flex_max, args.block_size, clock, args.rounds))
             print(" | ".join(rows[-1]), flush=True)
+    clock.close()
     for chunked in (False, True):
         for n in (int(x) for x in args.decode_lengths.split(",") if x):
             rows.append(decode_row(n, chunked, copy_gbs, args.decode_block_size))
@@ -492,8 +520,8 @@ def main() -> None:
     name = torch.cuda.get_device_name()
     print(f"\n{name}, copy bandwidth {copy_gbs:.0f} GB/s (read + write), bf16, Hq {HQ}, Hkv {HKV}, D {D}, "
           f"prefill pages {args.block_size}, decode pages {args.decode_block_size}")
-    head = ["case", "tokens", "ours ms or us", "ours TFLOP/s (without the KV write) or GB/s", "Triton kernel",
-            "SDPA flash", "SDPA cuDNN", "FlexAttention or share", "rel err", "FP8 compute TFLOP/s",
+    head = ["case", "tokens", "ours ms or us", "ours TFLOP/s (without the KV write) @MHz or GB/s", "Triton kernel",
+            "SDPA flash", "SDPA cuDNN @MHz", "FlexAttention or share", "rel err", "FP8 compute TFLOP/s",
             "FP8 err vs bf16: max abs / rel"]
     print(markdown_table(head, rows))
 

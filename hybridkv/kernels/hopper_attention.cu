@@ -557,12 +557,15 @@ __device__ __forceinline__ void store_q(const uint4 (&v)[8], u32 q_smem, float* 
       for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e]));
 #pragma unroll
       for (int x = 1; x < 16; x <<= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, x));
-      const float q_max = fmaxf(amax, 1e-30f), mul = 448.f / q_max;
+      // a fast reciprocal and a product, not IEEE divisions: each of those took a slow-path call, and the calls
+      // kept a thread's 8 rows' shuffle chains from overlapping (run 137: FP8's queries reached shared memory 6,250
+      // cycles after entry, bf16's 3,085). The two factors agree to a few ulp, far inside e4m3's rounding.
+      const float q_max = fmaxf(amax, 1e-30f), mul = __fdividef(448.f, q_max);
       const u32 w0 = pack_e4m3(f[0] * mul, f[1] * mul, f[2] * mul, f[3] * mul);
       const u32 w1 = pack_e4m3(f[4] * mul, f[5] * mul, f[6] * mul, f[7] * mul);
       const u32 dst = q_smem + r * 128 + ((((c >> 1) ^ (r & 7)) << 4) | ((c & 1) << 3));
       asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(dst), "r"(w0), "r"(w1) : "memory");
-      if (c == 0) q_scales[cw * WG_ROWS + r] = q_max / 448.f;
+      if (c == 0) q_scales[cw * WG_ROWS + r] = q_max * (1.f / 448.f);
     } else {
       st_shared16(q_chunk(q_smem, r, c), v[i]);
     }
@@ -598,19 +601,23 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
 
   // keys this tile sees (queries at positions first..last), its split's share, and the interior tiles (every
   // query sees every key: no mask); the same arithmetic as the Triton kernel, with tiles of bn keys (segments and
-  // reaches need not start on one: keys of a tile below lo are masked)
+  // reaches need not start on one: keys of a tile below lo are masked). The key tiles start at lo rounded down to
+  // a tile (bf16) or to a TMA box of 64 keys (FP8): a chunk of 8,192 keys is no multiple of 192, and tiles from a
+  // multiple of 192 spent a third of a tile an item (chunked, on average) on keys below the chunk, in an edge tile.
   const int last = first + n_tok - 1;
   const int hi = min(last + 1, p.seg_hi);
   const int lo = max(type_lo(first, p.kind, p.reach), p.seg_lo);
-  const int lo_tile = lo / bn * bn;
+  constexpr int tile_align = FP8 ? 64 : bn;
+  const int lo_tile = lo / tile_align * tile_align;
   const int num_tiles = (hi - lo_tile + bn - 1) / bn;
   const int per_split = (num_tiles + p.num_splits - 1) / p.num_splits;
   const int start = lo_tile + split * per_split * bn;
   const int end = min(start + per_split * bn, hi);
   const int n_iter = __shfl_sync(FULL, end > start ? (end - start + bn - 1) / bn : 0, 0);
   // (a segment's ends, multiples of 128 keys or a page, need not fall on a tile of 192: a tile across seg_lo or
-  // end is masked, else it would take keys of the previous segment or past the split)
-  const int inner_lo = min(max((max(type_lo(last, p.kind, p.reach), p.seg_lo) + bn - 1) / bn * bn, start), end);
+  // end is masked, else it would take keys of the previous segment or past the split; tiles lie on lo_tile's grid)
+  const int inner_lo =
+      min(max(lo_tile + (max(type_lo(last, p.kind, p.reach), p.seg_lo) - lo_tile + bn - 1) / bn * bn, start), end);
   const int full_tiles = max(min(first + 1, end) - start, 0) / bn;
   const int inner_hi = max(start + full_tiles * bn, inner_lo);
 
