@@ -11,7 +11,7 @@ cache is; the peers read contiguous tensors.
   given K/V in place. Ours and cuDNN are timed in turn, ``--rounds`` times each (medians, with the SM clock
   each ran at): under this load the clock drifts with the card's temperature by several percent over a
   table's minutes (H100: ours ran chunked 1M at 552 TFLOP/s in a table, timed once after the row before, and at
-  586-589 in another script's rounds minutes later), so peers timed one after the other would compare clocks as
+  589 in another script's rounds minutes later), so peers timed one after the other would compare clocks as
   much as kernels. SDPA's chunked row runs flash on the n/C chunks as a batch (the best a dense kernel
   can do); FlexAttention uses a block mask. All peers read the one KV head in place (``enable_gqa``).
 - decode: one query at context n (split over the KV length). GB/s = K+V bytes read / time, against the
