@@ -15,6 +15,7 @@ from hybridkv.engine.block_copier import BlockCopier
 from hybridkv.engine.scheduler import SchedulerOutput
 from hybridkv.kv.cache_manager import KVCacheManager
 from hybridkv.kv.host_tier import BlockCopy
+from hybridkv.model.architectures.parallel import fuse_columns
 from hybridkv.model.attention.base import PagedAttentionBackend, StepSequence
 from hybridkv.model.causal_lm import CausalLM
 
@@ -38,6 +39,7 @@ class ModelRunner:
         self, model: CausalLM, kv: KVCacheManager | None, backend: PagedAttentionBackend,
         copier: BlockCopier | None = None,
     ) -> None:
+        fuse_columns(model)  # q/k/v and gate/up as one GEMM each: fewer launches, wider GEMMs
         self.model = model
         self.kv = kv  # None on worker ranks: they only execute
         self.backend = backend

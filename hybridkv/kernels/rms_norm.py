@@ -14,14 +14,20 @@ import triton.language as tl
 
 @triton.jit
 def rms_norm_kernel(
-    x_ptr, w_ptr, out_ptr, num_rows, stride_x, stride_o, eps,
-    N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    x_ptr, w_ptr, out_ptr, res_ptr, num_rows, stride_x, stride_o, stride_r, eps,
+    N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_WEIGHT: tl.constexpr, ADD: tl.constexpr,
 ):
-    """ROWS rows of N elements per program."""
+    """ROWS rows of N elements per program. ``ADD``: the row is x + residual (rounded to the dtype, as eager
+    torch's sum), written back to the residual before it is normalised."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
     ok = (rows < num_rows) & (cols < N)
-    x = tl.load(x_ptr + rows * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows * stride_x + cols, mask=ok, other=0.0)
+    if ADD:
+        r = tl.load(res_ptr + rows * stride_r + cols, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_ptr.dtype.element_ty)
+        tl.store(res_ptr + rows * stride_r + cols, x, mask=ok)
+    x = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, 1) / N + eps)
     y = (x * inv_rms[:, None]).to(out_ptr.dtype.element_ty)
     if HAS_WEIGHT:
@@ -30,18 +36,24 @@ def rms_norm_kernel(
     tl.store(out_ptr + rows * stride_o + cols, y, mask=ok)
 
 
-def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm over the last dimension of ``x`` (any leading shape), times ``weight`` when given."""
+def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dimension of ``x`` (any leading shape), times ``weight`` when given.
+
+    With ``residual`` (contiguous, x's shape): normalises ``x + residual`` and leaves that sum in ``residual``
+    (a decoder layer's residual add and the next norm in one pass)."""
     n = x.shape[-1]
     rows = x.reshape(-1, n)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    res = out if residual is None else residual.view(-1, n)
     block = triton.next_power_of_2(n)
     per_program = max(1, min(16, 4096 // block))  # short rows (QK-norm's head_dim) share a program
     grid = (triton.cdiv(rows.shape[0], per_program),)
     rms_norm_kernel[grid](
-        rows, out if weight is None else weight, out, rows.shape[0], rows.stride(0), out.stride(0), eps,
-        N=n, BLOCK=block, ROWS=per_program, HAS_WEIGHT=weight is not None, num_warps=8 if block >= 4096 else 4,
+        rows, out if weight is None else weight, out, res, rows.shape[0], rows.stride(0), out.stride(0),
+        res.stride(0), eps, N=n, BLOCK=block, ROWS=per_program, HAS_WEIGHT=weight is not None,
+        ADD=residual is not None, num_warps=8 if block >= 4096 else 4,
     )
     return out.view(x.shape)

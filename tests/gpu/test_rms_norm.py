@@ -16,6 +16,8 @@ from hybridkv.kernels.rms_norm import rms_norm  # noqa: E402
 from hybridkv.model.architectures.llama import unit_rms  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
+# bitwise on a GPU; Triton 3.6's interpreter rounds float32 -> bf16 its own way (one bf16 step apart at most)
+EXACT_ROUNDING = dict(rtol=8e-3, atol=0) if INTERPRET else dict(rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -37,3 +39,17 @@ def test_matches_eager_torch(dtype, shape):
 def test_non_contiguous_rows():
     x = torch.randn(8, 2, 256)[:, 0, :]  # rows 512 apart
     torch.testing.assert_close(rms_norm(x.to(DEVICE), 1e-6).cpu(), unit_rms(x, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_add_then_norm(dtype):
+    """``residual=``: normalises x + residual and leaves the sum (rounded as eager torch's add) in residual."""
+    torch.manual_seed(2)
+    x, residual = (torch.randn(5, 320) * 3).to(dtype), torch.randn(5, 320).to(dtype)
+    w = torch.randn(320).to(dtype)
+    total = x + residual
+    res = residual.to(DEVICE)
+    got = rms_norm(x.to(DEVICE), 1e-5, w.to(DEVICE), residual=res).cpu()
+    torch.testing.assert_close(res.cpu(), total, **EXACT_ROUNDING)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(got, unit_rms(total, 1e-5) * w, **tol)

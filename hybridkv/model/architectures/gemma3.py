@@ -36,6 +36,7 @@ from hybridkv.model.architectures.llama_config import ROPE_TYPES, RopeConfig
 from hybridkv.model.architectures.llama import rope_cos_sin, rope_halves, rope_inv_freq
 from hybridkv.model.architectures.parallel import (
     ColumnParallelLinear,
+    FusedColumns,
     ParallelLMHead,
     RowParallelLinear,
     TPGroup,
@@ -171,12 +172,12 @@ class Gemma3Attention(nn.Module):
         self.o_proj = RowParallelLinear(q_size, h, bias, dtype, tp)
         self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
         self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+        self.qkv = FusedColumns(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend) -> torch.Tensor:
         d = self.cfg.head_dim
-        q = self.q_norm(self.q_proj(x).unflatten(-1, (-1, d)))
-        k = self.k_norm(self.k_proj(x).unflatten(-1, (-1, d)))
-        v = self.v_proj(x).unflatten(-1, (-1, d))
+        q, k, v = (part.unflatten(-1, (-1, d)) for part in self.qkv(x))
+        q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope_halves(q, *rope), rope_halves(k, *rope)
         out = attn.attend(self.layer_id, q, k, v, self.scale)
         return self.o_proj(out.flatten(-2))
@@ -189,9 +190,11 @@ class Gemma3MLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden, intermediate, False, dtype, (tp.rank, tp.size))
         self.up_proj = ColumnParallelLinear(hidden, intermediate, False, dtype, (tp.rank, tp.size))
         self.down_proj = RowParallelLinear(intermediate, hidden, False, dtype, tp)
+        self.gate_up = FusedColumns(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -25,6 +25,7 @@ tuning (per token) need nothing from other ranks.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,7 @@ from hybridkv.model.attention.base import AttentionBackend
 from hybridkv.model.architectures.llama_config import ModelConfig, RopeConfig
 from hybridkv.model.architectures.parallel import (
     ColumnParallelLinear,
+    FusedColumns,
     ParallelLMHead,
     RowParallelLinear,
     TPGroup,
@@ -57,6 +59,16 @@ class RMSNorm(nn.Module):
 
             return rms_norm(x, self.eps, self.weight)
         return unit_rms(x, self.eps) * self.weight
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): a layer's residual add and the next norm. On CUDA one kernel,
+        which leaves the sum in ``residual``'s memory."""
+        if x.is_cuda:
+            from hybridkv.kernels.rms_norm import rms_norm
+
+            return rms_norm(x, self.eps, self.weight, residual=residual), residual
+        residual = x + residual
+        return self(residual), residual
 
 
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -118,6 +130,16 @@ def temperature_scales(positions: torch.Tensor, floor_scale: float, attn_scale: 
     return scales[:, None, None]
 
 
+@dataclass(slots=True)
+class PositionTables:
+    """What position encoding needs of a step's tokens, computed once per forward and shared by every layer:
+    RoPE's cos and sin [T, 1, D/2] and, for Llama-4's NoPE layers, the q temperature [T, 1, 1] (or None)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    temperature: torch.Tensor | None
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype | None, tp: TPGroup) -> None:
         super().__init__()
@@ -133,30 +155,34 @@ class Attention(nn.Module):
         self.k_proj = ColumnParallelLinear(h, kv_size, qkv_bias, dtype, kv_part)
         self.v_proj = ColumnParallelLinear(h, kv_size, qkv_bias, dtype, kv_part)
         self.o_proj = RowParallelLinear(q_size, h, cfg.attention_bias, dtype, tp)
+        self.qkv = FusedColumns(self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tables: PositionTables, attn: AttentionBackend) -> torch.Tensor:
         d = self.cfg.head_dim
-        q = self.q_proj(x).unflatten(-1, (-1, d))
-        k = self.k_proj(x).unflatten(-1, (-1, d))
-        v = self.v_proj(x).unflatten(-1, (-1, d))
-        q, k = self._position_encode(q, k, positions, rope)
+        q, k, v = (part.unflatten(-1, (-1, d)) for part in self.qkv(x))
+        q, k = self._position_encode(q, k, tables)
         out = attn.attend(self.layer_id, q, k, v, self.scale)
         return self.o_proj(out.flatten(-2))
 
     def _position_encode(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+        self, q: torch.Tensor, k: torch.Tensor, tables: PositionTables
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        if not cfg.is_llama4:
-            return rope_halves(q, *rope), rope_halves(k, *rope)
-        if self.use_rope:
-            q, k = rope_interleaved(q, *rope), rope_interleaved(k, *rope)
-            if cfg.use_qk_norm:
+        rotate = self.use_rope or not cfg.is_llama4
+        qk_norm = cfg.is_llama4 and self.use_rope and cfg.use_qk_norm
+        temperature = None if rotate else tables.temperature
+        if q.is_cuda and cfg.head_dim & (cfg.head_dim - 1) == 0:
+            from hybridkv.kernels.rope import rope_qk
+
+            return rope_qk(q, k, tables.cos, tables.sin, rotate=rotate, interleaved=cfg.is_llama4,
+                           qk_norm=qk_norm, eps=cfg.rms_norm_eps, temperature=temperature)
+        if rotate:
+            encode = rope_interleaved if cfg.is_llama4 else rope_halves
+            q, k = encode(q, tables.cos, tables.sin), encode(k, tables.cos, tables.sin)
+            if qk_norm:
                 q, k = unit_rms(q, cfg.rms_norm_eps), unit_rms(k, cfg.rms_norm_eps)
-        elif cfg.attn_temperature_tuning:
-            q = (q * temperature_scales(positions, cfg.floor_scale, cfg.attn_scale)).to(q.dtype)
+        elif temperature is not None:
+            q = (q * temperature).to(q.dtype)
         return q, k
 
 
@@ -169,9 +195,11 @@ class MLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden, intermediate, bias, dtype, (tp.rank, tp.size))
         self.up_proj = ColumnParallelLinear(hidden, intermediate, bias, dtype, (tp.rank, tp.size))
         self.down_proj = RowParallelLinear(intermediate, hidden, bias, dtype, tp, reduce)
+        self.gate_up = FusedColumns(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Experts(nn.Module):
@@ -201,6 +229,13 @@ class Experts(nn.Module):
         return (F.silu(gate) * up) @ self.down_proj[e]
 
 
+def fused_moe_max_pairs() -> int:
+    """Decode-sized MoE batches (up to this many (token, choice) pairs) run the fused CUDA kernels."""
+    from hybridkv.kernels.fused_moe import MAX_PAIRS  # triton is only needed on GPU
+
+    return MAX_PAIRS
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None, tp: TPGroup) -> None:
         super().__init__()
@@ -220,8 +255,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_logits, top_ids = torch.topk(self.router(x), self.top_k, dim=-1)
         gates = torch.sigmoid(top_logits.float()).to(x.dtype)
-        if x.is_cuda and x.shape[0] * self.top_k <= self.experts.gate_up_proj.shape[0]:
-            routed = self._routed_by_gather(x, top_ids, gates)
+        if x.is_cuda and x.shape[0] * self.top_k <= fused_moe_max_pairs():
+            from hybridkv.kernels.fused_moe import fused_moe
+
+            routed = fused_moe(x, gates, top_ids, self.experts.gate_up_proj, self.experts.down_proj)
         elif self._grouped_mm_ok:
             routed = self._routed_by_grouped_mm(x, top_ids, gates)
         else:
@@ -259,15 +296,6 @@ class MoE(nn.Module):
             return by_choice
         return by_choice.view(x.shape[0], self.top_k, -1).sum(dim=1)
 
-    def _routed_by_gather(self, x: torch.Tensor, top_ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
-        """Decode-sized batches: each (token, choice) gathers its expert's weights. No host sync, so a CUDA graph
-        can hold it, and only routed experts' weights are read (at most one copy per expert: T * top_k <= E)."""
-        ids = top_ids.reshape(-1)
-        gated_in = (x[:, None, :] * gates[..., None]).reshape(-1, 1, x.shape[-1])
-        gate, up = torch.bmm(gated_in, self.experts.gate_up_proj[ids]).chunk(2, dim=-1)
-        out = torch.bmm(F.silu(gate) * up, self.experts.down_proj[ids])
-        return out.view(x.shape[0], self.top_k, -1).sum(dim=1)
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype | None, tp: TPGroup) -> None:
@@ -283,10 +311,16 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(cfg.hidden_size, size, cfg.mlp_bias, dtype, tp)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self, x: torch.Tensor, residual: torch.Tensor | None, tables: PositionTables, attn: AttentionBackend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the residual add of each sublayer is done
+        by the next norm, fused with it (``residual`` None: the first layer, ``x`` is the embedding)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, tables, attn), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -305,11 +339,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         self._inv_freq: torch.Tensor | None = None  # on the device of the last forward
 
-    # A CUDA graph can hold a forward of this many tokens (the MoE's gather dispatch has no host sync up to it).
+    # A CUDA graph can hold a forward of this many tokens (the fused MoE kernels have no host sync up to it).
     @property
     def max_graph_tokens(self) -> int:
         moe = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
-        return min((m.experts.gate_up_proj.shape[0] // m.top_k for m in moe), default=1 << 30)
+        return min((fused_moe_max_pairs() // m.top_k for m in moe), default=1 << 30)
 
     supports_cuda_graphs = True
 
@@ -318,11 +352,15 @@ class LlamaForCausalLM(nn.Module):
         if self._inv_freq is None or self._inv_freq.device != positions.device:
             # once per device: no host-to-device copy in the steady state (and none inside a CUDA graph)
             self._inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.head_dim).to(positions.device)
-        rope = rope_cos_sin(self._inv_freq, positions)
-        x = self.embed_tokens(input_ids)
+        cfg = self.cfg
+        temperature = None
+        if cfg.is_llama4 and cfg.attn_temperature_tuning:
+            temperature = temperature_scales(positions, cfg.floor_scale, cfg.attn_scale)
+        tables = PositionTables(*rope_cos_sin(self._inv_freq, positions), temperature)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, positions, rope, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, tables, attn)
+        return self.norm.add_forward(x, residual)[0] if residual is not None else self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits [N, vocab] for the hidden rows the caller picked (e.g. each sequence's last token).

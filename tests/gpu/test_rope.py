@@ -1,0 +1,71 @@
+"""The fused position-encoding kernel against the eager torch it replaces: RoPE (interleaved and halves),
+Llama-4's QK-norm after RoPE, and the NoPE layers' q temperature, on q/k that are strided views of one fused
+QKV output as the model hands them over."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not (torch.cuda.is_available() or INTERPRET):
+    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
+pytest.importorskip("triton")
+
+from hybridkv.kernels.rope import rope_qk  # noqa: E402
+from hybridkv.model.architectures.llama import (  # noqa: E402
+    RopeConfig, rope_cos_sin, rope_halves, rope_interleaved, rope_inv_freq, temperature_scales, unit_rms,
+)
+
+DEVICE = "cpu" if INTERPRET else "cuda"
+# bitwise on a GPU; Triton 3.6's interpreter rounds float32 -> bf16 its own way (one bf16 step apart at most)
+EXACT_ROUNDING = dict(rtol=8e-3, atol=0) if INTERPRET else dict(rtol=0, atol=0)
+
+
+def fused_qkv(tokens, q_heads, kv_heads, d, dtype):
+    qkv = (torch.randn(tokens, (q_heads + 2 * kv_heads) * d) * 2).to(dtype)
+    q, k, _ = qkv.split([q_heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    return qkv, q.unflatten(-1, (-1, d)), k.unflatten(-1, (-1, d))
+
+
+def tables(tokens, d):
+    positions = torch.randint(0, 3_000_000, (tokens,))
+    inv_freq = rope_inv_freq(RopeConfig(theta=500000.0), d)
+    return positions, rope_cos_sin(inv_freq, positions)
+
+
+def on_device(*ts):
+    return [t.to(DEVICE) for t in ts]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved,qk_norm", [(True, True), (True, False), (False, False)])
+def test_rope_matches_eager(dtype, interleaved, qk_norm):
+    torch.manual_seed(0)
+    _, q, k = fused_qkv(7, 5, 1, 64, dtype)
+    _, (cos, sin) = tables(7, 64)
+    encode = rope_interleaved if interleaved else rope_halves
+    want_q, want_k = encode(q, cos, sin), encode(k, cos, sin)
+    if qk_norm:
+        want_q, want_k = unit_rms(want_q, 1e-5), unit_rms(want_k, 1e-5)
+    got_q, got_k = rope_qk(*on_device(q, k, cos, sin), rotate=True, interleaved=interleaved, qk_norm=qk_norm,
+                           eps=1e-5)
+    assert got_q.is_contiguous() and got_q.shape == q.shape and got_k.shape == k.shape
+    # bf16: the norm's row sum in another order may move a rounding by one step
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got_q.cpu(), want_q, **tol)
+    torch.testing.assert_close(got_k.cpu(), want_k, **tol)
+
+
+def test_temperature_scales_q_only():
+    torch.manual_seed(1)
+    _, q, k = fused_qkv(9, 4, 2, 32, torch.bfloat16)
+    positions, (cos, sin) = tables(9, 32)
+    temperature = temperature_scales(positions, 8192.0, 0.1)
+    assert temperature.max() > 1.1  # positions far past floor_scale: the scale does something
+    got_q, got_k = rope_qk(*on_device(q, k, cos, sin), rotate=False, interleaved=True,
+                           temperature=temperature.to(DEVICE))
+    torch.testing.assert_close(got_q.cpu(), (q * temperature).to(q.dtype), **EXACT_ROUNDING)
+    assert got_k.data_ptr() == k.to(DEVICE).data_ptr() or torch.equal(got_k.cpu(), k)
