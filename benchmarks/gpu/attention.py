@@ -179,8 +179,8 @@ def make_backend(spec, n: int, max_q: int, block: int = BLOCK, **kernel_options)
 
 def sdpa(q, k, v, chunked: bool, cudnn: bool = False, repeat_kv: bool = False):
     """q [n, HQ, D], k/v [n, HKV, D] -> [n, HQ, D], flash (or cuDNN) backend, causal (per chunk if chunked).
-    ``repeat_kv``: copy the KV head to every query head first, as this table did before run 124
-    (``eager_graphed.py`` times both)."""
+    ``repeat_kv``: copy the KV head to every query head first, as an earlier version of this table did
+    (``tools/kernel_dev/eager_graphed.py`` times both)."""
     n = q.shape[0]
     if chunked and n > CHUNK:
         assert n % CHUNK == 0
@@ -189,7 +189,7 @@ def sdpa(q, k, v, chunked: bool, cudnn: bool = False, repeat_kv: bool = False):
     else:
         qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     # enable_gqa: the 5 query heads read the one KV head in place; a repeat_interleave copy of K/V first made
-    # cuDNN's chunked 128K row 500 TFLOP/s instead of 575 (run 123)
+    # cuDNN's chunked 128K row 500 TFLOP/s instead of 575 on an H100
     if repeat_kv:
         kb, vb = kb.repeat_interleave(HQ // HKV, 1), vb.repeat_interleave(HQ // HKV, 1)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION if cudnn else SDPBackend.FLASH_ATTENTION):
@@ -338,8 +338,8 @@ def decode_row(n: int, chunked: bool, copy_gbs: float, block: int) -> list[str]:
             f"{read / t_sdpa / 1e6:.0f} GB/s", "", f"{100 * gbs / copy_gbs:.0f}% of copy", f"{err:.1e}", "", ""]
 
 
-# Run 34's candidates (docs/benchmarks.md; runs 33 and 39 timed more, among them Triton 3.6's warp-specialized loop
-# and exponentials half on the FMA pipe, neither kept)
+# The sweep's candidates (others timed, neither kept: Triton 3.6's warp-specialized loop, and exponentials half on
+# the FMA pipe; docs/design/prefill-kernel.md)
 SWEEP_CONFIGS = [
     PREFILL,  # pointer gathers (the portable kernel); every step row's error is against it
     HOPPER_PREFILL, KernelConfig(128, 64, 4, 2, tma=True, programs_per_sm=2), KernelConfig(128, 64, 4, 2, programs_per_sm=2),
