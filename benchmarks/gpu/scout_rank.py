@@ -169,7 +169,7 @@ def decode_ms(engine: LLMEngine, context: int, vocab: int, steps: int = 8) -> fl
 
 
 STEP_TOKENS = 16384
-# A user's vLLM on 8xH200 (docs/benchmarks.md, shared/ANCHORS.md): prompt tokens, wall s, KV dtype, prefix-cache hit
+# A user's vLLM on 8xH200 (docs/benchmarks.md#scout-rank): prompt tokens, wall s, KV dtype, prefix-cache hit
 VLLM_PREFILLS = [(2065427, 69.35, "bfloat16", 0.3), (2845646, 334.9, "bfloat16", 0.0), (4908091, 957.1, "bfloat16", 0.0),
                  (9811859, 2964.4, "fp8_e4m3", 0.0)]
 
@@ -250,7 +250,8 @@ def plot_panels(steps: dict[str, tuple[list[int], list[float]]], measured: dict[
         step_series += [Series(f"{kv_dtype}, timed", list(zip(contexts, seconds)), "o"),
                         Series(f"{kv_dtype}, fit {a * 1000:.0f} ms + {b * 1e9:.0f} ms per 1M",
                                [(c, a + b * c) for c in (0, max(contexts))], "-")]
-        prefill_series.append(Series(f"{kv_dtype}, step model", [(n, predicted_prefill(a, b, n)) for n in lengths], "-"))
+        model = [(n, predicted_prefill(a, b, n)) for n in lengths]
+        prefill_series.append(Series(f"{kv_dtype}, step model", model, "-"))
     for kv_dtype, runs in measured.items():
         prefill_series.append(Series(f"{kv_dtype}, measured", sorted(runs.items()), "o"))
     for vllm_dtype in dict.fromkeys(d for *_, d, _ in VLLM_PREFILLS):
@@ -350,7 +351,8 @@ def main() -> None:
         print("--plot: nothing drawn, the step model needs --step-contexts")
     elif args.plot:
         save_plot(args.plot, plot_panels(steps, measured_by_dtype),
-                  f"{torch.cuda.get_device_name()}: one Llama-4-Scout rank (TP 8 shapes), {args.block_size}-token pages")
+                  f"{torch.cuda.get_device_name()}: one Llama-4-Scout rank (TP 8 shapes), "
+                  f"{args.block_size}-token pages")
         print(f"plot: {args.plot}")
 
 

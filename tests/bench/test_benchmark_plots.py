@@ -52,7 +52,8 @@ def test_attention_plot_has_prefill_peers_by_length_and_decode_share(tmp_path):
     attention = pytest.importorskip("triton") and load("benchmarks/gpu/attention.py")
     prefill = {False: [(8192, {"ours": 490.0, "SDPA cuDNN": 380.0, "SDPA flash": 197.0, "FlexAttention": 279.0,
                                "ours, FP8 compute": 600.0}),
-                       (1 << 20, {"ours": 632.0, "SDPA cuDNN": 477.0, "SDPA flash": 304.0, "ours, FP8 compute": 916.0})],
+                       (1 << 20, {"ours": 632.0, "SDPA cuDNN": 477.0, "SDPA flash": 304.0,
+                                  "ours, FP8 compute": 916.0})],
                True: [(8192, {"ours": 490.0, "SDPA flash": 196.0})]}
     panels = attention.plot_panels(prefill, [(1 << 20, {"ours": 85.0, "SDPA flash": 30.0})])
     assert [p.title for p in panels] == ["prefill, full layers", "prefill, chunked(8192) layers",

@@ -15,9 +15,9 @@ FP8 compute (``fp8_compute=True``, e4m3 cache, compute capability 8.9+; measured
 both dots in e4m3 on the tensor cores instead: queries quantized per row with their own scale, K read from the e4m3
 pages, V from a transposed e4m3 copy of the step's reach (FP8 wgmma wants V K-major), P rounded to e4m3. On Hopper
 with 64-token pages the CUDA kernel runs it (its V^T columns in the order ``hopper_attention.page_columns`` gives):
-on an H200 909-916 TFLOP/s against its bf16 dots' 607-636 (docs/benchmarks.md); elsewhere the Triton kernel (3x slower than
-bf16 with 16-token pages). It costs e4m3's rounding of Q and P, ~5% relative error on random inputs, and is off by
-default (docs/benchmarks.md).
+on an H200 909-916 TFLOP/s against its bf16 dots' 607-636 (docs/benchmarks.md#attention); elsewhere the Triton
+kernel (3x slower than bf16 with 16-token pages). It costs e4m3's rounding of Q and P, ~5% relative error on random inputs, and is off by
+default (docs/gpu.md#fp8-attention-compute).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class KernelConfig:
 
 # Prefill tiles are compute-bound: wide tiles, deep pipelining. Decode is bandwidth-bound: 16 rows (the least a
 # tensor-core dot takes), long key tiles, and the KV range split across programs to fill the GPU.
-# Chosen by `benchmarks/gpu/attention.py --sweep` on an H200 (docs/benchmarks.md): prefill 32K full 372 TFLOP/s
+# Chosen by `benchmarks/gpu/attention.py --sweep` on an H200: prefill 32K full 372 TFLOP/s
 # with 256x64 tiles (299 with 128x64); decode 1M 3.4 TB/s with 128-key tiles and 256 splits (1.8 TB/s with 64).
 PREFILL = KernelConfig(rows=256, block_n=64, num_warps=8, num_stages=3)
 DECODE = KernelConfig(rows=16, block_n=128, num_warps=4, num_stages=3)
@@ -72,7 +72,7 @@ WIDE_HEAD_PREFILL = KernelConfig(rows=64, block_n=32, num_warps=4, num_stages=2)
 WIDE_HEAD_DECODE = KernelConfig(rows=16, block_n=64, num_warps=4, num_stages=2)
 # FP8 cache, long prefill: the reach is widened to bf16 in segments of at most this many bytes per step (Scout's
 # rank, one sequence: 1M tokens), then attended by the bf16 kernel (16K queries over 1M keys on an H200: 99.5 ms
-# vs 122 ms widening inside the kernel; docs/benchmarks.md). The engine reserves 1.5x this (the gather's FP8 copy
+# vs 122 ms widening inside the kernel). The engine reserves 1.5x this (the gather's FP8 copy
 # lives beside the scratch for a moment).
 SEGMENT_BYTES = 512 << 20
 # Splits of a decode step's KV range: a few programs per SM keep enough loads in flight.
