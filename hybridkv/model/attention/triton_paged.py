@@ -16,8 +16,8 @@ both dots in e4m3 on the tensor cores instead: queries quantized per row with th
 pages, V from a transposed e4m3 copy of the step's reach (FP8 wgmma wants V K-major), P rounded to e4m3. On Hopper
 with 64-token pages the CUDA kernel runs it (its V^T columns in the order ``hopper_attention.page_columns`` gives):
 on an H200 909-916 TFLOP/s against its bf16 dots' 607-636 (docs/benchmarks.md#attention); elsewhere the Triton
-kernel (3x slower than bf16 with 16-token pages). It costs e4m3's rounding of Q and P, ~5% relative error on random inputs, and is off by
-default (docs/gpu.md#fp8-attention-compute).
+kernel (3x slower than bf16 with 16-token pages). It costs e4m3's rounding of Q and P, ~5% relative error on random
+inputs, and is off by default (docs/gpu.md#fp8-attention-compute).
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ HOPPER_PREFILL = KernelConfig(rows=128, block_n=64, num_warps=4, num_stages=3, t
 # tiles have HOPPER_PREFILL's 128 rows, packed across tokens (``hopper_attention.work_items``); what it does not
 # cover (fp16/fp32 queries, FP8 read in the kernel, FP8 compute over small pages) runs the Triton kernel over the
 # step's tiles of whole tokens.
-# `tools/kernel_dev/hopper_kernel.py` on an H200, when it landed: 600 TFLOP/s one-shot and 620 on a 16K step over
-# 1M (HOPPER_PREFILL: 481 / 499); FP8 compute 779 / 756 (Triton's: 579 / 538).
+# `tools/kernel_dev/hopper_kernel.py` on an H200, both kernels on the same inputs: 600 TFLOP/s one-shot and 620 on
+# a 16K step over 1M (HOPPER_PREFILL: 481 / 499); FP8 compute 779 / 756 (Triton's: 579 / 538).
 HOPPER_CUDA_PREFILL = KernelConfig(rows=hopper_attention.ROWS, block_n=hopper_attention.BLOCK_N,
                                    num_warps=hopper_attention.THREADS // 32, num_stages=hopper_attention.STAGES,
                                    cuda=True)
