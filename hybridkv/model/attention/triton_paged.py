@@ -62,7 +62,7 @@ HOPPER_PREFILL = KernelConfig(rows=128, block_n=64, num_warps=4, num_stages=3, t
 # cover (fp16/fp32 queries, FP8 read in the kernel, FP8 compute over small pages) runs the Triton kernel over the
 # step's tiles of whole tokens.
 # `tools/kernel_dev/hopper_kernel.py` on an H200, both kernels on the same inputs: 600 TFLOP/s one-shot and 620 on
-# a 16K step over 1M (HOPPER_PREFILL: 481 / 499); FP8 compute 779 / 756 (Triton's: 579 / 538).
+# a 16K step over 1M (HOPPER_PREFILL: 481 / 499); current figures, FP8 compute's too: docs/benchmarks.md#attention.
 HOPPER_CUDA_PREFILL = KernelConfig(rows=hopper_attention.ROWS, block_n=hopper_attention.BLOCK_N,
                                    num_warps=hopper_attention.THREADS // 32, num_stages=hopper_attention.STAGES,
                                    cuda=True)
