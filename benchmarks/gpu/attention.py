@@ -27,6 +27,10 @@ Every output is checked against SDPA (relative error <= 1e-2) before it is timed
   beside it as max abs / relative.
 
     python benchmarks/gpu/attention.py [--lengths 8192,32768,131072,1048576] [--flex-max 131072] [--block-size 64]
+        [--plot docs/img/attention.png]
+
+``--plot PATH``: a PNG of this run's rows: prefill TFLOP/s by length for ours, cuDNN, flash and FlexAttention (full and
+chunked layers), and full-layer decode as a share of the copy bandwidth.
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +53,9 @@ from hybridkv.kv.layout import plan_layout
 from hybridkv.kv.specs import ChunkedLocalSpec, FullAttentionSpec
 from hybridkv.model.attention.base import StepSequence
 from hybridkv.model.attention.triton_paged import HOPPER_PREFILL, PREFILL, KernelConfig, TritonPagedAttention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's root, for benchmarks.plots
+from benchmarks.plots import Panel, Series, save_plot  # noqa: E402
 
 HQ, HKV, D, CHUNK = 5, 1, 128, 8192
 BLOCK = 64  # prefill pages: a 64-key tile is one page (the Hopper path's TMA copies); --block-size changes it
@@ -179,8 +188,8 @@ def make_backend(spec, n: int, max_q: int, block: int = BLOCK, **kernel_options)
 
 def sdpa(q, k, v, chunked: bool, cudnn: bool = False, repeat_kv: bool = False):
     """q [n, HQ, D], k/v [n, HKV, D] -> [n, HQ, D], flash (or cuDNN) backend, causal (per chunk if chunked).
-    ``repeat_kv``: copy the KV head to every query head first, as this table did before run 124
-    (``eager_graphed.py`` times both)."""
+    ``repeat_kv``: copy the KV head to every query head first, as an earlier version of this table did
+    (``tools/kernel_dev/eager_graphed.py`` times both)."""
     n = q.shape[0]
     if chunked and n > CHUNK:
         assert n % CHUNK == 0
@@ -189,7 +198,7 @@ def sdpa(q, k, v, chunked: bool, cudnn: bool = False, repeat_kv: bool = False):
     else:
         qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     # enable_gqa: the 5 query heads read the one KV head in place; a repeat_interleave copy of K/V first made
-    # cuDNN's chunked 128K row 500 TFLOP/s instead of 575 (run 123)
+    # cuDNN's chunked 128K row 500 TFLOP/s instead of 575 on an H100
     if repeat_kv:
         kb, vb = kb.repeat_interleave(HQ // HKV, 1), vb.repeat_interleave(HQ // HKV, 1)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION if cudnn else SDPBackend.FLASH_ATTENTION):
@@ -227,8 +236,8 @@ def fp8_errors(out, ref_e4m3, ref_bf16) -> tuple[float, str]:
     return err, f"{(out.float() - ref_bf16.float()).abs().max().item():.1e} / {rel_err(out, ref_bf16):.1e}"
 
 
-def fp8_prefill(n: int, chunked: bool, block: int, q, k, v, ref, flops: int, **kernel_options) -> list[str]:
-    """The FP8-compute columns of a one-shot prefill row: TFLOP/s and error."""
+def fp8_prefill(n: int, chunked: bool, block: int, q, k, v, ref, flops: int, **kernel_options) -> tuple[float, str]:
+    """The FP8-compute columns of a one-shot prefill row: TFLOP/s and its error."""
     spec_cls = (lambda dt: ChunkedLocalSpec(HKV, D, dt, chunk=CHUNK)) if chunked else (
         lambda dt: FullAttentionSpec(HKV, D, dt))
     backend, table = make_backend(spec_cls("fp8_e4m3"), n, n, block=block, fp8_compute=True, **kernel_options)
@@ -236,18 +245,19 @@ def fp8_prefill(n: int, chunked: bool, block: int, q, k, v, ref, flops: int, **k
     out = backend.attend(0, q, k, v, D ** -0.5)
     _, note = fp8_errors(out, sdpa(q, e4m3(k), e4m3(v), chunked), ref)
     t = bench(lambda: backend.attend(0, q, k, v, D ** -0.5))
-    return [f"{flops / t / 1e9:.0f}", note]
+    return flops / t / 1e9, note
 
 
-def triton_prefill(backend, spec, n: int, block: int, q, k, v, ref, flops: int) -> str:
-    """TFLOP/s of the Triton kernel where ours is the CUDA kernel (Hopper), checked against SDPA first."""
+def triton_prefill(backend, spec, n: int, block: int, q, k, v, ref, flops: int) -> float | None:
+    """TFLOP/s of the Triton kernel where ours is the CUDA kernel (Hopper), checked against SDPA first; None where
+    ours is the Triton kernel."""
     if not backend.prefill.cuda:
-        return "(ours)"
+        return None
     tri, table = make_backend(spec, n, n, block=block, hopper_kernel=False)
     tri.begin_step([StepSequence(0, n, [table])])
     err = rel_err(tri.attend(0, q, k, v, D ** -0.5), ref)
     assert err <= 1e-2, f"Triton prefill n={n}: relative error {err:.2e}"
-    return f"{flops / bench(lambda: tri.attend(0, q, k, v, D ** -0.5)) / 1e9:.0f}"
+    return flops / bench(lambda: tri.attend(0, q, k, v, D ** -0.5)) / 1e9
 
 
 def one_shot(n: int, chunked: bool, block: int = BLOCK):
@@ -262,7 +272,9 @@ def one_shot(n: int, chunked: bool, block: int = BLOCK):
     return spec, backend, q, k, v, lambda: backend.attend(0, q, k, v, D ** -0.5)
 
 
-def prefill_row(n: int, chunked: bool, flex_max: int, block: int, clock: SmClock, rounds: int) -> list[str]:
+def prefill_row(n: int, chunked: bool, flex_max: int, block: int, clock: SmClock,
+                rounds: int) -> tuple[list[str], dict[str, float]]:
+    """The table's row, and the TFLOP/s of each kernel that ran (the plot's points)."""
     spec, backend, q, k, v, attend = one_shot(n, chunked, block)
     ref = sdpa(q, k, v, chunked)
     err = rel_err(attend(), ref)
@@ -276,13 +288,17 @@ def prefill_row(n: int, chunked: bool, flex_max: int, block: int, clock: SmClock
         cudnn_fn, cudnn = None, f"error: {type(e).__name__}"
     timed = paired([attend] + ([cudnn_fn] if cudnn_fn else []), clock, rounds)
     t_ours, mhz_ours = timed[0]
+    tflops = {"ours": flops / t_ours / 1e9}
     if cudnn_fn:
-        cudnn = at_clock(f"{flops / timed[1][0] / 1e9:.0f}", timed[1][1])
+        tflops["SDPA cuDNN"] = flops / timed[1][0] / 1e9
+        cudnn = at_clock(f"{tflops['SDPA cuDNN']:.0f}", timed[1][1])
     t_write = bench(lambda: backend.write(0, k, v))
-    triton_col = triton_prefill(backend, spec, n, block, q, k, v, ref, flops)
-    t_sdpa = bench(lambda: sdpa(q, k, v, chunked))
+    if (triton := triton_prefill(backend, spec, n, block, q, k, v, ref, flops)) is not None:
+        tflops["Triton kernel"] = triton
+    tflops["SDPA flash"] = flops / bench(lambda: sdpa(q, k, v, chunked)) / 1e9
     try:
-        fp8 = fp8_prefill(n, chunked, block, q, k, v, ref, flops)
+        tflops["ours, FP8 compute"], fp8_note = fp8_prefill(n, chunked, block, q, k, v, ref, flops)
+        fp8 = [f"{tflops['ours, FP8 compute']:.0f}", fp8_note]
     except Exception as e:  # noqa: BLE001 - report, don't hide
         fp8 = [f"error: {type(e).__name__}: {str(e)[:120]}", ""]
     flex = "not run"
@@ -291,16 +307,19 @@ def prefill_row(n: int, chunked: bool, flex_max: int, block: int, clock: SmClock
             run = flex_fn(n, chunked)
             err_flex = rel_err(run(q, k, v), ref)
             assert err_flex <= 1e-2, err_flex
-            flex = f"{flops / bench(lambda: run(q, k, v)) / 1e9:.0f}"
+            tflops["FlexAttention"] = flops / bench(lambda: run(q, k, v)) / 1e9
+            flex = f"{tflops['FlexAttention']:.0f}"
         except Exception as e:  # report, don't hide: FlexAttention may not handle this length
             flex = f"error: {type(e).__name__}"
     kind = f"chunked({CHUNK})" if chunked else "full"
-    ours = at_clock(f"{flops / t_ours / 1e9:.0f} ({flops / (t_ours - t_write) / 1e9:.0f})", mhz_ours)
-    return [f"prefill {kind}", f"{n:,}", f"{t_ours:.2f}", ours, triton_col,
-            f"{flops / t_sdpa / 1e9:.0f}", cudnn, flex, f"{err:.1e}", *fp8]
+    ours = at_clock(f"{tflops['ours']:.0f} ({flops / (t_ours - t_write) / 1e9:.0f})", mhz_ours)
+    row = [f"prefill {kind}", f"{n:,}", f"{t_ours:.2f}", ours, "(ours)" if triton is None else f"{triton:.0f}",
+           f"{tflops['SDPA flash']:.0f}", cudnn, flex, f"{err:.1e}", *fp8]
+    return row, tflops
 
 
-def decode_row(n: int, chunked: bool, copy_gbs: float, block: int) -> list[str]:
+def decode_row(n: int, chunked: bool, copy_gbs: float, block: int) -> tuple[list[str], dict[str, float]]:
+    """The table's row, and ours and SDPA flash as a percentage of the copy bandwidth (the plot's points)."""
     spec = ChunkedLocalSpec(HKV, D, "bfloat16", chunk=CHUNK) if chunked else FullAttentionSpec(HKV, D, "bfloat16")
     if chunked:
         n += CHUNK // 2  # half a chunk in reach
@@ -334,12 +353,13 @@ def decode_row(n: int, chunked: bool, copy_gbs: float, block: int) -> list[str]:
         q.transpose(0, 1).unsqueeze(0), kr.expand(1, HQ, -1, D), vr.expand(1, HQ, -1, D)))
     gbs = read / t_ours / 1e6
     kind = f"chunked({CHUNK})" if chunked else "full"
-    return [f"decode {kind}", f"{n:,}", f"{t_ours * 1000:.1f} us (eager {t_eager * 1000:.0f})", f"{gbs:.0f} GB/s", "",
-            f"{read / t_sdpa / 1e6:.0f} GB/s", "", f"{100 * gbs / copy_gbs:.0f}% of copy", f"{err:.1e}", "", ""]
+    row = [f"decode {kind}", f"{n:,}", f"{t_ours * 1000:.1f} us (eager {t_eager * 1000:.0f})", f"{gbs:.0f} GB/s", "",
+           f"{read / t_sdpa / 1e6:.0f} GB/s", "", f"{100 * gbs / copy_gbs:.0f}% of copy", f"{err:.1e}", "", ""]
+    return row, {"ours": 100 * gbs / copy_gbs, "SDPA flash": 100 * read / t_sdpa / 1e6 / copy_gbs}
 
 
-# Run 34's candidates (docs/benchmarks.md; runs 33 and 39 timed more, among them Triton 3.6's warp-specialized loop
-# and exponentials half on the FMA pipe, neither kept)
+# The sweep's candidates (others timed, neither kept: Triton 3.6's warp-specialized loop, and exponentials half on
+# the FMA pipe; docs/design/prefill-kernel.md)
 SWEEP_CONFIGS = [
     PREFILL,  # pointer gathers (the portable kernel); every step row's error is against it
     HOPPER_PREFILL, KernelConfig(128, 64, 4, 2, tma=True, programs_per_sm=2), KernelConfig(128, 64, 4, 2, programs_per_sm=2),
@@ -497,6 +517,7 @@ def main() -> None:
                     help="cache dtypes of the step rows: bfloat16,fp8_e4m3,fp8_compute (an FP8 cache with FP8 dots)")
     ap.add_argument("--sweep-fp8", action="store_true", help="time candidate tile shapes of the FP8-compute path")
     ap.add_argument("--rounds", type=int, default=3, help="prefill rows: ours and cuDNN timed in turn this often")
+    ap.add_argument("--plot", metavar="PATH", help="also draw this run's prefill and decode rows into a PNG")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.sweep or args.sweep_fp8:
@@ -504,15 +525,22 @@ def main() -> None:
         return
     copy_gbs = copy_bandwidth()
     rows = []
+    prefill_points: dict[bool, list[tuple[int, dict[str, float]]]] = {False: [], True: []}
+    decode_points: list[tuple[int, dict[str, float]]] = []
     clock = SmClock()
     for chunked in (False, True):
         for n in (int(x) for x in args.lengths.split(",") if x):
-            rows.append(prefill_row(n, chunked, args.flex_max, args.block_size, clock, args.rounds))
+            row, tflops = prefill_row(n, chunked, args.flex_max, args.block_size, clock, args.rounds)
+            rows.append(row)
+            prefill_points[chunked].append((n, tflops))
             print(" | ".join(rows[-1]), flush=True)
     clock.close()
     for chunked in (False, True):
         for n in (int(x) for x in args.decode_lengths.split(",") if x):
-            rows.append(decode_row(n, chunked, copy_gbs, args.decode_block_size))
+            row, shares = decode_row(n, chunked, copy_gbs, args.decode_block_size)
+            rows.append(row)
+            if not chunked:  # a chunked decode reads one chunk whatever n is: its share of copy says nothing
+                decode_points.append((n, shares))
             print(" | ".join(rows[-1]), flush=True)
     if args.step_context:
         for kv_dtype in args.step_kv_dtypes.split(","):
@@ -524,6 +552,29 @@ def main() -> None:
             "SDPA flash", "SDPA cuDNN @MHz", "FlexAttention or share", "rel err", "FP8 compute TFLOP/s",
             "FP8 err vs bf16: max abs / rel"]
     print(markdown_table(head, rows))
+    if args.plot:
+        save_plot(args.plot, plot_panels(prefill_points, decode_points),
+                  f"{name}: Scout rank shapes (5 query heads, 1 KV head, d128), {args.block_size}-token pages")
+        print(f"plot: {args.plot}")
+
+
+PREFILL_STYLES = {"ours": "o-", "ours, FP8 compute": "o:", "SDPA cuDNN": "s--", "SDPA flash": "^--",
+                  "FlexAttention": "v--", "Triton kernel": "x:"}
+
+
+def plot_panels(prefill: dict[bool, list[tuple[int, dict[str, float]]]],
+                decode: list[tuple[int, dict[str, float]]]) -> list[Panel]:
+    """Prefill TFLOP/s by length, full and chunked layers (``prefill[chunked]``: (tokens, TFLOP/s per kernel) as
+    ``prefill_row`` gives them), and full-layer decode as a percentage of the copy bandwidth by context."""
+    def series(points, styles):
+        return [Series(label, [(n, values[label]) for n, values in points if label in values], style)
+                for label, style in styles.items()]
+
+    return [Panel(f"prefill, {name} layers", "prompt tokens (one-shot, causal)", "TFLOP/s",
+                  series(prefill[chunked], PREFILL_STYLES), log_x=True)
+            for chunked, name in ((False, "full"), (True, f"chunked({CHUNK})"))] + [
+        Panel("decode, full layer (one query)", "context tokens", "% of device copy bandwidth",
+              series(decode, {"ours": "o-", "SDPA flash": "^--"}), log_x=True)]
 
 
 if __name__ == "__main__":

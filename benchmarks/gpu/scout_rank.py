@@ -15,13 +15,17 @@ per-GPU compute and memory are those of one rank. Reports:
 - peak GPU memory.
 
     python benchmarks/gpu/scout_rank.py [--prefill-lengths 1048576,2845646] [--decode-contexts 1048576,5242880,10000000]
-        [--kv-dtypes bfloat16,fp8_e4m3] [--block-size 64] [--step-contexts 0,1048576,...]
+        [--kv-dtypes bfloat16,fp8_e4m3] [--block-size 64] [--step-contexts 0,1048576,...] [--plot PATH]
+
+``--plot PATH`` (with ``--step-contexts``): a PNG of this run's step times with their fitted line, and the prefill
+time the step model predicts by prompt length beside the measured prefills and the user's vLLM runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -36,6 +40,9 @@ from hybridkv.model.loading.checkpoint import LoadedModel
 from hybridkv.model.architectures.llama_config import ModelConfig
 from hybridkv.model.architectures.llama import LlamaForCausalLM
 from hybridkv.model.loading.tokenizer import word_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's root, for benchmarks.plots
+from benchmarks.plots import Panel, Series, save_plot  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[2] / "tests" / "data" / "scout-text-config.json"
 
@@ -162,7 +169,7 @@ def decode_ms(engine: LLMEngine, context: int, vocab: int, steps: int = 8) -> fl
 
 
 STEP_TOKENS = 16384
-# A user's vLLM on 8xH200 (docs/benchmarks.md, shared/ANCHORS.md): prompt tokens, wall s, KV dtype, prefix-cache hit
+# A user's vLLM on 8xH200 (docs/benchmarks.md#scout-rank): prompt tokens, wall s, KV dtype, prefix-cache hit
 VLLM_PREFILLS = [(2065427, 69.35, "bfloat16", 0.3), (2845646, 334.9, "bfloat16", 0.0), (4908091, 957.1, "bfloat16", 0.0),
                  (9811859, 2964.4, "fp8_e4m3", 0.0)]
 
@@ -231,6 +238,31 @@ def step_model_rows(kv_dtype: str, contexts: list[int], seconds: list[float],
     return rows
 
 
+def plot_panels(steps: dict[str, tuple[list[int], list[float]]], measured: dict[str, dict[int, float]]) -> list[Panel]:
+    """``steps[kv_dtype]``: the contexts and seconds of the timed steps; ``measured[kv_dtype]``: prompt tokens ->
+    seconds of the cold prefills that ran. Left: the step times and their fitted line; right: the prefill time the
+    model predicts for a cold prompt of each length, the measured prefills, and vLLM's cold runs."""
+    step_series, prefill_series = [], []
+    longest = max([n for n, *_ in VLLM_PREFILLS] + [n for m in measured.values() for n in m])
+    lengths = [longest * i // 40 for i in range(1, 41)]
+    for kv_dtype, (contexts, seconds) in steps.items():
+        a, b = fit_step_cost(contexts, seconds)
+        step_series += [Series(f"{kv_dtype}, timed", list(zip(contexts, seconds)), "o"),
+                        Series(f"{kv_dtype}, fit {a * 1000:.0f} ms + {b * 1e9:.0f} ms per 1M",
+                               [(c, a + b * c) for c in (0, max(contexts))], "-")]
+        model = [(n, predicted_prefill(a, b, n)) for n in lengths]
+        prefill_series.append(Series(f"{kv_dtype}, step model", model, "-"))
+    for kv_dtype, runs in measured.items():
+        prefill_series.append(Series(f"{kv_dtype}, measured", sorted(runs.items()), "o"))
+    for vllm_dtype in dict.fromkeys(d for *_, d, _ in VLLM_PREFILLS):
+        prefill_series.append(Series(f"vLLM 8xH200 ({vllm_dtype} KV)", [
+            (n, s) for n, s, d, hit in VLLM_PREFILLS if d == vllm_dtype and hit == 0.0], "*"))
+    return [Panel(f"one {STEP_TOKENS:,}-token prefill step", "context tokens cached before the step", "seconds",
+                  step_series),
+            Panel("prefill of one cold prompt (one rank, no all-reduces)", "prompt tokens", "seconds",
+                  prefill_series)]
+
+
 def median_step_ms(engine: LLMEngine, steps: int) -> float:
     """Median wall time of the next ``steps`` engine steps; then runs the engine dry."""
     times = []
@@ -258,6 +290,7 @@ def main() -> None:
     ap.add_argument("--step-contexts", default="",
                     help="time one 16,384-token prefill step at each context (random KV), fit cost(context) and "
                          "predict vLLM's prompt lengths, e.g. 0,1048576,2097152,4194304,8388608,9800000")
+    ap.add_argument("--plot", metavar="PATH", help="with --step-contexts: draw the step model of this run into a PNG")
     args = ap.parse_args()
     if args.tensor_parallel_size in (2, 4, 8):
         rows = tensor_parallel_rows(args.tensor_parallel_size, args.tp_prefill_length)
@@ -268,6 +301,8 @@ def main() -> None:
     weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
     loaded = LoadedModel("scout-rank (random weights)", model, word_tokenizer(cfg["vocab_size"]), cfg)
     rows = []
+    steps: dict[str, tuple[list[int], list[float]]] = {}
+    measured_by_dtype: dict[str, dict[int, float]] = {}
     for kv_dtype in args.kv_dtypes.split(","):
         # "fp8_compute": an fp8_e4m3 cache with FP8 attention dots in prefill (EngineConfig.fp8_attention_compute)
         fp8_compute = kv_dtype == "fp8_compute"
@@ -280,7 +315,7 @@ def main() -> None:
         rows.append([kv_dtype, "KV memory allocated", f"{kv_bytes / 2**30:.2f} GiB", f"weights {weights_gib:.2f} GiB"])
         rows.append([kv_dtype, "max_model_len plan / engine", f"{plan.max_model_len:,} / {engine.max_model_len:,}",
                      "engine capped by max_position_embeddings" if engine.max_model_len < plan.max_model_len else ""])
-        measured = {}
+        measured = measured_by_dtype[kv_dtype] = {}
         if args.prefill_lengths:
             prefill_seconds(engine, 20000, cfg["vocab_size"])  # compiles the kernels; not reported
             for n in (int(x) for x in args.prefill_lengths.split(",") if x):
@@ -299,6 +334,7 @@ def main() -> None:
                              f"{1000 * min(times):.0f} ms", f"2 runs: {', '.join(f'{1000 * t:.0f}' for t in times)} ms"])
                 print(rows[-1], flush=True)
             rows += step_model_rows(kv_dtype, contexts, seconds, measured)
+            steps[kv_dtype] = (contexts, seconds)
         for ctx in (int(x) for x in args.decode_contexts.split(",") if x):
             if ctx > engine.max_model_len:
                 rows.append([kv_dtype, f"decode step @ {ctx:,}", "does not fit", ""])
@@ -311,6 +347,13 @@ def main() -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     print_table(rows, f"Llama-4-Scout rank shapes at TP 8, block {args.block_size}")
+    if args.plot and not steps:
+        print("--plot: nothing drawn, the step model needs --step-contexts")
+    elif args.plot:
+        save_plot(args.plot, plot_panels(steps, measured_by_dtype),
+                  f"{torch.cuda.get_device_name()}: one Llama-4-Scout rank (TP 8 shapes), "
+                  f"{args.block_size}-token pages")
+        print(f"plot: {args.plot}")
 
 
 def print_table(rows: list[list[str]], title: str) -> None:

@@ -37,7 +37,7 @@ class EngineConfig:
     load_format: str = knob("auto", "auto | dummy (random weights from config.json alone)")
     kv_cache_dtype: str = knob("auto", "auto | bfloat16 | float16 | float32 | fp8_e4m3")
     # vLLM has no such knob (its FlashAttention-3 FP8 path is implied by the cache dtype); ours is opt-in because
-    # it changes greedy tokens (docs/benchmarks.md, sixth session)
+    # it changes greedy tokens (docs/gpu.md, FP8 compute's accuracy)
     fp8_attention_compute: bool = knob(
         False, "with --kv-cache-dtype fp8_e4m3 on GPU: prefill attention dots in FP8 (faster, less exact)")
     seed: int = knob(0, "seed of the sampler (and of dummy weights)")

@@ -1,7 +1,7 @@
 """Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
 
 A decode step launches every kernel of every layer from Python; on a Llama-4 Scout rank at 1M context that was
-68 ms of CPU for 10 ms of GPU work (docs/benchmarks.md). A captured graph launches them all at once. Batches are
+68 ms of CPU for 10 ms of GPU work (torch profiler, eager). A captured graph launches them all at once. Batches are
 padded up to the next bucket (1, 2, 4, 8, ...); padding rows attend to nothing and write into the null block.
 
 Prefill and mixed steps stay eager. ``EngineConfig(enforce_eager=True)`` turns graphs off.

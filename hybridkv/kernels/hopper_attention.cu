@@ -27,7 +27,7 @@
 // A CTA's start: its tile's four numbers (``tiles``) in one load, then the queries (consumers) and the first page
 // table entries (producer) go out before the barriers are set up. Its end (one split): O is staged in shared memory
 // (bf16: each consumer's query tile; FP8: a K/V stage no tile uses any more) and stored in whole rows.
-// (``benchmarks/gpu/hopper_timeline.py`` times these phases.)
+// (``tools/kernel_dev/hopper_timeline.py`` times these phases.)
 //
 // Shared memory (1024-aligned): Q [2 consumers][64 rows], then per stage a K tile and a V tile. bf16: 64-column
 // panels of 128-byte rows, 16-byte chunk c of row r at chunk c ^ (r % 8) (wgmma's and TMA's 128-byte swizzle); a
@@ -40,7 +40,7 @@
 // P across lanes, V^T's columns are permuted within each 16 keys: k-index a = 4t + 2b + e holds key 8b + 2t + e
 // (``V_PERM16`` in hopper_attention.py), so each thread packs its own S values as they are.
 //
-// ``benchmarks/gpu/hopper_kernel.py`` times the compile-time switches and what each stage costs.
+// ``tools/kernel_dev/hopper_kernel.py`` times the compile-time switches and what each stage costs.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -558,8 +558,8 @@ __device__ __forceinline__ void store_q(const uint4 (&v)[8], u32 q_smem, float* 
 #pragma unroll
       for (int x = 1; x < 16; x <<= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, x));
       // a fast reciprocal and a product, not IEEE divisions: each of those took a slow-path call, and the calls
-      // kept a thread's 8 rows' shuffle chains from overlapping (run 137: FP8's queries reached shared memory 6,250
-      // cycles after entry, bf16's 3,085). The two factors agree to a few ulp, far inside e4m3's rounding.
+      // kept a thread's 8 rows' shuffle chains from overlapping (FP8's queries reached shared memory 6,250 cycles
+      // after entry with them, bf16's 3,085). The two factors agree to a few ulp, far inside e4m3's rounding.
       const float q_max = fmaxf(amax, 1e-30f), mul = __fdividef(448.f, q_max);
       const u32 w0 = pack_e4m3(f[0] * mul, f[1] * mul, f[2] * mul, f[3] * mul);
       const u32 w1 = pack_e4m3(f[4] * mul, f[5] * mul, f[6] * mul, f[7] * mul);
@@ -831,7 +831,7 @@ __device__ __forceinline__ void prefill(const Params& p, const TensorMap* kmap, 
       }
       // P is packed only after P_t V_t's wait, which alone keeps its registers: ptxas counts a dot's register A as
       // read when the dot is issued, and gave those registers to other values while the dot still read them when
-      // the next P was packed early (twelfth session, run 114: NaN)
+      // the next P was packed early (the output was NaN)
       pack_p<FP8>(s, pf);
     }
     const int cur = (n_iter - 1) % NS;

@@ -107,7 +107,7 @@ def inflight_register_writes(sass: str) -> list[str]:
     """The instructions of a disassembled kernel (``cuobjdump -sass``) that write a register a P V dot reads as its A
     while the dot may still run: between an RS wgmma and the next ``WARPGROUP.DEPBAR.LE gsb0, 0x0``, in address
     order. ptxas counts register A as read when the dot is issued and may give those registers to other values,
-    but the dot reads them until its wait (a P packed early gave NaN, twelfth session). E.g. ``QGMMA.64x128x32...
+    but the dot reads them until its wait (a P packed early gave NaN). E.g. ``QGMMA.64x128x32...
     R120, R184, gdesc[UR8], R120`` then ``FFMA R186, R2, R3, R4`` before the wait: that FFMA. Empty for a sound
     build; the GPU tests check each."""
     a_regs: set[int] = set()  # of the dots issued since the last full wait (and within one function)

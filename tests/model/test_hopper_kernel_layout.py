@@ -151,7 +151,7 @@ def test_query_tiles_go_longest_first():
 
 def test_register_writes_while_a_p_v_dot_reads_its_a_are_found():
     # ptxas counts an RS wgmma's register A as read at issue; a write to those registers before the full wait
-    # corrupts the dot (NaN in the twelfth session). The check must see such writes and nothing else.
+    # corrupts the dot (a P packed early gave NaN). The check must see such writes and nothing else.
     sass = "\n".join([
         "        Function : paged_prefill_hopper_fp8",
         "        /*b0b0*/                   QGMMA.64x192x32.F32.E4M3.E4M3 R24, gdesc[UR8], RZ, !UPT ;",  # SS: no A
@@ -177,8 +177,8 @@ NVCC = shutil.which("nvcc")
 @pytest.mark.parametrize("fp8_tile", [(hopper_attention.FP8_BLOCK_N, hopper_attention.FP8_STAGES), (128, 5)])
 def test_kernels_build_for_hopper_without_spills_and_leave_p_alone(tmp_path, fp8_tile):
     # Without a GPU: nvcc builds the .cu file with the loader's options. ptxas must keep every value of both kernels
-    # in registers (setmaxnreg leaves a consumer 232; a persistent variant spilled its queries and loop bound, the
-    # fourteenth session), and no instruction may write a register a P V dot still reads (the GPU test checks the
+    # in registers (setmaxnreg leaves a consumer 232; a persistent variant spilled its queries and loop bound),
+    # and no instruction may write a register a P V dot still reads (the GPU test checks the
     # NVRTC build that runs; this one catches a change before it reaches a GPU).
     block_n, stages = fp8_tile
     cubin = tmp_path / "kernel.cubin"

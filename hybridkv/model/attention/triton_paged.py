@@ -15,9 +15,9 @@ FP8 compute (``fp8_compute=True``, e4m3 cache, compute capability 8.9+; measured
 both dots in e4m3 on the tensor cores instead: queries quantized per row with their own scale, K read from the e4m3
 pages, V from a transposed e4m3 copy of the step's reach (FP8 wgmma wants V K-major), P rounded to e4m3. On Hopper
 with 64-token pages the CUDA kernel runs it (its V^T columns in the order ``hopper_attention.page_columns`` gives):
-on an H200 784-819 TFLOP/s against its bf16 dots' 607-623 (run 85); elsewhere the Triton kernel (3x slower than
-bf16 with 16-token pages). It costs e4m3's rounding of Q and P, ~5% relative error on random inputs, and is off by
-default (docs/benchmarks.md).
+on an H200 909-916 TFLOP/s against its bf16 dots' 607-636 (docs/benchmarks.md#attention); elsewhere the Triton
+kernel (3x slower than bf16 with 16-token pages). It costs e4m3's rounding of Q and P, ~5% relative error on random
+inputs, and is off by default (docs/gpu.md#fp8-attention-compute).
 """
 
 from __future__ import annotations
@@ -48,21 +48,21 @@ class KernelConfig:
 
 # Prefill tiles are compute-bound: wide tiles, deep pipelining. Decode is bandwidth-bound: 16 rows (the least a
 # tensor-core dot takes), long key tiles, and the KV range split across programs to fill the GPU.
-# Chosen by `benchmarks/gpu/attention.py --sweep` on an H200 (docs/benchmarks.md): prefill 32K full 372 TFLOP/s
+# Chosen by `benchmarks/gpu/attention.py --sweep` on an H200: prefill 32K full 372 TFLOP/s
 # with 256x64 tiles (299 with 128x64); decode 1M 3.4 TB/s with 128-key tiles and 256 splits (1.8 TB/s with 64).
 PREFILL = KernelConfig(rows=256, block_n=64, num_warps=8, num_stages=3)
 DECODE = KernelConfig(rows=16, block_n=128, num_warps=4, num_stages=3)
 # Hopper (sm_90), pages of 64+ tokens: K/V tiles by TMA, one warpgroup of 128 rows per program and two programs
 # per SM, which desynchronise so one's softmax overlaps the other's dots. `benchmarks/gpu/attention.py --sweep`
-# on an H200 (docs/benchmarks.md, run 34): 32K one-shot 466 TFLOP/s, 16K step over 1M 498 (PREFILL: 382 / 450).
+# on an H200: 32K one-shot 466 TFLOP/s, 16K step over 1M 498 (PREFILL: 382 / 450).
 HOPPER_PREFILL = KernelConfig(rows=128, block_n=64, num_warps=4, num_stages=3, tma=True, programs_per_sm=2)
 # Hopper, head dim 128, bf16 queries over a bf16 cache, an FP8 cache's widened segments, or FP8 compute (pages of
 # 64+ tokens): the warp-specialized CUDA kernel (a TMA producer warpgroup, two wgmma consumers; one CTA per SM). Its
 # tiles have HOPPER_PREFILL's 128 rows, packed across tokens (``hopper_attention.work_items``); what it does not
 # cover (fp16/fp32 queries, FP8 read in the kernel, FP8 compute over small pages) runs the Triton kernel over the
 # step's tiles of whole tokens.
-# `benchmarks/gpu/hopper_kernel.py` on an H200 (docs/benchmarks.md, runs 61 and 68): 600 TFLOP/s one-shot and 620 on
-# a 16K step over 1M (HOPPER_PREFILL: 481 / 499); FP8 compute 779 / 756 (Triton's: 579 / 538).
+# `tools/kernel_dev/hopper_kernel.py` on an H200, both kernels on the same inputs: 600 TFLOP/s one-shot and 620 on
+# a 16K step over 1M (HOPPER_PREFILL: 481 / 499); current figures, FP8 compute's too: docs/benchmarks.md#attention.
 HOPPER_CUDA_PREFILL = KernelConfig(rows=hopper_attention.ROWS, block_n=hopper_attention.BLOCK_N,
                                    num_warps=hopper_attention.THREADS // 32, num_stages=hopper_attention.STAGES,
                                    cuda=True)
@@ -72,7 +72,7 @@ WIDE_HEAD_PREFILL = KernelConfig(rows=64, block_n=32, num_warps=4, num_stages=2)
 WIDE_HEAD_DECODE = KernelConfig(rows=16, block_n=64, num_warps=4, num_stages=2)
 # FP8 cache, long prefill: the reach is widened to bf16 in segments of at most this many bytes per step (Scout's
 # rank, one sequence: 1M tokens), then attended by the bf16 kernel (16K queries over 1M keys on an H200: 99.5 ms
-# vs 122 ms widening inside the kernel; docs/benchmarks.md). The engine reserves 1.5x this (the gather's FP8 copy
+# vs 122 ms widening inside the kernel). The engine reserves 1.5x this (the gather's FP8 copy
 # lives beside the scratch for a moment).
 SEGMENT_BYTES = 512 << 20
 # Splits of a decode step's KV range: a few programs per SM keep enough loads in flight.

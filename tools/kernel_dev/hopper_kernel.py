@@ -11,7 +11,7 @@ the FP8-compute kernel over an e4m3 cache instead, against Triton's FP8 compute,
 over the same e4m3 K/V, relative error <= 6e-2). ``--chunked``: the one-shot prefill on a chunked(8192) layer, whose
 work items (a query tile's keys) are 16x shorter than a 128K full layer's, so their fixed costs show.
 
-    python benchmarks/gpu/hopper_kernel.py [--length 65536] [--step-context 1048576] [--fp8] [--chunked]
+    python tools/kernel_dev/hopper_kernel.py [--length 65536] [--step-context 1048576] [--fp8] [--chunked]
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """One-shot prefill rows of ``attention.py`` timed eager and as CUDA-graph replays, the CPU time of one attend()
-call, and SDPA (flash, cuDNN) given the KV head by a repeat_interleave copy (as ``attention.py`` did before run 124)
+call, and SDPA (flash, cuDNN) given the KV head by a repeat_interleave copy (as an earlier ``attention.py`` did)
 or in place (``enable_gqa=True``, as it does now). Every output is checked against SDPA before it is timed.
 
-    python benchmarks/gpu/eager_graphed.py     # run 123 (thirteenth session, docs/benchmarks.md)
+    python tools/kernel_dev/eager_graphed.py
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"))
 import attention as A  # noqa: E402
 
 

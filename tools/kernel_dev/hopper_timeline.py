@@ -13,7 +13,7 @@ two launches of the same kernel; a work item's cycles do not. ``--baseline FILE`
 kernel's source (e.g. ``git show REV:hybridkv/kernels/hopper_attention.cu``, with the same launch parameters) beside
 each case, interleaved over ``--rounds``, so a change is judged by its cycles per item in the same run.
 
-    python benchmarks/gpu/hopper_timeline.py [--length 131072] [--full] [--fp8] [--cases "as built,no Q load"]
+    python tools/kernel_dev/hopper_timeline.py [--length 131072] [--full] [--fp8] [--cases "as built,no Q load"]
         [--baseline FILE] [--rounds 2]
 """
 
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from benchmarks.gpu.attention import D, SmClock, bench, rel_err
-from benchmarks.gpu.hopper_kernel import shapes, variant
+from tools.kernel_dev.hopper_kernel import shapes, variant
 from hybridkv.bench.tables import markdown_table
 from hybridkv.kernels import hopper_attention
 

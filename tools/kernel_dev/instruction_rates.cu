@@ -2,12 +2,12 @@
 // each running 8 independent chains (so the unit's throughput shows, not its latency). Conversions feed their result
 // back through one LOP3 (an integer op, on another pipe). Compares against the FMA rate in the same run.
 //
-// Why it is here: the FP8-compute prefill kernel is bound by its softmax (docs/benchmarks.md, ninth session). Its
+// Why it is here: the FP8-compute prefill kernel is bound by its softmax (docs/design/prefill-kernel.md). Its
 // exponentials run on MUFU; FlashAttention-4 moves part of them to a cubic on the FMA pipe, which pays on Blackwell.
 // On an H200 the cubic (8 instructions) yields fewer results per clock than MUFU itself, and the kernel slowed by
-// 4-13% with 2-4 of every 8 exponentials moved (run 75).
+// 4-13% with 2-4 of every 8 exponentials moved.
 //
-//     nvcc -arch=sm_90a -O3 -o /tmp/instruction_rates benchmarks/gpu/instruction_rates.cu && /tmp/instruction_rates
+//     nvcc -arch=sm_90a -O3 -o /tmp/instruction_rates tools/kernel_dev/instruction_rates.cu && /tmp/instruction_rates
 #include <cstdio>
 #include <cuda_fp16.h>
 typedef unsigned u32;

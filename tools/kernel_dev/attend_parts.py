@@ -5,7 +5,7 @@ one-token-a-program kernel it replaced (kept here as ``old_write``) and a device
 - Scout-rank one-shot prefill (chunked 128K and 1M, full 128K; checked against SDPA first) and the FP8-compute
   16K step over 1M (64-token pages).
 
-    python benchmarks/gpu/attend_parts.py      # runs 119-120 (thirteenth session, docs/benchmarks.md)
+    python tools/kernel_dev/attend_parts.py
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import triton.language as tl
 import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"))
 import attention as A  # noqa: E402
 
 from hybridkv.kv.specs import FullAttentionSpec  # noqa: E402
@@ -30,7 +30,7 @@ from hybridkv.model.attention.base import StepSequence  # noqa: E402
 def old_write(k_ptr, v_ptr, cache_ptr, slot_block_ptr, slot_offset_ptr, k_scale, v_scale,
               stride_kt, stride_kh, stride_block, stride_tok, v_offset,
               H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, QUANT: tl.constexpr):
-    """The KV write before the thirteenth session: one program per token."""
+    """The KV write it replaced: one program per token."""
     t = tl.program_id(0).to(tl.int64)
     block = tl.load(slot_block_ptr + t).to(tl.int64)
     offset = tl.load(slot_offset_ptr + t).to(tl.int64)

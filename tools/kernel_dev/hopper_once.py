@@ -1,7 +1,7 @@
 """The Hopper prefill kernel on one shape, a few launches and nothing else: a target for Nsight Compute.
 
     ncu --clock-control none -k regex:paged_prefill_hopper --launch-skip 1 --launch-count 1 \\
-        --section SourceCounters --section WarpStateStats -o prof python benchmarks/gpu/hopper_once.py --chunked
+        --section SourceCounters --section WarpStateStats -o prof python tools/kernel_dev/hopper_once.py --chunked
     ncu -i prof.ncu-rep --page source --csv --print-source sass > sass.csv   # warp-stall samples per instruction
 
 Prints the largest difference from SDPA over the same inputs, so a profile is never taken of a wrong kernel.
@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from benchmarks.gpu.attention import D
-from benchmarks.gpu.hopper_kernel import shapes
+from tools.kernel_dev.hopper_kernel import shapes
 
 
 def main() -> None:
