@@ -263,8 +263,8 @@ def plot_panels(steps: dict[str, tuple[list[int], list[float]]], measured: dict[
                   prefill_series)]
 
 
-def median_step_ms(engine: LLMEngine, steps: int) -> float:
-    """Median wall time of the next ``steps`` engine steps; then runs the engine dry."""
+def median_step_ms(engine: LLMEngine, steps: int, drain: bool = True) -> float:
+    """Median wall time of the next ``steps`` engine steps; then runs the engine dry (``drain``)."""
     times = []
     for _ in range(steps):
         torch.cuda.synchronize()
@@ -272,7 +272,7 @@ def median_step_ms(engine: LLMEngine, steps: int) -> float:
         engine.step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    while engine.has_unfinished_requests():
+    while drain and engine.has_unfinished_requests():
         engine.step()
     return 1000 * sorted(times)[len(times) // 2]
 

@@ -2,15 +2,17 @@
 
 The MoE's (token, choice) pairs are few at decode (batch x top_k), and each pair needs one expert's weights. The
 naive graph-capturable way gathers ``gate_up_proj[ids]`` into a copy per pair and multiplies the copy: three
-passes over an expert's bytes (read, write, read). Here two kernels read the weights in place:
+passes over an expert's bytes (read, write, read). Here the kernels read the weights in place:
 
 1. ``gate_up_kernel``: program (expert e, column tile n, K-split s) finds the pairs routed to ``e`` (a mask over
    all pairs, no sorting: a program whose expert nobody picked returns before touching a weight), multiplies
    their gated inputs ``x * gate`` (Llama-4 scales the expert's input) by ``W_gate_up[e, ks, n]`` and writes the
    float32 partial sums of split ``s``. Splitting K keeps enough programs streaming at batch 1, where only one
    expert's 16 column tiles have work.
-2. ``down_kernel``: program (expert e, column tile n) sums the splits, applies ``silu(gate) * up``, and multiplies
-   by ``W_down[e, :, n]``; output rows are the pairs (summed over top_k by the caller).
+2. ``silu_mul_kernel`` sums the splits and applies ``silu(gate) * up`` (summing them inside the down kernel made
+   every one of its programs hold all splits' tiles in registers: spills, 118 us a layer on an H200);
+3. ``down_kernel``: program (expert e, column tile n) multiplies the pairs of ``e`` by ``W_down[e, :, n]``;
+   output rows are the pairs (summed over top_k by the caller).
 
 E.g. 2 tokens, top-1, ids [3, 3], 16 experts, I = 1024, 64-column tiles, 4 splits: 16 x 16 x 4 programs start,
 the 64 of expert 3 each read a [H/4, 64] tile of gate and of up for both rows at once; 960 return at once.
@@ -27,6 +29,41 @@ import triton.language as tl
 
 # the most (token, choice) pairs one launch takes: rows of a program's tiles (register use grows with it)
 MAX_PAIRS = 64
+
+
+@triton.jit
+def route_kernel(
+    x_ptr, w_ptr, logits_ptr, arrived_ptr, ids_ptr, gates_ptr, hidden, num_experts, stride_xt, stride_we,
+    E_PAD: tl.constexpr, PER_PROGRAM: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Program (token t, p): router logits of experts [p * PER_PROGRAM, ...) for token t, rounded to the model's
+    dtype as nn.Linear's output is. The token's last program to finish (an arrival counter, reset after use)
+    picks the top_k experts (the first index among equal logits) and their gates ``sigmoid(logit)``. Spreading
+    the router's rows over programs keeps a 16-expert router from being one SM's serial read."""
+    t = tl.program_id(0).to(tl.int64)
+    es = tl.program_id(1) * PER_PROGRAM + tl.arange(0, PER_PROGRAM)
+    e_ok = es < num_experts
+    acc = tl.zeros((PER_PROGRAM,), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden
+        x = tl.load(x_ptr + t * stride_xt + ks, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + es[:, None] * stride_we + ks[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+    dtype = gates_ptr.dtype.element_ty
+    tl.store(logits_ptr + t * E_PAD + es, acc.to(dtype).to(tl.float32), mask=e_ok)
+    # release our logits, acquire the others' (acq_rel): the last to arrive sees every program's stores
+    if tl.atomic_add(arrived_ptr + t, 1) == tl.num_programs(1) - 1:
+        all_es = tl.arange(0, E_PAD)
+        logits = tl.load(logits_ptr + t * E_PAD + all_es, mask=all_es < num_experts, other=float("-inf"),
+                         cache_modifier=".cg")
+        for j in tl.static_range(TOP_K):
+            best = tl.max(logits, 0)
+            pick = tl.min(tl.where(logits == best, all_es, E_PAD), 0)
+            tl.store(ids_ptr + t * TOP_K + j, pick.to(tl.int64))
+            tl.store(gates_ptr + t * TOP_K + j, tl.sigmoid(best).to(dtype))
+            logits = tl.where(all_es == pick, float("-inf"), logits)
+        tl.store(arrived_ptr + t, 0)
 
 
 @triton.jit
@@ -77,12 +114,30 @@ def gate_up_kernel(
 
 
 @triton.jit
+def silu_mul_kernel(part_ptr, h_ptr, inter, stride_ps, stride_pp, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (pair p, column block): h[p] = silu(gate) * up from the summed splits, rounded as eager torch
+    rounds each projection's output to the weights' dtype first."""
+    p = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    row = part_ptr + p * stride_pp
+    g = tl.zeros((BLOCK,), dtype=tl.float32)
+    u = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        g += tl.load(row + s * stride_ps + cols, mask=ok, other=0.0)
+        u += tl.load(row + s * stride_ps + inter + cols, mask=ok, other=0.0)
+    dtype = h_ptr.dtype.element_ty
+    g = g.to(dtype).to(tl.float32)
+    u = u.to(dtype).to(tl.float32)
+    tl.store(h_ptr + p * inter + cols, (g * tl.sigmoid(g) * u).to(dtype), mask=ok)
+
+
+@triton.jit
 def down_kernel(
-    part_ptr, ids_ptr, w_ptr, out_ptr,
+    h_ptr, ids_ptr, w_ptr, out_ptr,
     num_pairs, hidden, inter,
-    stride_ps, stride_pp, stride_we, stride_wk, stride_op,
-    SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
+    stride_we, stride_wk, stride_op,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):
     e = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
@@ -94,21 +149,12 @@ def down_kernel(
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     w_e = w_ptr + e.to(tl.int64) * stride_we
-    rows = part_ptr + pairs[:, None].to(tl.int64) * stride_pp
+    rows = h_ptr + pairs[:, None].to(tl.int64) * inter
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < inter
-        ok = mine[:, None] & k_ok[None, :]
-        g = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-        u = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-        for s in tl.static_range(SPLITS):
-            g += tl.load(rows + s * stride_ps + ks[None, :], mask=ok, other=0.0)
-            u += tl.load(rows + s * stride_ps + (ks + inter)[None, :], mask=ok, other=0.0)
-        # eager torch rounds each projection's output to the weights' dtype before silu(gate) * up
-        g = g.to(w_ptr.dtype.element_ty).to(tl.float32)
-        u = u.to(w_ptr.dtype.element_ty).to(tl.float32)
-        h = (g * tl.sigmoid(g) * u).to(w_ptr.dtype.element_ty)
+        h = tl.load(rows + ks[None, :], mask=mine[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_e + ks[:, None].to(tl.int64) * stride_wk + cols[None, :],
                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if IEEE:
@@ -119,12 +165,38 @@ def down_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mine[:, None] & col_ok[None, :])
 
 
+def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
+          arrived: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids [T, top_k] int64, gates [T, top_k] in x's dtype) of Llama-4's router: ``topk(x @ W^T)`` and
+    the sigmoid of the picked logits, in one launch (a GEMM, a top-k and two elementwise kernels in torch).
+    ``arrived``: int32 zeros, at least T of them, that the kernel leaves zero again (one buffer per model)."""
+    tokens, hidden = x.shape
+    num_experts = router_weight.shape[0]
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=x.device)
+    gates = torch.empty((tokens, top_k), dtype=x.dtype, device=x.device)
+    if tokens:
+        if arrived.numel() < tokens:
+            raise ValueError(f"route needs an arrival counter per token ({tokens}), got {arrived.numel()}")
+        e_pad = triton.next_power_of_2(num_experts)
+        per_program = max(1, e_pad // 16)
+        logits = torch.empty((tokens, e_pad), dtype=torch.float32, device=x.device)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        route_kernel[(tokens, triton.cdiv(num_experts, per_program))](
+            x, router_weight, logits, arrived, ids, gates, hidden, num_experts, x.stride(0),
+            router_weight.stride(0), E_PAD=e_pad, PER_PROGRAM=per_program, TOP_K=top_k, BLOCK_K=2048,
+            num_warps=4,
+        )
+    return ids, gates
+
+
 def fused_moe(x: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-              down: torch.Tensor) -> torch.Tensor:
+              down: torch.Tensor, gate_up_tile: tuple[int, int] = (64, 128),
+              down_tile: tuple[int, int] = (64, 128)) -> torch.Tensor:
     """Routed experts' output [T, H] for ``x`` [T, H], top-k ``gates`` and expert ``ids`` [T, top_k].
 
     ``gate_up`` [E, H, 2I] (gate columns first), ``down`` [E, I, H]: transformers' Llama-4 layout. The caller
-    guarantees ``T * top_k <= MAX_PAIRS``."""
+    guarantees ``T * top_k <= MAX_PAIRS``. The tiles (columns, K) are ``benchmarks/gpu/decode.py --moe-tiles``'s
+    best on an H200."""
     tokens, top_k = ids.shape
     num_pairs = tokens * top_k
     if num_pairs > MAX_PAIRS:
@@ -134,7 +206,7 @@ def fused_moe(x: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor, gate_up: 
     ids = ids.reshape(-1)
     gates = gates.reshape(-1)
     block_m = max(16, triton.next_power_of_2(num_pairs))
-    block_n, block_k = 64, 128
+    block_n, block_k = gate_up_tile
     col_tiles = triton.cdiv(inter, block_n)
     # enough programs with work to keep ~128 SMs streaming: pairs touch at most min(E, pairs) experts
     busy = min(num_experts, num_pairs) * col_tiles
@@ -148,11 +220,13 @@ def fused_moe(x: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor, gate_up: 
         x.stride(0), gate_up.stride(0), gate_up.stride(1), part.stride(0), part.stride(1),
         TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, num_warps=4, num_stages=3,
     )
+    h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    silu_mul_kernel[(num_pairs, triton.cdiv(inter, 1024))](
+        part, h, inter, part.stride(0), part.stride(1), SPLITS=splits, BLOCK=1024, num_warps=4)
     out = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
-    down_n = 32 if num_pairs <= 4 else 64  # batch 1: 160 column tiles of one expert instead of 80
+    down_n, down_k = down_tile
     down_kernel[(num_experts, triton.cdiv(hidden, down_n))](
-        part, ids, down, out, num_pairs, hidden, inter,
-        part.stride(0), part.stride(1), down.stride(0), down.stride(1), out.stride(0),
-        SPLITS=splits, BLOCK_M=block_m, BLOCK_N=down_n, BLOCK_K=64, IEEE=ieee, num_warps=4, num_stages=3,
+        h, ids, down, out, num_pairs, hidden, inter, down.stride(0), down.stride(1), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=down_n, BLOCK_K=down_k, IEEE=ieee, num_warps=4, num_stages=3,
     )
     return out if top_k == 1 else out.view(tokens, top_k, hidden).sum(dim=1)

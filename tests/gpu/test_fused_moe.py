@@ -17,7 +17,7 @@ if not (torch.cuda.is_available() or INTERPRET):
     pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from hybridkv.kernels.fused_moe import MAX_PAIRS, fused_moe  # noqa: E402
+from hybridkv.kernels.fused_moe import MAX_PAIRS, fused_moe, route  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 
@@ -81,3 +81,25 @@ def test_too_many_pairs_is_refused():
     ids = torch.zeros(MAX_PAIRS + 1, 1, dtype=torch.long, device=DEVICE)
     with pytest.raises(ValueError, match=f"at most {MAX_PAIRS}"):
         fused_moe(x, x[:, :1], ids, torch.zeros(1, 16, 32, device=DEVICE), torch.zeros(1, 16, 16, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("experts,top_k,tokens", [(16, 1, 1), (16, 1, 33), (5, 2, 7), (128, 4, 3), (40, 2, 2)])
+def test_route_matches_topk_of_the_router(dtype, experts, top_k, tokens):
+    """Ids as torch.topk of the router's (rounded) logits, gates as sigmoid of them."""
+    torch.manual_seed(experts + tokens)
+    hidden = 300
+    x = torch.randn(tokens, hidden).to(dtype)
+    w = (torch.randn(experts, hidden) / hidden**0.5).to(dtype)
+    logits = (x.double() @ w.double().T).to(dtype)
+    top, want_ids = torch.topk(logits.float(), top_k, dim=-1)
+    arrived = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    ids, gates = route(x.to(DEVICE), w.to(DEVICE), top_k, arrived)
+    assert not arrived.any()  # left as found: the next launch's counters start at zero
+    assert ids.dtype == torch.int64 and gates.dtype == dtype and ids.shape == (tokens, top_k)
+    # logits one bf16 step apart may swap under another summation order: compare the picked logits, not ids
+    picked = logits.float().gather(1, ids.cpu())
+    torch.testing.assert_close(picked, top, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
+    if dtype == torch.float32:
+        assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(gates.cpu().float(), torch.sigmoid(picked), rtol=1e-2, atol=1e-3)

@@ -251,19 +251,25 @@ class MoE(nn.Module):
         local = self.experts.down_proj.shape[1]
         self._grouped_mm_ok = hasattr(F, "grouped_mm") and all(
             (n * item) % 16 == 0 for n in (cfg.hidden_size, local, 2 * local))
+        self._arrived: torch.Tensor | None = None  # the fused router's arrival counters (zero between launches)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.shared_expert(x) + self._routed(x))
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.shape[0] * self.top_k <= fused_moe_max_pairs():
+            # decode sizes: routing and the selected experts in four launches, no host sync (graph-capturable)
+            from hybridkv.kernels.fused_moe import fused_moe, route
+
+            if self._arrived is None or self._arrived.device != x.device:
+                self._arrived = torch.zeros(fused_moe_max_pairs(), dtype=torch.int32, device=x.device)
+            top_ids, gates = route(x, self.router.weight, self.top_k, self._arrived)
+            return fused_moe(x, gates, top_ids, self.experts.gate_up_proj, self.experts.down_proj)
         top_logits, top_ids = torch.topk(self.router(x), self.top_k, dim=-1)
         gates = torch.sigmoid(top_logits.float()).to(x.dtype)
-        if x.is_cuda and x.shape[0] * self.top_k <= fused_moe_max_pairs():
-            from hybridkv.kernels.fused_moe import fused_moe
-
-            routed = fused_moe(x, gates, top_ids, self.experts.gate_up_proj, self.experts.down_proj)
-        elif self._grouped_mm_ok:
-            routed = self._routed_by_grouped_mm(x, top_ids, gates)
-        else:
-            routed = self._routed_by_expert(x, top_ids, gates)
-        return self.tp.all_reduce(self.shared_expert(x) + routed)
+        if self._grouped_mm_ok:
+            return self._routed_by_grouped_mm(x, top_ids, gates)
+        return self._routed_by_expert(x, top_ids, gates)
 
     def _routed_by_expert(self, x: torch.Tensor, top_ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
         """Only experts some token picked run, on only the tokens that picked them (reads the routing on the host).

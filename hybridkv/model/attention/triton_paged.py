@@ -189,11 +189,27 @@ class TritonStepState:
 
 @dataclass(slots=True)
 class _StaticDecode:
-    seq: list[torch.Tensor]  # tile_seq, tile_q0, q_loc, q_len, ctx_len: [max_seqs] int32
+    """The buffers a captured decode step reads. The per-sequence vectors are rows of one device tensor
+    (``rows``), written each step by one copy from a pinned mirror (``host``): 5 + 2 x groups small copies cost
+    more host time than the whole decode step's GPU work at batch 1. Block tables change only when a sequence
+    gets a new block, so they are copied only when they differ from the last ones written (``written``)."""
+
+    rows: torch.Tensor  # [5 + 2 * groups, max_seqs] int32 on the device
+    host: torch.Tensor  # its pinned mirror (plain memory without CUDA)
+    copied: torch.cuda.Event | None  # the last copy from ``host``: done before ``host`` is written again
     tables: list[torch.Tensor]  # per group [max_seqs, max blocks] int32
-    slot_block: list[torch.Tensor]  # per group [max_seqs]
-    slot_offset: list[torch.Tensor]
+    written: list[np.ndarray | None]  # per group: the table last copied into ``tables``
     max_model_len: int
+
+    @property
+    def seq(self) -> list[torch.Tensor]:  # tile_seq, tile_q0, q_loc, q_len, ctx_len: [max_seqs]
+        return list(self.rows[:5])
+
+    def slot_block(self, g: int) -> torch.Tensor:
+        return self.rows[5 + 2 * g]
+
+    def slot_offset(self, g: int) -> torch.Tensor:
+        return self.rows[6 + 2 * g]
 
 
 class TritonPagedAttention:
@@ -335,12 +351,12 @@ class TritonPagedAttention:
         """Fixed metadata buffers for decode steps, so a captured step reads each step's values in place."""
         width = -(-max_model_len // self.block_size)
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=self.device)  # noqa: E731
-        groups = range(len(self.layout.groups))
+        groups = len(self.layout.groups)
+        rows = zeros(5 + 2 * groups, max_seqs)
+        cuda = rows.is_cuda
         self._static = _StaticDecode(
-            seq=[zeros(max_seqs) for _ in range(5)],
-            tables=[zeros(max_seqs, width) for _ in groups],
-            slot_block=[zeros(max_seqs) for _ in groups],
-            slot_offset=[zeros(max_seqs) for _ in groups],
+            rows=rows, host=torch.zeros(rows.shape, dtype=torch.int32, pin_memory=cuda), copied=None,
+            tables=[zeros(max_seqs, width) for _ in range(groups)], written=[None] * groups,
             max_model_len=max_model_len,
         )
 
@@ -348,16 +364,14 @@ class TritonPagedAttention:
         """Decode metadata (one new token per sequence) written into the static buffers, padded to ``padded``
         rows; a padding row computes nothing and its token's K/V go to the null block, which is never read."""
         st, n, bs = self._static, len(seqs), self.block_size
-        ctx = np.zeros(padded, dtype=np.int32)
+        if st.copied is not None:
+            st.copied.synchronize()  # the previous step's copy has read the mirror
+        host = st.host.numpy()
+        host[:, :padded] = 0
+        ctx = host[4, :padded]
         ctx[:n] = [s.context_len for s in seqs]
-        q_len = np.zeros(padded, dtype=np.int32)
-        q_len[:n] = 1
-        rows = np.arange(padded, dtype=np.int32)
-        host = [rows, np.zeros(padded, dtype=np.int32), rows, q_len, ctx]
-        for buf, values in zip(st.seq, host):
-            buf[:padded].copy_(torch.from_numpy(values))
-        self.step_state = TritonStepState(self.decode, self.decode.rows // self.group, padded,
-                                          [buf[:padded] for buf in st.seq])
+        host[0, :padded] = host[2, :padded] = np.arange(padded, dtype=np.int32)  # tile_seq, q_loc
+        host[3, :n] = 1  # q_len
         for g, group in enumerate(self.layout.groups):
             tables = [s.block_tables[group.group_id] for s in seqs]
             width = max((len(t) for t in tables), default=0)
@@ -365,20 +379,26 @@ class TritonPagedAttention:
                 table = np.zeros((n, width), dtype=np.int32)
                 for i, t in enumerate(tables):
                     table[i, : len(t)] = t
-                st.tables[g][:n, :width].copy_(torch.from_numpy(table))
-            slot = np.zeros(padded, dtype=np.int32)
-            slot[:n] = [t[c // bs] for t, c in zip(tables, ctx[:n])]
-            offset = np.zeros(padded, dtype=np.int32)
-            offset[:n] = ctx[:n] % bs
-            st.slot_block[g][:padded].copy_(torch.from_numpy(slot))
-            st.slot_offset[g][:padded].copy_(torch.from_numpy(offset))
+                last = st.written[g]
+                if last is None or last.shape != table.shape or not np.array_equal(last, table):
+                    st.tables[g][:n, :width].copy_(torch.from_numpy(table))
+                    st.written[g] = table
+            host[5 + 2 * g, :n] = [t[c // bs] for t, c in zip(tables, ctx[:n])]
+            host[6 + 2 * g, :n] = ctx[:n] % bs
+        st.rows.copy_(st.host, non_blocking=True)
+        if st.rows.is_cuda:
+            st.copied = torch.cuda.Event()
+            st.copied.record()
+        self.step_state = TritonStepState(self.decode, self.decode.rows // self.group, padded,
+                                          [buf[:padded] for buf in st.seq])
+        for g, group in enumerate(self.layout.groups):
             reach = st.max_model_len
             if group.spec.reach:
                 reach = min(reach, group.spec.reach + 64)
             # a function of ``padded`` alone: the split count a graph was captured with is the one it replays with
             splits = self._num_splits(reach, group.spec.num_kv_heads)
-            self.step_state.groups.append(_GroupMeta(st.tables[g][:padded], st.slot_block[g][:padded],
-                                                     st.slot_offset[g][:padded], splits))
+            self.step_state.groups.append(_GroupMeta(st.tables[g][:padded], st.slot_block(g)[:padded],
+                                                     st.slot_offset(g)[:padded], splits))
 
     def _num_splits(self, longest_reach: int, kv_heads: int) -> int:
         """Split the KV range only when too few programs would run otherwise (decode of few long sequences)."""

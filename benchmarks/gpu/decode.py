@@ -1,0 +1,231 @@
+"""Decode steps of one Llama-4-Scout TP-8 rank against the memory-bound limit, through the whole engine.
+
+A decode step must read the weights it uses (attention, router, shared expert, the routed experts its tokens
+picked, the LM-head slice) and the KV its sequences can reach (full layers: the whole context; chunked layers:
+the current chunk), once. Those bytes over the device's copy bandwidth, measured in the same run, are the
+step's floor. Per (KV dtype, batch, context): the step's median wall time with CUDA graphs (scheduler and
+sampling included), the bytes, the floor and the fraction of it reached, and the GPU kernels one step launches.
+
+The model is `scout_rank.py`'s: seeded random bf16 weights, the KV cache filled with random values up to the
+context (decode timing on zeros flatters). Random weights route tokens to experts almost uniformly, so a batch of
+B tokens is counted as touching E * (1 - (1 - 1/E)^B) experts per MoE layer.
+
+    python benchmarks/gpu/decode.py [--contexts 16384,1048576,10000000] [--batches 1,8,32]
+        [--batch-context 131072] [--kv-dtypes bfloat16,fp8_e4m3] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scout_rank import engine_for, fill_random, median_step_ms, prompt, random_model, rank_config  # noqa: E402
+
+from hybridkv.bench.tables import markdown_table  # noqa: E402
+from hybridkv.engine.sampling_params import SamplingParams  # noqa: E402
+from hybridkv.engine.sequence import SequenceStatus  # noqa: E402
+from hybridkv.model.loading.checkpoint import LoadedModel  # noqa: E402
+from hybridkv.model.loading.tokenizer import word_tokenizer  # noqa: E402
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 4 GiB, bytes read plus written per second (median of 20)."""
+    import triton.testing
+
+    src = torch.randn(1 << 30, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=400, return_mode="median")
+    del src, dst
+    return 2 * (1 << 32) / (ms / 1000)
+
+
+def step_bytes(model, cfg: dict, batch: int, context: int, kv_bytes_per_value: int) -> float:
+    """Bytes one decode step of ``batch`` sequences at ``context`` must read (see the module docstring)."""
+    experts_total = cfg["num_local_experts"]
+    touched = experts_total * (1 - (1 - 1 / experts_total) ** (batch * cfg["num_experts_per_tok"]))
+    weights = 0
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name:
+            continue  # B rows of it
+        size = p.numel() * p.element_size()
+        weights += size * touched / experts_total if ".experts." in name else size
+    if model.lm_head is None:
+        weights += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    per_token_layer = 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * kv_bytes_per_value
+    chunk = cfg["attention_chunk_size"]
+    # Llama-4: RoPE layers are the chunked ones, NoPE layers the full ones
+    chunked_layers = sum(1 for i in range(cfg["num_hidden_layers"]) if model.cfg.uses_rope(i))
+    full_layers = cfg["num_hidden_layers"] - chunked_layers
+    reach_chunked = context % chunk + 1
+    kv = batch * per_token_layer * (full_layers * (context + 1) + chunked_layers * reach_chunked)
+    return weights + kv
+
+
+def start_decoding(engine, batch: int, context: int, vocab: int, steps: int) -> bool:
+    """``batch`` sequences with ``context`` tokens of random KV each, then their first decode steps; False (and
+    nothing left running) when their KV does not fit the pool."""
+    for b in range(batch):
+        engine.add_request(f"decode-{context}-{b}", prompt(context, vocab, 7 + b), SamplingParams(
+            temperature=0, max_tokens=steps + 2, ignore_eos=True))
+    seqs = [engine.scheduler.waiting.popleft() for _ in range(batch)]
+    piece = 1 << 20
+    for seq in seqs:
+        # slots for all but the last prompt token; their KV "exists" as the random values filled in before
+        while seq.num_computed_tokens < context - 1:
+            n = min(piece, context - 1 - seq.num_computed_tokens)
+            if not engine.kv.allocate_slots(seq, n):
+                for b in range(batch):
+                    engine.abort_request(f"decode-{context}-{b}")
+                return False
+            seq.num_computed_tokens += n
+            engine.kv.on_tokens_computed(seq)
+    for seq in seqs:
+        seq.status = SequenceStatus.RUNNING
+        engine.scheduler.running.append(seq)
+    engine.step()  # the last prompt tokens
+    engine.step()
+    engine.step()
+    return True
+
+
+def kernels_per_step(engine, top: int = 0) -> tuple[int, list[list[str]]]:
+    """GPU kernels launched by one decode step (graph replays traced kernel by kernel), and the ``top`` kernels
+    by time over 5 steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            engine.step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in events if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    rows = []
+    if top:
+        by_name: dict[str, list[float]] = {}
+        for e in kernels:
+            by_name.setdefault(e.name, []).append(e.device_time)
+        total = sum(sum(v) for v in by_name.values())
+        for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
+            rows.append([name[:90], f"{len(times) / 5:.0f}", f"{sum(times) / 5 / 1000:.3f}",
+                         f"{100 * sum(times) / total:.1f}%"])
+    return round(len(kernels) / 5), rows
+
+
+def projection_rows(model, rows_list=(1, 8, 32)) -> list[list[str]]:
+    """Each distinct projection weight of a layer at decode batch sizes through cuBLAS (``F.linear``):
+    microseconds, and the weight's bytes over that time against the copy bandwidth."""
+    import triton.testing
+
+    layer = model.layers[0]
+    shapes = {"q/k/v": layer.self_attn.qkv.weight, "o": layer.self_attn.o_proj.weight,
+              "shared gate/up": layer.mlp.shared_expert.gate_up.weight,
+              "shared down": layer.mlp.shared_expert.down_proj.weight, "router": layer.mlp.router.weight,
+              "LM head": (model.lm_head or model.embed_tokens).weight}
+    rows = []
+    for name, w in shapes.items():
+        for m in rows_list:
+            x = torch.randn(m, w.shape[1], device="cuda", dtype=w.dtype)
+            ms = triton.testing.do_bench(lambda: torch.nn.functional.linear(x, w), warmup=20, rep=200,
+                                         return_mode="median")
+            rows.append([name, f"{tuple(w.shape)}", f"{m}", f"{1000 * ms:.1f}",
+                         f"{w.numel() * w.element_size() / (ms / 1000) / 1e9:,.0f}"])
+    return rows
+
+
+def moe_tile_rows(model, batches=(1, 8, 32)) -> list[list[str]]:
+    """The fused MoE kernels of one layer alone at each batch size and tile choice: microseconds, and the
+    touched experts' bytes over that time (each result checked against the default tiles' first)."""
+    import triton.testing
+
+    from hybridkv.kernels.fused_moe import fused_moe, route
+
+    moe = model.layers[0].mlp
+    gate_up, down = moe.experts.gate_up_proj, moe.experts.down_proj
+    per_expert = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+    rows = []
+    for batch in batches:
+        x = torch.randn(batch, gate_up.shape[1], device="cuda", dtype=gate_up.dtype)
+        ids, gates = route(x, moe.router.weight, moe.top_k, torch.zeros(batch, dtype=torch.int32, device="cuda"))
+        touched = len(ids.unique())
+        ref = fused_moe(x, gates, ids, gate_up, down)
+        for gu in ((64, 128), (32, 128), (64, 256)):
+            for dn in ((32, 128), (64, 64), (64, 128), (16, 256)):
+                got = fused_moe(x, gates, ids, gate_up, down, gu, dn)
+                assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):  # replayed: at batch 1 the launches outlast the kernels
+                    fused_moe(x, gates, ids, gate_up, down, gu, dn)
+                ms = triton.testing.do_bench(graph.replay, warmup=20, rep=100, return_mode="median")
+                rows.append([f"{batch}", f"{touched}", f"{gu}", f"{dn}", f"{1000 * ms:.1f}",
+                             f"{touched * per_expert / (ms / 1000) / 1e9:,.0f}"])
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", default="16384,1048576,10000000", help="batch-1 contexts")
+    ap.add_argument("--batches", default="1,8,32", help="batch sizes timed at --batch-context")
+    ap.add_argument("--batch-context", type=int, default=131072)
+    ap.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3")
+    ap.add_argument("--profile", action="store_true", help="also print the top kernels of a batch-1 step")
+    ap.add_argument("--steps", type=int, default=16, help="decode steps timed per row (median)")
+    ap.add_argument("--projections", action="store_true",
+                    help="also time each projection shape alone (cuBLAS) against the bytes it reads")
+    ap.add_argument("--moe-tiles", action="store_true", help="also time the fused MoE kernels' tile choices")
+    args = ap.parse_args()
+
+    bandwidth = copy_bandwidth()
+    cfg = rank_config(8)
+    model = random_model(cfg)
+    loaded = LoadedModel("scout-rank (random weights)", model, word_tokenizer(cfg["vocab_size"]), cfg)
+    projections, tiles = [], []
+    batches = [int(b) for b in args.batches.split(",") if b]
+    cases = list(dict.fromkeys([(1, int(c)) for c in args.contexts.split(",") if c] +
+                               [(b, args.batch_context) for b in batches]))
+    rows, top_rows = [], []
+    for kv_dtype in args.kv_dtypes.split(","):
+        engine = engine_for(loaded, kv_dtype, max_num_seqs=max(b for b, _ in cases))
+        if args.projections and not projections:
+            projections = projection_rows(model)  # fused weights exist once the engine has been built
+        if args.moe_tiles and not tiles:
+            tiles = moe_tile_rows(model)
+        fill_random(engine)
+        kv_value_bytes = 1 if kv_dtype.startswith("fp8") else 2
+        for batch, context in cases:
+            if context + args.steps + 8 > engine.max_model_len or not start_decoding(
+                    engine, batch, context, cfg["vocab_size"], args.steps + 8):
+                rows.append([kv_dtype, f"{batch}", f"{context:,}", "does not fit", "", "", "", ""])
+                continue
+            ms = median_step_ms(engine, args.steps, drain=False)
+            count, top = kernels_per_step(engine, 25 if args.profile and batch == 1 and not top_rows else 0)
+            top_rows = top_rows or top
+            while engine.has_unfinished_requests():
+                engine.step()
+            need = step_bytes(model, cfg, batch, context, kv_value_bytes)
+            floor_ms = 1000 * need / bandwidth
+            rows.append([kv_dtype, f"{batch}", f"{context:,}", f"{ms:.2f}", f"{need / 1e9:.2f}", f"{floor_ms:.2f}",
+                         f"{100 * floor_ms / ms:.0f}%", f"{count}"])
+            print(rows[-1], flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    print(f"\n{torch.cuda.get_device_name()}: Llama-4-Scout TP-8 rank decode, CUDA graphs, "
+          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (measured in this run)")
+    print(markdown_table(["KV", "batch", "context", "step ms", "GB to read", "floor ms", "of floor",
+                          "kernels/step"], rows))
+    if projections:
+        print("\nProjections alone through cuBLAS:")
+        print(markdown_table(["projection", "weight", "rows", "us", "weight GB/s"], projections))
+    if tiles:
+        print("\nFused MoE alone, by tiles (columns, K) of the gate/up and down kernels:")
+        print(markdown_table(["batch", "experts", "gate/up tile", "down tile", "us", "GB/s"], tiles))
+    if top_rows:
+        print("\nTop kernels of a batch-1 step (5 steps profiled):")
+        print(markdown_table(["kernel", "per step", "ms per step", "share"], top_rows))
+
+
+if __name__ == "__main__":
+    main()
