@@ -7,6 +7,7 @@ Routes: ``/health``, ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import re
 from collections.abc import AsyncIterator, Iterator
@@ -21,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.llm_engine import CompletionOutput, LLMEngine, RequestOutput
-from hybridkv.engine.output_processing import Logprobs
+from hybridkv.engine.output_processing import Logprobs, PromptLogprobs
 from hybridkv.model.loading.tokenizer import Tokenizer
 from hybridkv.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from hybridkv.server.auth import add_access_middleware
@@ -44,6 +45,7 @@ from hybridkv.server.protocol import (
     DeltaMessage,
     ModelCard,
     ModelList,
+    PromptLogprob,
     ResponseMessage,
     TopLogprob,
     UsageInfo,
@@ -237,6 +239,10 @@ async def create_completion(request: Request) -> Response:
         prompt, params = body.single_prompt(), body.sampling_params()
     except ValueError as error:
         raise APIError.bad_request(error) from None
+    if body.echo and state.tokenizer is None:
+        raise APIError(400, "echo: needs a tokenizer to write the prompt's text, and this server runs without one "
+                            "(--skip-tokenizer-init)", "echo")
+    text = prompt
     prompt = await _prompt_ids(state, prompt, params.max_tokens, "max_tokens")
     request_id = random_id("cmpl")
     stream = await _submit(state, request_id, prompt, params, body.cache_salt)
@@ -247,7 +253,57 @@ async def create_completion(request: Request) -> Response:
     final = await _final_output(stream, request)
     response.choices = [_completion_choice(state, o, o.text, o.logprobs) for o in final.outputs]
     response.usage = _usage(final)
+    prompt_logprobs = _prompt_logprobs(state, final.prompt_logprobs)
+    for choice in response.choices:
+        choice.prompt_logprobs = prompt_logprobs
+    if body.echo:
+        _echo(state, body, final, response, text if isinstance(text, str) else None)
     return JSONResponse(response.model_dump())
+
+
+def _echo(state: ServerState, body: CompletionRequest, final: RequestOutput, response: CompletionResponse,
+          text: str | None) -> None:
+    """Each choice's text and logprobs preceded by the prompt's; with ``max_tokens`` 0, the prompt's alone."""
+    if text is None:
+        text = state.tokenizer.decode(final.prompt_token_ids, skip_special_tokens=False)
+    for choice, o in zip(response.choices, final.outputs):
+        choice.text = text + ("" if body.echo_only else choice.text)
+        if body.logprobs is not None:
+            logprobs = _prompt_token_logprobs(state, final.prompt_token_ids, final.prompt_logprobs, body.logprobs)
+            choice.logprobs = logprobs if body.echo_only else _completion_logprobs(state, o.logprobs, logprobs)
+    if body.echo_only:  # the token the engine sampled is not returned
+        response.usage.completion_tokens = 0
+        response.usage.total_tokens = response.usage.prompt_tokens
+
+
+def _prompt_token_logprobs(state: ServerState, token_ids: list[int], entries: PromptLogprobs,
+                           k: int) -> CompletionLogprobs:
+    """OpenAI's legacy logprobs of the prompt's tokens (vLLM's echo): the first has none; each other one its own
+    logprob, and its top logprobs the token's and its position's top ``k``."""
+    out = CompletionLogprobs()
+    for token_id, entry in zip(token_ids, entries):
+        token = state.token_str(token_id)
+        if entry is None:
+            _append_logprob(out, token, None, None)
+            continue
+        top = {state.token_str(t): _finite(lp.logprob) for t, lp in itertools.islice(entry.items(), k + 1)}
+        _append_logprob(out, token, _finite(entry[token_id].logprob), top)
+    return out
+
+
+def _prompt_logprobs(state: ServerState, entries: PromptLogprobs | None) -> list | None:
+    """vLLM's ``prompt_logprobs`` field: per prompt token None (the first) or {token id: logprob, rank, text}."""
+    if entries is None:
+        return None
+    return [None if entry is None else {
+        t: PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=state.token_str(t))
+        for t, lp in entry.items()
+    } for entry in entries]
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -inf: vLLM's floor for a token the model rules out."""
+    return max(logprob, -9999.0)
 
 
 def _completion_choice(state: ServerState, o: CompletionOutput, text: str, rows: list[Logprobs] | None):
@@ -256,20 +312,24 @@ def _completion_choice(state: ServerState, o: CompletionOutput, text: str, rows:
                             stop_reason=o.stop_reason)
 
 
-def _completion_logprobs(state: ServerState, rows: list[Logprobs]) -> CompletionLogprobs:
-    out = CompletionLogprobs()
-    offset = 0
+def _completion_logprobs(state: ServerState, rows: list[Logprobs],
+                         out: CompletionLogprobs | None = None) -> CompletionLogprobs:
+    """``out``: logprobs of the tokens before these (the echoed prompt's), which these continue."""
+    out = out or CompletionLogprobs()
     for row in rows:
         sampled_id, sampled_lp = row[0]
         token = state.token_str(sampled_id)
         top = {state.token_str(t): lp for t, lp in row[1:]}
         top.setdefault(token, sampled_lp)
-        out.tokens.append(token)
-        out.token_logprobs.append(sampled_lp)
-        out.top_logprobs.append(top)
-        out.text_offset.append(offset)
-        offset += len(token)
+        _append_logprob(out, token, sampled_lp, top)
     return out
+
+
+def _append_logprob(out: CompletionLogprobs, token: str, logprob: float | None, top: dict | None) -> None:
+    out.text_offset.append(out.text_offset[-1] + len(out.tokens[-1]) if out.tokens else 0)
+    out.tokens.append(token)
+    out.token_logprobs.append(logprob)
+    out.top_logprobs.append(top)
 
 
 async def _completion_chunks(
@@ -310,7 +370,8 @@ async def create_chat_completion(request: Request) -> Response:
         return _sse(_chat_chunks(state, stream, template, params.n, body.include_usage, plan), stream)
     final = await _final_output(stream, request)
     choices = [_chat_choice(state, o, plan) for o in final.outputs]
-    response = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=_usage(final))
+    response = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=_usage(final),
+                                      prompt_logprobs=_prompt_logprobs(state, final.prompt_logprobs))
     return JSONResponse(response.model_dump())
 
 
