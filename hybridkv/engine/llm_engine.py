@@ -265,16 +265,18 @@ class LLMEngine:
     def chat_token_ids(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None, tokenizer: Tokenizer | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """Token ids of a conversation rendered by the chat template, tokenized like a text prompt (with its length
-        check) but without special tokens: the template writes any BOS itself. ``tools`` (OpenAI's tool
-        definitions) go to the template. ``tokenizer``: this engine's with another chat template."""
+        check) but without special tokens (unless ``add_special_tokens``): the template writes any BOS itself.
+        ``tools`` (OpenAI's tool definitions) go to the template. ``tokenizer``: this engine's with another chat
+        template."""
         tok = tokenizer or self.tokenizer
         if tok is None:
             raise ValueError("chat needs a tokenizer, and this engine has none (skip_tokenizer_init)")
         extra = {"tools": tools} if tools else {}
         text = tok.apply_chat_template(messages, add_generation_prompt, **extra)
-        return self.tokenize(text, add_special_tokens=False)
+        return self.tokenize(text, add_special_tokens=add_special_tokens)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt. Text too long for ``max_model_len`` however it tokenizes is refused before

@@ -43,10 +43,14 @@ from hybridkv.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
     PromptLogprob,
     ResponseMessage,
+    TokenizeRequest,
+    TokenizeResponse,
     TopLogprob,
     UsageInfo,
     random_id,
@@ -124,6 +128,9 @@ def build_app(engine: LLMEngine | EngineConfig, served_model_name: str | None = 
     app.add_api_route("/metrics", render_metrics, methods=["GET"])
     app.add_api_route("/v1/completions", create_completion, methods=["POST"])
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"])
+    app.add_api_route("/tokenize", tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", detokenize, methods=["POST"])
+    app.add_api_route("/tokenizer_info", tokenizer_info, methods=["GET"])
     return app
 
 
@@ -420,6 +427,68 @@ async def _chat_chunks(
             yield _event(template.model_copy(update={"choices": [choice]}))
     if include_usage:
         yield _event(template.model_copy(update={"choices": [], "usage": _usage(out)}))
+
+
+# ---- vLLM's tokenizer endpoints ----------------------------------------------------------------------------
+def _tokenizer(state: ServerState, endpoint: str) -> Tokenizer:
+    if state.tokenizer is None:
+        raise APIError(400, f"{endpoint} needs a tokenizer, and this server runs without one (--skip-tokenizer-init)")
+    return state.tokenizer
+
+
+async def tokenize(request: Request) -> Response:
+    """vLLM's ``/tokenize``: a prompt's (or a rendered chat's) token ids, with ``max_model_len`` to compare."""
+    body = await _parse_body(request, TokenizeRequest)
+    state = _state(request)
+    _check_model(state, body.model)
+    tokenizer, engine = _tokenizer(state, "/tokenize"), state.engine.engine
+    try:
+        if body.messages is None:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await asyncio.to_thread(engine.tokenize, body.prompt, special)
+        else:
+            ids = await asyncio.to_thread(_chat_ids, engine, tokenizer, body)
+    except ValueError as error:
+        raise APIError.bad_request(error) from None
+    strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    response = TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs)
+    return JSONResponse(response.model_dump())
+
+
+def _chat_ids(engine: LLMEngine, tokenizer: Tokenizer, body: TokenizeRequest) -> list[int]:
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
+    return engine.chat_token_ids([m.template_dict() for m in body.messages], body.add_generation_prompt, tools,
+                                 tokenizer, add_special_tokens=bool(body.add_special_tokens))
+
+
+async def detokenize(request: Request) -> Response:
+    """vLLM's ``/detokenize``: the text of token ids (special tokens included)."""
+    body = await _parse_body(request, DetokenizeRequest)
+    state = _state(request)
+    _check_model(state, body.model)
+    tokenizer = _tokenizer(state, "/detokenize")
+    vocab = tokenizer.vocab_size
+    bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"tokens: token id {bad} is outside the tokenizer's vocabulary [0, {vocab})", "tokens")
+    text = await asyncio.to_thread(tokenizer.decode, body.tokens, False)
+    return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
+
+
+async def tokenizer_info(request: Request) -> Response:
+    """vLLM's ``/tokenizer_info``: the fields of the tokenizer's config clients read (lm-eval's remote tokenizer
+    reads ``eos_token``, ``bos_token`` and ``chat_template``)."""
+    state = _state(request)
+    tokenizer = _tokenizer(state, "/tokenizer_info")
+    return JSONResponse({
+        "tokenizer_class": "PreTrainedTokenizerFast",  # built from the same files, with the same ids
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+        "pad_token": None,
+        "chat_template": tokenizer.chat_template,
+        "model_max_length": state.engine.engine.max_model_len,
+        "vocab_size": tokenizer.vocab_size,
+    })
 
 
 # ---- shared plumbing ---------------------------------------------------------------------------------------

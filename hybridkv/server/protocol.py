@@ -219,6 +219,45 @@ class ChatCompletionRequest(_SamplingFields):
         return [m.template_dict() for m in self.messages]
 
 
+# ---- vLLM's tokenizer endpoints ---------------------------------------------------------------------------
+class TokenizeRequest(_Model):
+    """``/tokenize``: a ``prompt``, or chat ``messages`` rendered by the chat template (vLLM's two requests)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # vLLM's defaults: True for a prompt, False for messages (the chat template writes any BOS itself)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+    tools: list[ToolDefinition] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt (text) or messages (a chat)")
+        if self.continue_final_message:
+            raise ValueError("continue_final_message: not supported")
+        return self
+
+
+class TokenizeResponse(_Model):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None] | None = None
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Model):
+    prompt: str
+
+
 # ---- structured outputs and tools --------------------------------------------------------------------------
 # vLLM's request fields that older clients still send; they would change the output, so they are refused.
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
