@@ -249,38 +249,51 @@ async def create_completion(request: Request) -> Response:
     if body.echo and state.tokenizer is None:
         raise APIError(400, "echo: needs a tokenizer to write the prompt's text, and this server runs without one "
                             "(--skip-tokenizer-init)", "echo")
-    text = prompt
+    text = prompt if isinstance(prompt, str) else None
     prompt = await _prompt_ids(state, prompt, params.max_tokens, "max_tokens")
     request_id = random_id("cmpl")
     stream = await _submit(state, request_id, prompt, params, body.cache_salt)
     response = CompletionResponse(id=request_id, model=state.model_name, choices=[])
+    echo = _Echo(state, body, text) if body.echo else None
     if body.stream:
-        chunks = _completion_chunks(state, stream, response, body.include_usage)
+        chunks = _completion_chunks(state, stream, response, body.include_usage, echo)
         return _sse(chunks, stream)
     final = await _final_output(stream, request)
     response.choices = [_completion_choice(state, o, o.text, o.logprobs) for o in final.outputs]
     response.usage = _usage(final)
     prompt_logprobs = _prompt_logprobs(state, final.prompt_logprobs)
-    for choice in response.choices:
+    for choice, o in zip(response.choices, final.outputs):
         choice.prompt_logprobs = prompt_logprobs
-    if body.echo:
-        _echo(state, body, final, response, text if isinstance(text, str) else None)
+        if echo is not None:
+            echo.apply(choice, final, o.logprobs)
+    if echo is not None:
+        echo.usage(response.usage)
     return JSONResponse(response.model_dump())
 
 
-def _echo(state: ServerState, body: CompletionRequest, final: RequestOutput, response: CompletionResponse,
-          text: str | None) -> None:
-    """Each choice's text and logprobs preceded by the prompt's; with ``max_tokens`` 0, the prompt's alone."""
-    if text is None:
-        text = state.tokenizer.decode(final.prompt_token_ids, skip_special_tokens=False)
-    for choice, o in zip(response.choices, final.outputs):
-        choice.text = text + ("" if body.echo_only else choice.text)
-        if body.logprobs is not None:
-            logprobs = _prompt_token_logprobs(state, final.prompt_token_ids, final.prompt_logprobs, body.logprobs)
-            choice.logprobs = logprobs if body.echo_only else _completion_logprobs(state, o.logprobs, logprobs)
-    if body.echo_only:  # the token the engine sampled is not returned
-        response.usage.completion_tokens = 0
-        response.usage.total_tokens = response.usage.prompt_tokens
+@dataclass(slots=True)
+class _Echo:
+    """``echo``: a choice's text and logprobs (its first chunk's, when streaming) preceded by the prompt's; with
+    ``max_tokens`` 0, the prompt's alone (the token the engine sampled is left out)."""
+
+    state: ServerState
+    body: CompletionRequest
+    text: str | None  # the prompt as sent, or None for token ids (then decoded)
+
+    def apply(self, choice: CompletionChoice, out: RequestOutput, rows: list[Logprobs] | None) -> None:
+        if self.text is None:
+            self.text = self.state.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+        only = self.body.echo_only
+        choice.text = self.text + ("" if only else choice.text)
+        if self.body.logprobs is not None:
+            logprobs = _prompt_token_logprobs(self.state, out.prompt_token_ids, out.prompt_logprobs,
+                                              self.body.logprobs)
+            choice.logprobs = logprobs if only else _completion_logprobs(self.state, rows, logprobs)
+
+    def usage(self, usage: UsageInfo) -> UsageInfo:
+        if self.body.echo_only:
+            usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
+        return usage
 
 
 def _prompt_token_logprobs(state: ServerState, token_ids: list[int], entries: PromptLogprobs,
@@ -340,15 +353,21 @@ def _append_logprob(out: CompletionLogprobs, token: str, logprob: float | None, 
 
 
 async def _completion_chunks(
-    state: ServerState, stream: RequestStream, template: CompletionResponse, include_usage: bool
+    state: ServerState, stream: RequestStream, template: CompletionResponse, include_usage: bool,
+    echo: _Echo | None = None,
 ) -> AsyncIterator[str]:
     deltas = ChoiceDeltas()
+    echoed: set[int] = set()
     async for out in stream:
         for o, rows in deltas.new(out):
             choice = _completion_choice(state, o, o.delta_text, rows)
+            if echo is not None and o.index not in echoed:  # max_tokens 0: this first chunk is also the last
+                echo.apply(choice, out, rows)
+                echoed.add(o.index)
             yield _event(template.model_copy(update={"choices": [choice]}))
     if include_usage:
-        yield _event(template.model_copy(update={"choices": [], "usage": _usage(out)}))
+        usage = _usage(out) if echo is None else echo.usage(_usage(out))
+        yield _event(template.model_copy(update={"choices": [], "usage": usage}))
 
 
 # ---- chat completions --------------------------------------------------------------------------------------

@@ -135,8 +135,6 @@ class CompletionRequest(_SamplingFields):
         """With ``echo``, the prompt's tokens get ``logprobs`` too (as their prompt logprobs), and ``max_tokens``
         0 returns the prompt alone: the engine still samples one token, which is left out (vLLM does the
         same)."""
-        if self.echo and self.stream:
-            raise ValueError("echo: not supported with stream; send stream: false")
         max_tokens = 1 if self.echo_only else self.max_tokens
         prompt_logprobs = self.logprobs if self.echo and self.prompt_logprobs is None else None
         return self._sampling_params(max_tokens, self.logprobs, self.output_constraint(), prompt_logprobs)

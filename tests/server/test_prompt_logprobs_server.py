@@ -3,6 +3,8 @@ log-softmax of a tiny random checkpoint (word tokenizer: token i is the word ``w
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -90,6 +92,29 @@ def test_echo_with_max_tokens_0_returns_the_prompt_alone(client, ref):
     assert plain["usage"]["completion_tokens"] == 0
 
 
+def stream_chunks(client, **body) -> list[dict]:
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "temperature": 0, "stream": True, **body})
+    assert r.status_code == 200, r.text
+    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_echo_streams_the_prompt_in_the_first_chunk(client):
+    full = completion(client, echo=True, logprobs=2, max_tokens=3)["choices"][0]
+    chunks = stream_chunks(client, echo=True, logprobs=2, max_tokens=3)
+    assert chunks[0]["choices"][0]["text"].startswith(PROMPT)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == full["text"]
+    streamed = [c["choices"][0]["logprobs"] for c in chunks]
+    assert sum((lp["tokens"] for lp in streamed), []) == full["logprobs"]["tokens"]
+    assert sum((lp["token_logprobs"] for lp in streamed), []) == full["logprobs"]["token_logprobs"]
+    only = stream_chunks(client, echo=True, max_tokens=0, stream_options={"include_usage": True})
+    assert [c["choices"][0]["text"] for c in only[:-1]] == [PROMPT]
+    assert only[0]["choices"][0]["finish_reason"] == "length"
+    assert only[-1]["usage"] == {"prompt_tokens": 13, "completion_tokens": 0, "total_tokens": 13}
+    assert all_blocks_free(client)
+
+
 def assert_vllm_prompt_logprobs(entries, ref, k):
     assert entries[0] is None and len(entries) == len(PROMPT_IDS)
     for p in range(1, len(PROMPT_IDS)):
@@ -123,7 +148,6 @@ def test_prompt_logprobs_in_vllms_shape_on_both_endpoints(client, ref):
     ({"prompt_logprobs": 21}, "prompt_logprobs must be <= 20, got 21"),
     ({"prompt_logprobs": -1}, "prompt_logprobs must be >= 0"),
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs: not available with stream"),
-    ({"echo": True, "stream": True}, "echo: not supported with stream"),
     ({"max_tokens": 0}, "max_tokens must be >= 1"),
     ({"echo": True, "logprobs": 21}, "logprobs must be <= 20"),
 ])
