@@ -8,6 +8,7 @@ from fastapi.testclient import TestClient
 
 from hybridkv.engine.llm_engine import EngineConfig, LLMEngine
 from hybridkv.server import build_app
+from hybridkv.server.options import ServerOptions
 
 MAX_MODEL_LEN = 256
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
@@ -109,3 +110,15 @@ def test_without_a_tokenizer_they_say_so(tiny_model):
         assert r.status_code == 200, r.text
         entries = r.json()["choices"][0]["prompt_logprobs"]
         assert entries[0] is None and entries[2]["7"]["decoded_token"] == "token_id:7"
+
+
+def test_with_an_api_key_they_need_it(tiny_model):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model("llama3").path), kv_cache_memory_bytes=4 << 20))
+    with TestClient(build_app(engine, options=ServerOptions(api_keys=["sesame"]))) as c:
+        for method, path, body in [("POST", "/tokenize", {"prompt": "w5"}), ("POST", "/detokenize", {"tokens": [5]}),
+                                   ("GET", "/tokenizer_info", None)]:
+            assert c.request(method, path, json=body).status_code == 401
+            r = c.request(method, path, json=body, headers={"Authorization": "Bearer sesame"})
+            assert r.status_code == 200, r.text
+        assert c.post("/tokenize", json={"prompt": "w5 w9"}, headers={"Authorization": "Bearer sesame"}).json() == {
+            "count": 2, "max_model_len": engine.max_model_len, "tokens": [5, 9], "token_strs": None}
