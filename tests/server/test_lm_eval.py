@@ -35,16 +35,22 @@ def mc_docs(model) -> list[dict]:
     return [*MC_DOCS, {"context": context, "choices": [greedy, "w2 w2"], "label": 0}]
 
 
+def dataset_kwargs(tmp_path, name: str) -> str:
+    """The local data file, and a cache inside the test's folder (not the user's ~/.cache)."""
+    return (f"dataset_kwargs:\n  data_files:\n    test: {tmp_path / f'{name}.jsonl'}\n"
+            f"  cache_dir: {tmp_path / 'datasets'}\n")
+
+
 def write_tasks(tmp_path, model) -> None:
     for name, docs in (("mc", mc_docs(model)), ("gen", GEN_DOCS)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    common = f"dataset_path: json\ntest_split: test\ndoc_to_text: context\n"
+    common = "dataset_path: json\ntest_split: test\ndoc_to_text: context\n"
     (tmp_path / "mc.yaml").write_text(
-        f"task: hybridkv_mc\n{common}dataset_kwargs:\n  data_files:\n    test: {tmp_path / 'mc.jsonl'}\n"
+        f"task: hybridkv_mc\n{common}{dataset_kwargs(tmp_path, 'mc')}"
         "output_type: multiple_choice\ndoc_to_choice: choices\ndoc_to_target: label\n"
         "metric_list:\n  - metric: acc\n")
     (tmp_path / "gen.yaml").write_text(
-        f"task: hybridkv_gen\n{common}dataset_kwargs:\n  data_files:\n    test: {tmp_path / 'gen.jsonl'}\n"
+        f"task: hybridkv_gen\n{common}{dataset_kwargs(tmp_path, 'gen')}"
         "output_type: generate_until\ndoc_to_target: target\n"
         f"generation_kwargs:\n  until: {json.dumps(UNTIL)}\n  max_gen_toks: {MAX_GEN_TOKS}\n  do_sample: false\n"
         "metric_list:\n  - metric: bypass\n")
