@@ -322,7 +322,8 @@ def _prompt_logprobs(state: ServerState, entries: PromptLogprobs | None) -> list
 
 
 def _finite(logprob: float) -> float:
-    """JSON has no -inf: vLLM's floor for a token the model rules out."""
+    """JSON has no -inf: vLLM's floor for a token ruled out (by the model, or by a grammar's mask, which comes
+    before the logprobs)."""
     return max(logprob, -9999.0)
 
 
@@ -339,9 +340,9 @@ def _completion_logprobs(state: ServerState, rows: list[Logprobs],
     for row in rows:
         sampled_id, sampled_lp = row[0]
         token = state.token_str(sampled_id)
-        top = {state.token_str(t): lp for t, lp in row[1:]}
-        top.setdefault(token, sampled_lp)
-        _append_logprob(out, token, sampled_lp, top)
+        top = {state.token_str(t): _finite(lp) for t, lp in row[1:]}
+        top.setdefault(token, _finite(sampled_lp))
+        _append_logprob(out, token, _finite(sampled_lp), top)
     return out
 
 
@@ -419,7 +420,7 @@ def _chat_logprobs(state: ServerState, rows: list[Logprobs] | None) -> ChatLogpr
 
 def _top(state: ServerState, token_id: int, logprob: float) -> TopLogprob:
     token = state.token_str(token_id)
-    return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
+    return TopLogprob(token=token, logprob=_finite(logprob), bytes=list(token.encode("utf-8")))
 
 
 async def _chat_chunks(

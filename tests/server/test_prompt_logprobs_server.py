@@ -156,3 +156,17 @@ def test_bad_values_are_400s_naming_the_field(client, body, needle):
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
     assert all_blocks_free(client)
+
+
+def test_tokens_a_grammar_rules_out_get_vllms_floor_not_a_500(client):
+    # the grammar masks all but two words before the logprobs are taken (as in vLLM): the rest of the top 5 are -inf
+    choice = completion(client, max_tokens=1, logprobs=5, echo=True,
+                        structured_outputs={"choice": ["w3", "w4"]})["choices"][0]
+    top = choice["logprobs"]["top_logprobs"][-1]
+    assert len(top) == 5 and sorted(top.values())[:3] == [-9999.0] * 3
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1,
+                                                  "logprobs": True, "top_logprobs": 5,
+                                                  "structured_outputs": {"choice": ["w3", "w4"]}})
+    assert r.status_code == 200, r.text
+    assert [t["logprob"] for t in r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"][2:]] == [-9999.0] * 3
+    assert all_blocks_free(client)
