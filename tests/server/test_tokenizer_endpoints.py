@@ -122,3 +122,19 @@ def test_with_an_api_key_they_need_it(tiny_model):
             assert r.status_code == 200, r.text
         assert c.post("/tokenize", json={"prompt": "w5 w9"}, headers={"Authorization": "Bearer sesame"}).json() == {
             "count": 2, "max_model_len": engine.max_model_len, "tokens": [5, 9], "token_strs": None}
+
+
+def test_tools_reach_the_template_as_in_chat_completions(tiny_model):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model("llama3").path), kv_cache_memory_bytes=4 << 20))
+    # each tool renders as one word, so the count tells whether the template saw them
+    template = "{% for t in tools or [] %}w7 {% endfor %}{{ messages[0]['content'] }}"
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("a", "b")]
+    messages = [{"role": "user", "content": "w5 w9"}]
+    with TestClient(build_app(engine, chat_template=template)) as c:
+        out = c.post("/tokenize", json={"messages": messages, "tools": tools}).json()
+        assert out["tokens"] == [7, 7, 5, 9]
+        chat = c.post("/v1/chat/completions", json={"messages": messages, "tools": tools, "tool_choice": "none",
+                                                    "max_tokens": 1})
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["usage"]["prompt_tokens"] == out["count"]
+        assert c.post("/tokenize", json={"messages": messages}).json()["tokens"] == [5, 9]
