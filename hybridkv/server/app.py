@@ -261,7 +261,7 @@ async def create_completion(request: Request) -> Response:
     final = await _final_output(stream, request)
     response.choices = [_completion_choice(state, o, o.text, o.logprobs) for o in final.outputs]
     response.usage = _usage(final)
-    prompt_logprobs = _prompt_logprobs(state, final.prompt_logprobs)
+    prompt_logprobs = await _prompt_logprobs_off_loop(state, final)
     for choice, o in zip(response.choices, final.outputs):
         choice.prompt_logprobs = prompt_logprobs
         if echo is not None:
@@ -311,10 +311,15 @@ def _prompt_token_logprobs(state: ServerState, token_ids: list[int], entries: Pr
     return out
 
 
-def _prompt_logprobs(state: ServerState, entries: PromptLogprobs | None) -> list | None:
-    """vLLM's ``prompt_logprobs`` field: per prompt token None (the first) or {token id: logprob, rank, text}."""
-    if entries is None:
+async def _prompt_logprobs_off_loop(state: ServerState, final: RequestOutput) -> list | None:
+    """A long prompt's entries take a while to write: off the event loop, so other requests keep streaming."""
+    if final.prompt_logprobs is None:
         return None
+    return await asyncio.to_thread(_prompt_logprobs, state, final.prompt_logprobs)
+
+
+def _prompt_logprobs(state: ServerState, entries: PromptLogprobs) -> list:
+    """vLLM's ``prompt_logprobs`` field: per prompt token None (the first) or {token id: logprob, rank, text}."""
     return [None if entry is None else {
         t: PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=state.token_str(t))
         for t, lp in entry.items()
@@ -398,7 +403,7 @@ async def create_chat_completion(request: Request) -> Response:
     final = await _final_output(stream, request)
     choices = [_chat_choice(state, o, plan) for o in final.outputs]
     response = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=_usage(final),
-                                      prompt_logprobs=_prompt_logprobs(state, final.prompt_logprobs))
+                                      prompt_logprobs=await _prompt_logprobs_off_loop(state, final))
     return JSONResponse(response.model_dump())
 
 
