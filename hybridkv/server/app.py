@@ -341,7 +341,7 @@ def _completion_choice(state: ServerState, o: CompletionOutput, text: str, rows:
 def _completion_logprobs(state: ServerState, rows: list[Logprobs],
                          out: CompletionLogprobs | None = None) -> CompletionLogprobs:
     """``out``: logprobs of the tokens before these (the echoed prompt's), which these continue."""
-    out = out or CompletionLogprobs()
+    out = CompletionLogprobs() if out is None else out
     for row in rows:
         sampled_id, sampled_lp = row[0]
         token = state.token_str(sampled_id)
