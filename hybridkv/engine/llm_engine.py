@@ -15,9 +15,9 @@ import torch
 
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.model_runner import ModelRunner
-from hybridkv.engine.output_processing import Logprobs, RequestOutputState
+from hybridkv.engine.output_processing import Logprobs, PromptLogprobs, PromptScores, RequestOutputState
 from hybridkv.engine.runtime import build_runtime, rank_layout
-from hybridkv.engine.sampler import Sampler, make_generator
+from hybridkv.engine.sampler import Sampler, TokenScores, make_generator
 from hybridkv.engine.sampling_params import RequestOutputKind, SamplingParams
 from hybridkv.engine.scheduler import Scheduler, SchedulerOutput
 from hybridkv.engine.sequence import Sequence
@@ -61,6 +61,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # with ``SamplingParams.prompt_logprobs``
 
 
 @dataclass(slots=True)
@@ -255,6 +256,8 @@ class LLMEngine:
             if constraint is not None:
                 seq.grammar = self.structured_outputs.matcher(constraint)
             req.seqs.append(seq)
+        if params.prompt_logprobs is not None:  # scored once per request, by its first sequence
+            req.seqs[0].prompt_scores = PromptScores(ids, params.prompt_logprobs)
         for seq in req.seqs:  # queued only once every copy is built: a failure above leaves nothing behind
             self.scheduler.add(seq)
         self._requests[request_id] = req
@@ -262,16 +265,18 @@ class LLMEngine:
     def chat_token_ids(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None, tokenizer: Tokenizer | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """Token ids of a conversation rendered by the chat template, tokenized like a text prompt (with its length
-        check) but without special tokens: the template writes any BOS itself. ``tools`` (OpenAI's tool
-        definitions) go to the template. ``tokenizer``: this engine's with another chat template."""
+        check) but without special tokens (unless ``add_special_tokens``): the template writes any BOS itself.
+        ``tools`` (OpenAI's tool definitions) go to the template. ``tokenizer``: this engine's with another chat
+        template."""
         tok = tokenizer or self.tokenizer
         if tok is None:
             raise ValueError("chat needs a tokenizer, and this engine has none (skip_tokenizer_init)")
         extra = {"tools": tools} if tools else {}
         text = tok.apply_chat_template(messages, add_generation_prompt, **extra)
-        return self.tokenize(text, add_special_tokens=False)
+        return self.tokenize(text, add_special_tokens=add_special_tokens)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt. Text too long for ``max_model_len`` however it tokenizes is refused before
@@ -338,9 +343,11 @@ class LLMEngine:
             if self.scheduler.has_unfinished:
                 raise RuntimeError("the scheduler could not schedule any request: KV cache accounting is broken")
             return []
-        logits = self.runner.run(out)
+        result = self.runner.run(out)
+        if result.scores is not None:
+            _add_prompt_scores(out, result.scores)
         self.scheduler.on_step_done(out)
-        touched = self._sample(out, logits)
+        touched = self._sample(out, result.logits)
         outputs = []
         for req in touched:
             finished = req.finished
@@ -400,7 +407,20 @@ class LLMEngine:
                 )
             )
         cached = min(s.num_cached_prompt_tokens for s in req.seqs)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, req.finished, cached)
+        scores = req.seqs[0].prompt_scores
+        prompt_logprobs = None if scores is None else scores.build()
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, req.finished, cached,
+                             prompt_logprobs)
+
+
+def _add_prompt_scores(out: SchedulerOutput, scores: TokenScores) -> None:
+    """Hand each sequence its rows of the step's prompt scores (in ``ModelRunner.prepare``'s order)."""
+    start = 0
+    for s in out.scheduled:
+        n = len(s.prompt_score_positions)
+        if n:
+            s.seq.prompt_scores.add(scores.rows(start, start + n))
+            start += n
 
 
 def _advance_grammar(seq: Sequence, token: int) -> str | None:

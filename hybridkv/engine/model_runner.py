@@ -2,6 +2,10 @@
 
 ``prepare`` (the driver, which owns the block tables) builds a ``StepInput``; ``execute`` runs it. Under tensor
 parallelism the driver sends the same ``StepInput`` to every worker rank, which runs ``execute`` on its shard.
+
+Prompt logprobs come from the same forward: the hidden states of the prompt positions a step computes go through
+the LM head ``SCORE_ROWS`` rows at a time and only each row's scores are kept, so a long prompt costs no more
+memory than a batch of sampled rows, and a step without such requests computes nothing extra.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import numpy as np
 import torch
 
 from hybridkv.engine.block_copier import BlockCopier
+from hybridkv.engine.sampler import TokenScores, score_tokens
 from hybridkv.engine.scheduler import SchedulerOutput
 from hybridkv.kv.cache_manager import KVCacheManager
 from hybridkv.kv.host_tier import BlockCopy
@@ -29,9 +34,24 @@ class StepInput:
     sample_rows: np.ndarray  # [N] int64, the token rows whose logits are wanted
     # Host tier: page copies between device and host memory to run, in order, before this step's forward.
     block_ops: list[BlockCopy] = field(default_factory=list)
+    # Prompt logprobs: the token rows to score, the token each row scores (the next prompt token), the top k
+    score_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    score_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    score_top_k: int = 0
 
     def positions(self) -> np.ndarray:
         return np.concatenate([np.arange(s.context_len, s.context_len + s.query_len) for s in self.seqs])
+
+
+# Rows per LM-head call when scoring prompt positions: float32 logits and their log-softmax of this many rows stay
+# within the step reserve's share for sampled rows (``kv/capacity.py``: max_num_seqs, 256 by default, x 3 copies).
+SCORE_ROWS = 256
+
+
+@dataclass(slots=True)
+class StepOutput:
+    logits: torch.Tensor | None  # float32 [sampled rows, vocab]; None on tensor-parallel ranks other than 0
+    scores: TokenScores | None = None  # of ``StepInput.score_rows`` (rank 0), None when the step scored none
 
 
 class ModelRunner:
@@ -56,42 +76,63 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.backend, max_num_seqs, max_model_len)
         return True
 
-    def run(self, out: SchedulerOutput) -> torch.Tensor:
-        """Compute every scheduled token; return float32 logits ``[num sampling sequences, vocab]``.
+    def run(self, out: SchedulerOutput) -> StepOutput:
+        """Compute every scheduled token; return float32 logits ``[num sampling sequences, vocab]`` and the
+        scores of the prompt positions asked for (``ScheduledSequence.prompt_score_positions``, in order).
 
-        Rows follow ``out.scheduled`` order, skipping sequences in the middle of a chunked prefill.
+        Logits rows follow ``out.scheduled`` order, skipping sequences in the middle of a chunked prefill.
         """
         return self.execute(self.prepare(out))
 
     def prepare(self, out: SchedulerOutput) -> StepInput:
-        input_ids, seqs, last = [], [], []
-        offset = 0
+        input_ids, seqs, last, score_rows, score_ids = [], [], [], [], []
+        offset, top_k = 0, 0
         for s in out.scheduled:
             start, end = s.context_len, s.context_len + s.num_new_tokens
             input_ids.extend(s.seq.all_token_ids[start:end])
             seqs.append(StepSequence(start, s.num_new_tokens, self.kv.block_tables(s.seq.request_id)))
+            scored = s.prompt_score_positions
+            if scored:
+                score_rows.extend(range(offset + scored.start - start, offset + scored.stop - start))
+                score_ids.extend(s.seq.prompt_token_ids[scored.start + 1 : scored.stop + 1])
+                top_k = max(top_k, s.seq.prompt_scores.top_k)
             offset += s.num_new_tokens
             if s.samples:
                 last.append(offset - 1)
         return StepInput(
-            np.array(input_ids, dtype=np.int64), seqs, np.array(last, dtype=np.int64), self.kv.take_block_ops()
+            np.array(input_ids, dtype=np.int64), seqs, np.array(last, dtype=np.int64), self.kv.take_block_ops(),
+            np.array(score_rows, dtype=np.int64), np.array(score_ids, dtype=np.int64), top_k,
         )
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> torch.Tensor | None:
-        """Logits of ``step.sample_rows``; None on tensor-parallel ranks other than 0."""
+    def execute(self, step: StepInput) -> StepOutput:
+        """Logits of ``step.sample_rows`` and scores of ``step.score_rows`` (None on tensor-parallel ranks other
+        than 0)."""
         if step.block_ops:  # host tier: before anything reads a loaded page or overwrites a written-back one
             self.copier.run(step.block_ops)
-        if self.graphs is not None:
+        if self.graphs is not None and not len(step.score_rows):
             logits = self.graphs.run(step.input_ids, step.seqs, step.sample_rows)
             if logits is not None:
-                return logits
+                return StepOutput(logits)
         self.backend.begin_step(step.seqs)
         hidden = self.model(
             torch.from_numpy(step.input_ids).to(self.device),
             torch.from_numpy(step.positions()).to(self.device),
             self.backend,
         )
+        scores = self._score(hidden, step) if len(step.score_rows) else None
         if not len(step.sample_rows):
-            return hidden.new_empty((0, 0), dtype=torch.float32)
-        return self.model.compute_logits(hidden[torch.from_numpy(step.sample_rows).to(self.device)])
+            return StepOutput(hidden.new_empty((0, 0), dtype=torch.float32), scores)
+        return StepOutput(self.model.compute_logits(hidden[torch.from_numpy(step.sample_rows).to(self.device)]),
+                          scores)
+
+    def _score(self, hidden: torch.Tensor, step: StepInput) -> TokenScores | None:
+        """Every rank takes part in each LM-head call (under TP it gathers the vocabulary slices to rank 0)."""
+        rows = torch.from_numpy(step.score_rows).to(self.device)
+        token_ids = torch.from_numpy(step.score_token_ids).to(self.device)
+        parts = []
+        for i in range(0, len(rows), SCORE_ROWS):
+            logits = self.model.compute_logits(hidden[rows[i : i + SCORE_ROWS]])
+            if logits is not None:
+                parts.append(score_tokens(logits, token_ids[i : i + SCORE_ROWS], step.score_top_k))
+        return TokenScores.concat(parts) if parts else None

@@ -22,6 +22,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from hybridkv.engine.sampler import TokenScores
 from hybridkv.engine.sampling_params import SamplingParams
 
 Logprobs = list[tuple[int, float]]
@@ -214,3 +215,57 @@ def _stop_token_hit(state: RequestOutputState, eos_token_ids: Collection[int]) -
     if last in params.stop_token_ids:
         return True
     return not params.ignore_eos and last in eos_token_ids
+
+
+@dataclass(slots=True)
+class Logprob:
+    """vLLM's: a token's log-probability and its rank in the vocabulary (1: the most likely)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None  # the engine leaves it None; the server writes each token's text
+
+
+# vLLM's shape: one entry per prompt token, None for the first (nothing precedes it), else the token's own
+# Logprob followed by the position's top k.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass(slots=True)
+class PromptScores:
+    """A prompt's logprobs, gathered from the prefill steps: position p's logits score prompt token p + 1.
+
+    Positions arrive in order, a prefill chunk at a time; a sequence recomputed after preemption skips those
+    already scored (``num_scored``)."""
+
+    prompt_token_ids: Sequence[int]
+    top_k: int
+    parts: list[TokenScores] = field(default_factory=list)
+    num_scored: int = 0
+    _built: PromptLogprobs | None = field(default=None, repr=False)
+
+    @property
+    def complete(self) -> bool:
+        return self.num_scored >= len(self.prompt_token_ids) - 1
+
+    def add(self, scores: TokenScores) -> None:
+        self.parts.append(scores)
+        self.num_scored += len(scores)
+
+    def build(self) -> PromptLogprobs:
+        """vLLM's ``prompt_logprobs`` (built once, when every position is scored)."""
+        if self._built is not None:
+            return self._built
+        out: PromptLogprobs = [None]
+        if self.parts:
+            s = TokenScores.concat(self.parts)
+            top_ids, top_lps = s.top_ids[:, : self.top_k].tolist(), s.top_logprobs[:, : self.top_k].tolist()
+            targets = self.prompt_token_ids[1 : self.num_scored + 1]
+            for token, lp, rank, ids, lps in zip(targets, s.logprobs.tolist(), s.ranks.tolist(), top_ids, top_lps):
+                entry = {token: Logprob(lp, rank)}
+                for j, (t, v) in enumerate(zip(ids, lps), 1):
+                    entry.setdefault(t, Logprob(v, j))
+                out.append(entry)
+        if self.complete:
+            self._built, self.parts = out, []
+        return out

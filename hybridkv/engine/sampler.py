@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hybridkv.engine.sampling_params import SamplingParams
@@ -168,6 +169,38 @@ def _gather_logprobs(
         k = p.logprobs
         rows.append([(tokens[i], sampled[i]), *zip(top_ids[i][:k], top_vals[i][:k])])
     return rows
+
+
+@dataclass(slots=True)
+class TokenScores:
+    """Per logits row: the log-probability and rank of a given token (a prompt's next one), and the row's top k."""
+
+    logprobs: np.ndarray  # [R] float32
+    ranks: np.ndarray  # [R] int64: 1 + how many tokens are more likely
+    top_ids: np.ndarray  # [R, k] int64, most likely first
+    top_logprobs: np.ndarray  # [R, k] float32
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+    def rows(self, start: int, stop: int) -> TokenScores:
+        return TokenScores(self.logprobs[start:stop], self.ranks[start:stop], self.top_ids[start:stop],
+                           self.top_logprobs[start:stop])
+
+    @staticmethod
+    def concat(parts: Sequence[TokenScores]) -> TokenScores:
+        return TokenScores(*(np.concatenate([getattr(p, f) for p in parts]) for f in TokenScores.__slots__))
+
+
+def score_tokens(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) -> TokenScores:
+    """``token_ids[i]``'s log-probability under ``logits[i]`` ([R, V] float32), as ``Sampler`` reports a sampled
+    token's: ``log_softmax`` of the raw logits."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    top = logprobs.topk(min(top_k, logprobs.shape[1]), dim=-1)
+    return TokenScores(chosen.squeeze(1).cpu().numpy(), ranks.cpu().numpy(), top.indices.cpu().numpy(),
+                       top.values.cpu().numpy())
 
 
 def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:

@@ -84,6 +84,8 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # vLLM's: the prompt's tokens scored by the prefill (each with its logprob and rank) and each position's top k
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100 bans, 100 forces)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -118,6 +120,8 @@ class SamplingParams:
                    f"must be <= max_tokens={self.max_tokens}", self.min_tokens)
         if self.logprobs is not None:
             _check(self.logprobs >= 0, "logprobs", "must be >= 0 or None", self.logprobs)
+        if self.prompt_logprobs is not None:
+            _check(self.prompt_logprobs >= 0, "prompt_logprobs", "must be >= 0 or None", self.prompt_logprobs)
         if self.seed is not None:  # torch generators take 64 bits; sequence i of n draws from seed + i
             _check(-(2**63) <= self.seed < 2**63, "seed", "must fit in 64 bits (-2**63 to 2**63 - 1)", self.seed)
         for token, bias in (self.logit_bias or {}).items():

@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hybridkv.engine.sequence import Sequence, SequenceStatus
-from hybridkv.kv.cache_manager import KVCacheManager
+from hybridkv.kv.cache_manager import CacheHit, KVCacheManager
 
 
 @dataclass(slots=True)
@@ -33,6 +33,15 @@ class ScheduledSequence:
     def samples(self) -> bool:
         """Whether this step reaches the end of the known tokens, so the model's output is sampled."""
         return self.context_len + self.num_new_tokens == self.seq.num_tokens
+
+    @property
+    def prompt_score_positions(self) -> range:
+        """Positions of this step whose logits score the next prompt token (prompt logprobs), skipping those a
+        sequence recomputed after preemption scored already. The last prompt position is the sampled row."""
+        if not self.seq.needs_prompt_scores:
+            return range(0)
+        start = max(self.context_len, self.seq.prompt_scores.num_scored)
+        return range(start, min(self.context_len + self.num_new_tokens, self.seq.num_prompt_tokens - 1))
 
 
 @dataclass(slots=True)
@@ -92,7 +101,7 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hit = self.kv.find_cache_hit(seq)
+            hit = CacheHit.none(self.kv.num_groups) if seq.needs_prompt_scores else self.kv.find_cache_hit(seq)
             n = min(seq.num_uncomputed_tokens - hit.num_tokens, budget)
             if not self.kv.allocate_slots(seq, n, hit, full_sequence_must_fit=True):
                 return  # first come, first served: later arrivals do not overtake it

@@ -36,6 +36,7 @@ class Sequence:
     state: Any = None  # output state (text, stop checks) owned by the engine
     generator: Any = None  # torch.Generator of a seeded request
     grammar: Any = None  # xgrammar.GrammarMatcher of a request with structured outputs
+    prompt_scores: Any = None  # PromptScores of the sequence that gathers its request's prompt logprobs
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -64,6 +65,12 @@ class Sequence:
     @property
     def max_total_tokens(self) -> int:
         return self.num_prompt_tokens + self.max_tokens
+
+    @property
+    def needs_prompt_scores(self) -> bool:
+        """Whether prompt positions are still to be scored: until then the prefill computes every position (no
+        prefix-cache hit: a cached prefix has no hidden states to score)."""
+        return self.prompt_scores is not None and not self.prompt_scores.complete
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

@@ -7,6 +7,7 @@ Routes: ``/health``, ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import re
 from collections.abc import AsyncIterator, Iterator
@@ -21,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.llm_engine import CompletionOutput, LLMEngine, RequestOutput
-from hybridkv.engine.output_processing import Logprobs
+from hybridkv.engine.output_processing import Logprobs, PromptLogprobs
 from hybridkv.model.loading.tokenizer import Tokenizer
 from hybridkv.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from hybridkv.server.auth import add_access_middleware
@@ -42,9 +43,14 @@ from hybridkv.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    PromptLogprob,
     ResponseMessage,
+    TokenizeRequest,
+    TokenizeResponse,
     TopLogprob,
     UsageInfo,
     random_id,
@@ -122,6 +128,9 @@ def build_app(engine: LLMEngine | EngineConfig, served_model_name: str | None = 
     app.add_api_route("/metrics", render_metrics, methods=["GET"])
     app.add_api_route("/v1/completions", create_completion, methods=["POST"])
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"])
+    app.add_api_route("/tokenize", tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", detokenize, methods=["POST"])
+    app.add_api_route("/tokenizer_info", tokenizer_info, methods=["GET"])
     return app
 
 
@@ -237,17 +246,90 @@ async def create_completion(request: Request) -> Response:
         prompt, params = body.single_prompt(), body.sampling_params()
     except ValueError as error:
         raise APIError.bad_request(error) from None
+    if body.echo and state.tokenizer is None:
+        raise APIError(400, "echo: needs a tokenizer to write the prompt's text, and this server runs without one "
+                            "(--skip-tokenizer-init)", "echo")
+    text = prompt if isinstance(prompt, str) else None
     prompt = await _prompt_ids(state, prompt, params.max_tokens, "max_tokens")
     request_id = random_id("cmpl")
     stream = await _submit(state, request_id, prompt, params, body.cache_salt)
     response = CompletionResponse(id=request_id, model=state.model_name, choices=[])
+    echo = _Echo(state, body, text) if body.echo else None
     if body.stream:
-        chunks = _completion_chunks(state, stream, response, body.include_usage)
+        chunks = _completion_chunks(state, stream, response, body.include_usage, echo)
         return _sse(chunks, stream)
     final = await _final_output(stream, request)
     response.choices = [_completion_choice(state, o, o.text, o.logprobs) for o in final.outputs]
     response.usage = _usage(final)
+    prompt_logprobs = await _prompt_logprobs_off_loop(state, final)
+    for choice, o in zip(response.choices, final.outputs):
+        choice.prompt_logprobs = prompt_logprobs
+        if echo is not None:
+            echo.apply(choice, final, o.logprobs)
+    if echo is not None:
+        echo.usage(response.usage)
     return JSONResponse(response.model_dump())
+
+
+@dataclass(slots=True)
+class _Echo:
+    """``echo``: a choice's text and logprobs (its first chunk's, when streaming) preceded by the prompt's; with
+    ``max_tokens`` 0, the prompt's alone (the token the engine sampled is left out)."""
+
+    state: ServerState
+    body: CompletionRequest
+    text: str | None  # the prompt as sent, or None for token ids (then decoded)
+
+    def apply(self, choice: CompletionChoice, out: RequestOutput, rows: list[Logprobs] | None) -> None:
+        if self.text is None:
+            self.text = self.state.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+        only = self.body.echo_only
+        choice.text = self.text + ("" if only else choice.text)
+        if self.body.logprobs is not None:
+            logprobs = _prompt_token_logprobs(self.state, out.prompt_token_ids, out.prompt_logprobs,
+                                              self.body.logprobs)
+            choice.logprobs = logprobs if only else _completion_logprobs(self.state, rows, logprobs)
+
+    def usage(self, usage: UsageInfo) -> UsageInfo:
+        if self.body.echo_only:
+            usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
+        return usage
+
+
+def _prompt_token_logprobs(state: ServerState, token_ids: list[int], entries: PromptLogprobs,
+                           k: int) -> CompletionLogprobs:
+    """OpenAI's legacy logprobs of the prompt's tokens (vLLM's echo): the first has none; each other one its own
+    logprob, and its top logprobs the token's and its position's top ``k``."""
+    out = CompletionLogprobs()
+    for token_id, entry in zip(token_ids, entries):
+        token = state.token_str(token_id)
+        if entry is None:
+            _append_logprob(out, token, None, None)
+            continue
+        top = {state.token_str(t): _finite(lp.logprob) for t, lp in itertools.islice(entry.items(), k + 1)}
+        _append_logprob(out, token, _finite(entry[token_id].logprob), top)
+    return out
+
+
+async def _prompt_logprobs_off_loop(state: ServerState, final: RequestOutput) -> list | None:
+    """A long prompt's entries take a while to write: off the event loop, so other requests keep streaming."""
+    if final.prompt_logprobs is None:
+        return None
+    return await asyncio.to_thread(_prompt_logprobs, state, final.prompt_logprobs)
+
+
+def _prompt_logprobs(state: ServerState, entries: PromptLogprobs) -> list:
+    """vLLM's ``prompt_logprobs`` field: per prompt token None (the first) or {token id: logprob, rank, text}."""
+    return [None if entry is None else {
+        t: PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=state.token_str(t))
+        for t, lp in entry.items()
+    } for entry in entries]
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -inf: vLLM's floor for a token ruled out (by the model, or by a grammar's mask, which comes
+    before the logprobs)."""
+    return max(logprob, -9999.0)
 
 
 def _completion_choice(state: ServerState, o: CompletionOutput, text: str, rows: list[Logprobs] | None):
@@ -256,32 +338,42 @@ def _completion_choice(state: ServerState, o: CompletionOutput, text: str, rows:
                             stop_reason=o.stop_reason)
 
 
-def _completion_logprobs(state: ServerState, rows: list[Logprobs]) -> CompletionLogprobs:
-    out = CompletionLogprobs()
-    offset = 0
+def _completion_logprobs(state: ServerState, rows: list[Logprobs],
+                         out: CompletionLogprobs | None = None) -> CompletionLogprobs:
+    """``out``: logprobs of the tokens before these (the echoed prompt's), which these continue."""
+    out = CompletionLogprobs() if out is None else out
     for row in rows:
         sampled_id, sampled_lp = row[0]
         token = state.token_str(sampled_id)
-        top = {state.token_str(t): lp for t, lp in row[1:]}
-        top.setdefault(token, sampled_lp)
-        out.tokens.append(token)
-        out.token_logprobs.append(sampled_lp)
-        out.top_logprobs.append(top)
-        out.text_offset.append(offset)
-        offset += len(token)
+        top = {state.token_str(t): _finite(lp) for t, lp in row[1:]}
+        top.setdefault(token, _finite(sampled_lp))
+        _append_logprob(out, token, _finite(sampled_lp), top)
     return out
 
 
+def _append_logprob(out: CompletionLogprobs, token: str, logprob: float | None, top: dict | None) -> None:
+    out.text_offset.append(out.text_offset[-1] + len(out.tokens[-1]) if out.tokens else 0)
+    out.tokens.append(token)
+    out.token_logprobs.append(logprob)
+    out.top_logprobs.append(top)
+
+
 async def _completion_chunks(
-    state: ServerState, stream: RequestStream, template: CompletionResponse, include_usage: bool
+    state: ServerState, stream: RequestStream, template: CompletionResponse, include_usage: bool,
+    echo: _Echo | None = None,
 ) -> AsyncIterator[str]:
     deltas = ChoiceDeltas()
+    echoed: set[int] = set()
     async for out in stream:
         for o, rows in deltas.new(out):
             choice = _completion_choice(state, o, o.delta_text, rows)
+            if echo is not None and o.index not in echoed:  # max_tokens 0: this first chunk is also the last
+                echo.apply(choice, out, rows)
+                echoed.add(o.index)
             yield _event(template.model_copy(update={"choices": [choice]}))
     if include_usage:
-        yield _event(template.model_copy(update={"choices": [], "usage": _usage(out)}))
+        usage = _usage(out) if echo is None else echo.usage(_usage(out))
+        yield _event(template.model_copy(update={"choices": [], "usage": usage}))
 
 
 # ---- chat completions --------------------------------------------------------------------------------------
@@ -310,7 +402,8 @@ async def create_chat_completion(request: Request) -> Response:
         return _sse(_chat_chunks(state, stream, template, params.n, body.include_usage, plan), stream)
     final = await _final_output(stream, request)
     choices = [_chat_choice(state, o, plan) for o in final.outputs]
-    response = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=_usage(final))
+    response = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=_usage(final),
+                                      prompt_logprobs=await _prompt_logprobs_off_loop(state, final))
     return JSONResponse(response.model_dump())
 
 
@@ -332,7 +425,7 @@ def _chat_logprobs(state: ServerState, rows: list[Logprobs] | None) -> ChatLogpr
 
 def _top(state: ServerState, token_id: int, logprob: float) -> TopLogprob:
     token = state.token_str(token_id)
-    return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
+    return TopLogprob(token=token, logprob=_finite(logprob), bytes=list(token.encode("utf-8")))
 
 
 async def _chat_chunks(
@@ -359,6 +452,68 @@ async def _chat_chunks(
             yield _event(template.model_copy(update={"choices": [choice]}))
     if include_usage:
         yield _event(template.model_copy(update={"choices": [], "usage": _usage(out)}))
+
+
+# ---- vLLM's tokenizer endpoints ----------------------------------------------------------------------------
+def _tokenizer(state: ServerState, endpoint: str) -> Tokenizer:
+    if state.tokenizer is None:
+        raise APIError(400, f"{endpoint} needs a tokenizer, and this server runs without one (--skip-tokenizer-init)")
+    return state.tokenizer
+
+
+async def tokenize(request: Request) -> Response:
+    """vLLM's ``/tokenize``: a prompt's (or a rendered chat's) token ids, with ``max_model_len`` to compare."""
+    body = await _parse_body(request, TokenizeRequest)
+    state = _state(request)
+    _check_model(state, body.model)
+    tokenizer, engine = _tokenizer(state, "/tokenize"), state.engine.engine
+    try:
+        if body.messages is None:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await asyncio.to_thread(engine.tokenize, body.prompt, special)
+        else:
+            ids = await asyncio.to_thread(_chat_ids, engine, tokenizer, body)
+    except ValueError as error:
+        raise APIError.bad_request(error) from None
+    strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    response = TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs)
+    return JSONResponse(response.model_dump())
+
+
+def _chat_ids(engine: LLMEngine, tokenizer: Tokenizer, body: TokenizeRequest) -> list[int]:
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
+    return engine.chat_token_ids([m.template_dict() for m in body.messages], body.add_generation_prompt, tools,
+                                 tokenizer, add_special_tokens=bool(body.add_special_tokens))
+
+
+async def detokenize(request: Request) -> Response:
+    """vLLM's ``/detokenize``: the text of token ids (special tokens included)."""
+    body = await _parse_body(request, DetokenizeRequest)
+    state = _state(request)
+    _check_model(state, body.model)
+    tokenizer = _tokenizer(state, "/detokenize")
+    vocab = tokenizer.vocab_size
+    bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"tokens: token id {bad} is outside the tokenizer's vocabulary [0, {vocab})", "tokens")
+    text = await asyncio.to_thread(tokenizer.decode, body.tokens, False)
+    return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
+
+
+async def tokenizer_info(request: Request) -> Response:
+    """vLLM's ``/tokenizer_info``: the fields of the tokenizer's config clients read (lm-eval's remote tokenizer
+    reads ``eos_token``, ``bos_token`` and ``chat_template``)."""
+    state = _state(request)
+    tokenizer = _tokenizer(state, "/tokenizer_info")
+    return JSONResponse({
+        "tokenizer_class": "PreTrainedTokenizerFast",  # built from the same files, with the same ids
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+        "pad_token": None,
+        "chat_template": tokenizer.chat_template,
+        "model_max_length": state.engine.engine.max_model_len,
+        "vocab_size": tokenizer.vocab_size,
+    })
 
 
 # ---- shared plumbing ---------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
-"""Who may call the API: bearer API keys on the ``/v1`` routes, and CORS (FastAPI's middleware, vLLM's flags).
+"""Who may call the API: bearer API keys on the ``/v1`` routes and the tokenizer routes, and CORS (FastAPI's
+middleware, vLLM's flags).
 
 As in vLLM, ``/health`` and ``/metrics`` stay open (load balancers and Prometheus carry no key), and CORS
-preflight requests (``OPTIONS``) pass without one, since browsers never send credentials on them.
+preflight requests (``OPTIONS``) pass without one, since browsers never send credentials on them. vLLM leaves its
+tokenizer routes open too; here they need the key, as they spend the server's CPU on what a client sends.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from hybridkv.server.errors import error_response
 from hybridkv.server.options import ServerOptions
 
 PROTECTED_PREFIX = "/v1"
+PROTECTED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
 
 
 def add_access_middleware(app: FastAPI, options: ServerOptions) -> None:
@@ -28,7 +31,8 @@ def add_access_middleware(app: FastAPI, options: ServerOptions) -> None:
 
 
 class BearerAuth:
-    """ASGI middleware: a ``/v1`` request without ``Authorization: Bearer <one of the keys>`` gets 401."""
+    """ASGI middleware: a ``/v1`` or tokenizer request without ``Authorization: Bearer <one of the keys>``
+    gets 401."""
 
     def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
         self.app = app
@@ -59,4 +63,4 @@ class BearerAuth:
 
 
 def _protected(path: str) -> bool:
-    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
+    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/") or path in PROTECTED_PATHS

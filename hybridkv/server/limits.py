@@ -90,7 +90,6 @@ _NEUTRAL_VALUES = (None, False, "", [], {})
 _UNSUPPORTED_FIELDS = {
     "use_beam_search": "beam search is not supported",
     "length_penalty": "applies to beam search, which is not supported",
-    "prompt_logprobs": "prompt logprobs are not supported",
     "allowed_token_ids": "not supported; logit_bias can ban or favour tokens",
     "bad_words": "not supported; logit_bias can ban tokens",
     "truncate_prompt_tokens": "prompts are never truncated: send one that fits max_model_len",

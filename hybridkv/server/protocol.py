@@ -63,6 +63,7 @@ class _SamplingFields(_Model):
     cache_salt: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the top k at its position
 
     @model_validator(mode="before")
     @classmethod
@@ -79,10 +80,16 @@ class _SamplingFields(_Model):
         return constraints[0] if constraints else None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+                         constraint: StructuredOutputsParams | None = None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range."""
         if logprobs is not None and logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {logprobs}")
+        prompt_logprobs = self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
+        if prompt_logprobs is not None and prompt_logprobs > MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be <= {MAX_LOGPROBS}, got {prompt_logprobs}")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available with stream (as in vLLM); send stream: false")
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -100,6 +107,7 @@ class _SamplingFields(_Model):
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=_token_id_keys(self.logit_bias),
             structured_outputs=constraint,
@@ -124,7 +132,16 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
 
     def sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs, self.output_constraint())
+        """With ``echo``, the prompt's tokens get ``logprobs`` too (as their prompt logprobs), and ``max_tokens``
+        0 returns the prompt alone: the engine still samples one token, which is left out (vLLM does the
+        same)."""
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        prompt_logprobs = self.logprobs if self.echo and self.prompt_logprobs is None else None
+        return self._sampling_params(max_tokens, self.logprobs, self.output_constraint(), prompt_logprobs)
+
+    @property
+    def echo_only(self) -> bool:
+        return self.echo and self.max_tokens == 0
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt this request carries; batches of prompts are refused with ValueError."""
@@ -133,8 +150,6 @@ class CompletionRequest(_SamplingFields):
             if len(prompt) != 1:
                 raise ValueError(f"prompt: exactly one prompt per request is supported, got {len(prompt)}")
             prompt = prompt[0]
-        if self.echo:
-            raise ValueError("echo: not supported")
         return prompt
 
 
@@ -200,6 +215,45 @@ class ChatCompletionRequest(_SamplingFields):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_dict() for m in self.messages]
+
+
+# ---- vLLM's tokenizer endpoints ---------------------------------------------------------------------------
+class TokenizeRequest(_Model):
+    """``/tokenize``: a ``prompt``, or chat ``messages`` rendered by the chat template (vLLM's two requests)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # vLLM's defaults: True for a prompt, False for messages (the chat template writes any BOS itself)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+    tools: list[ToolDefinition] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt (text) or messages (a chat)")
+        if self.continue_final_message:
+            raise ValueError("continue_final_message: not supported")
+        return self
+
+
+class TokenizeResponse(_Model):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None] | None = None
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Model):
+    prompt: str
 
 
 # ---- structured outputs and tools --------------------------------------------------------------------------
@@ -332,6 +386,17 @@ class ErrorResponse(_Model):
     error: ErrorInfo
 
 
+class PromptLogprob(_Model):
+    """vLLM's ``Logprob``: one entry of ``prompt_logprobs``."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobsField = list[dict[int, PromptLogprob] | None] | None
+
+
 class CompletionLogprobs(_Model):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -345,6 +410,7 @@ class CompletionChoice(_Model):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsField = None  # vLLM's extra
 
 
 class CompletionResponse(_Model):
@@ -393,6 +459,7 @@ class ChatCompletionResponse(_Model):
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobsField = None  # vLLM's extra
 
 
 class DeltaMessage(_Model):

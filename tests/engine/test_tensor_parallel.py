@@ -73,6 +73,13 @@ def test_tp2_is_token_exact_with_tp1_through_chunked_prefill_and_prefix_cache(ti
     one, llm, outs = tp2_matches_tp1(path, shut_down)
     # the second round came from the prefix cache, which every rank's cache served alike
     assert all(o.num_cached_tokens > 0 for o in outs if len(o.prompt_token_ids) > 4)
+    # prompt logprobs: every rank takes part in the LM-head calls that score the prompt's positions
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3)
+    want, got = (x.generate({"prompt_token_ids": parity_prompts()[0]}, params, use_tqdm=False)[0].prompt_logprobs
+                 for x in (one, llm))
+    assert [list(e) for e in got[1:]] == [list(e) for e in want[1:]]
+    values = [[lp.logprob for e in entries[1:] for lp in e.values()] for entries in (got, want)]
+    torch.testing.assert_close(torch.tensor(values[0]), torch.tensor(values[1]), atol=1e-5, rtol=0)
     kv = llm.engine.kv
     assert kv.stats.hit_tokens > 0 and kv.pool.num_free_blocks == kv.pool.num_usable_blocks
     # 2 KV heads: one per rank, so a rank's pages are half as big and the same bytes hold twice the blocks

@@ -61,6 +61,7 @@ SAMPLING = {
     "suffix": mostly(st.none(), text),
     "use_beam_search": mostly(st.just(False), st.just(True)),
     "truncate_prompt_tokens": mostly(st.none(), st.integers(-1, 8)),
+    "prompt_logprobs": mostly(st.none() | st.integers(0, 3), st.integers(-1, 21) | edge_ints),
 }
 COMPLETION = {**SAMPLING, "logprobs": mostly(st.integers(0, 5), st.integers(-1, 21) | edge_ints),
               "echo": mostly(st.just(False), st.just(True))}

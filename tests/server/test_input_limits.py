@@ -133,7 +133,7 @@ BAD_FIELDS = {
                                  "stop_token_ids: token id 1000000000000 is outside the vocabulary"),
     "suffix": (COMPLETIONS, {"prompt": "hi", "suffix": "end"}, "suffix: not supported"),
     "beam search": (COMPLETIONS, {"prompt": "hi", "use_beam_search": True}, "use_beam_search: beam search"),
-    "prompt_logprobs": (CHAT, {"messages": USER, "prompt_logprobs": 1}, "prompt_logprobs"),
+    "prompt_logprobs over 20": (CHAT, {"messages": USER, "prompt_logprobs": 21}, "prompt_logprobs must be <= 20"),
     "chat_template": (CHAT, {"messages": USER, "chat_template": "{{ messages }}"}, "chat_template: a per-request chat template"),
     "audio out": (CHAT, {"messages": USER, "modalities": ["text", "audio"]}, "modalities: only ['text']"),
     "echo in chat": (CHAT, {"messages": USER, "echo": True}, "echo: echoing"),
