@@ -14,6 +14,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from hybridkv.commands import plain_text
 from hybridkv.engine.args import add_engine_args, engine_config_from_args
 from hybridkv.server.tool_calls import TOOL_CALL_PARSERS, ToolConfig, load_chat_template
 
@@ -24,20 +25,22 @@ API_KEY_ENV = "HYBRIDKV_API_KEY"  # vLLM's VLLM_API_KEY
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", description=plain_text(__doc__))
     add_engine_args(p, model_positional=True)
     p.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces, like vLLM)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
                    help="how tool calls are read from the output: llama3_json / llama4_json (JSON calls), "
-                        "hermes (<tool_call> blocks, also SmolLM2's list form)")
+                        "hermes (<tool_call> blocks, also SmolLM2's list form); by default none, and tool_choice "
+                        '"auto" is refused')
     p.add_argument("--chat-template", default=None,
                    help="chat template replacing the model's: a file, the name of one in hybridkv/server/templates "
-                        "(e.g. tool_chat_template_smollm2.jinja), or the template itself")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+                        "(e.g. tool_chat_template_smollm2.jinja), or the template itself (default: the model's own)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="lowest level of log lines written to stderr")
     p.add_argument("--api-key", action="append", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1 routes; repeat for several keys "
                         f"(default: ${API_KEY_ENV} if set, else no authentication)")
