@@ -65,6 +65,39 @@ def test_json_mode(server):
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
+def test_langchain_json_mode_returns_the_object(server):
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Cat(BaseModel):
+        name: str
+        age: int
+
+    llm = ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key="none", temperature=0, max_tokens=60,
+                     max_retries=0, timeout=TIMEOUT)
+    cat = llm.with_structured_output(Cat, method="json_mode").invoke(
+        'Describe a cat as a JSON object with exactly two keys: "name" (a string) and "age" (an integer).')
+    assert isinstance(cat, Cat) and cat.name, cat
+
+
+def test_unsatisfiable_schema_and_external_ref_are_a_400_before_queueing(server):
+    client = server.client()
+    before = server.metrics()["hybridkv:prompt_tokens_total"]
+    cases = {
+        "no output satisfies it": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
+        "$ref 'http://example.com/cat.json' (at properties.cat) is not a reference inside the schema":
+            {"type": "object", "properties": {"cat": {"$ref": "http://example.com/cat.json"}}},
+    }
+    for needle, schema in cases.items():
+        fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, response_format=fmt, max_tokens=5)
+        assert needle in info.value.body["message"], info.value.body
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=MODEL, prompt="x", max_tokens=5, extra_body={"response_format": fmt})
+    assert server.metrics()["hybridkv:prompt_tokens_total"] == before  # refused before the engine saw them
+
+
 def test_json_schema_strict_chat_stream_and_non_stream(server):
     client = server.client()
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
