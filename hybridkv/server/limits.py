@@ -3,7 +3,8 @@
 A body is refused with 413 from its ``Content-Length`` before a byte is read, or as soon as a chunked body grows
 past the limit; JSON nested deeper than the limit is refused before the decoder recurses into it (a body of
 100,000 nested arrays would otherwise raise RecursionError); NaN and Infinity (which Python's decoder accepts)
-are refused as the JSON standard does.
+are refused as the JSON standard does, and so are strings that are not Unicode (an escaped unpaired surrogate such
+as ``"\\ud800"``, which Python's decoder turns into a str that no tokenizer or UTF-8 encoder takes).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ DEFAULT_MAX_BODY_BYTES = 100 << 20  # a 10M-token prompt sent as token ids is ab
 DEFAULT_MAX_JSON_DEPTH = 128  # a request is 4 levels deep; a JSON schema inside one rarely passes 20
 # A JSON string (escapes included), written so the regex engine loops over plain characters without backtracking.
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# Only a body with a \uD800-\uDFFF escape can decode to an unpaired surrogate (raw UTF-8 cannot hold one).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _OPENERS = np.frombuffer(b"[{", np.uint8)
 _CLOSERS = np.frombuffer(b"]}", np.uint8)
 
@@ -58,16 +62,42 @@ def json_depth(raw: bytes) -> int:
 
 
 def parse_json(raw: bytes, max_depth: int):
-    """The decoded body; APIError 400 for malformed JSON, nesting deeper than ``max_depth``, NaN or Infinity."""
+    """The decoded body; APIError 400 for malformed JSON, nesting deeper than ``max_depth``, NaN or Infinity, or a
+    string (or key) holding an unpaired surrogate."""
     if raw.count(b"[") + raw.count(b"{") > max_depth:  # cheap: only such bodies can nest that deep
         depth = json_depth(raw)
         if depth > max_depth:
             raise APIError(400, f"the request body nests JSON arrays and objects {depth:,} levels deep; "
                                 f"at most {max_depth} are accepted")
     try:
-        return json.loads(raw, parse_constant=_refuse_constant)
+        data = json.loads(raw, parse_constant=_refuse_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise APIError(400, f"malformed JSON in the request body: {error}") from None
+    if _SURROGATE_ESCAPE.search(raw) or json.detect_encoding(raw) != "utf-8":
+        bad = unpaired_surrogate(data)
+        if bad is not None:
+            path, char = bad
+            raise APIError(400, f"{path or 'request body'}: not valid Unicode: the string holds an unpaired "
+                                f"surrogate (\\u{ord(char):04x}); send UTF-8 text, or escape characters outside "
+                                "the BMP as a surrogate pair", path.split(".")[0] or None)
+    return data
+
+
+def unpaired_surrogate(data, path: str = "") -> tuple[str, str] | None:
+    """(path of the first string or key holding an unpaired surrogate, that surrogate), or None. The decoder has
+    already joined every escaped pair into one character, so any surrogate left is unpaired."""
+    if isinstance(data, str):
+        found = _SURROGATE.search(data)
+        return None if found is None else (path, found.group())
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        # the path goes into the error message, which must itself be valid Unicode
+        name = key.encode("utf-8", "backslashreplace").decode() if isinstance(key, str) else str(key)
+        where = f"{path}.{name}" if path else name
+        found = (unpaired_surrogate(key, where) if isinstance(key, str) else None) or unpaired_surrogate(value, where)
+        if found is not None:
+            return found
+    return None
 
 
 def _refuse_constant(name: str):
