@@ -408,7 +408,7 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 def _chat_choice(state: ServerState, o: CompletionOutput, plan: ToolPlan) -> ChatChoice:
-    content, calls = extract(plan, o.text) if plan.parses else (o.text, [])
+    content, calls = extract(plan, o.text, o.finish_reason == "length") if plan.parses else (o.text, [])
     return ChatChoice(index=o.index, message=ResponseMessage(content=content, tool_calls=calls),
                       logprobs=_chat_logprobs(state, o.logprobs), stop_reason=o.stop_reason,
                       finish_reason=finish_reason(plan, o.finish_reason, bool(calls)))
@@ -442,7 +442,7 @@ async def _chat_chunks(
             delta, reason = DeltaMessage(content=o.delta_text), o.finish_reason
             if tool_streams is not None:
                 tool_stream = tool_streams[o.index]
-                content, calls = tool_stream.feed(o.delta_text, bool(reason))
+                content, calls = tool_stream.feed(o.delta_text, bool(reason), reason == "length")
                 if content is None and not calls and not reason and rows is None:
                     continue
                 delta = DeltaMessage(content=content, tool_calls=calls or None)
