@@ -50,6 +50,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     p.add_argument("--max-request-body-bytes", type=int, default=None,
                    help="larger request bodies get 413 (default: 100 MiB)")
+    p.add_argument("--request-body-timeout-s", type=float, default=None,
+                   help="a request body not all received within this many seconds gets 408 and its connection is "
+                        "closed (default: 30)")
     p.set_defaults(run=_run)
 
 
@@ -73,6 +76,10 @@ def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
         if args.max_request_body_bytes < 1:
             raise ValueError(f"--max-request-body-bytes must be at least 1, got {args.max_request_body_bytes}")
         limits.max_body_bytes = args.max_request_body_bytes
+    if args.request_body_timeout_s is not None:
+        if not args.request_body_timeout_s > 0:
+            raise ValueError(f"--request-body-timeout-s must be > 0, got {args.request_body_timeout_s}")
+        limits.body_read_timeout_s = args.request_body_timeout_s
     return ServerOptions(api_keys=keys, allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                          allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                          limits=limits)

@@ -92,6 +92,7 @@ def test_nan_and_infinity_are_not_json(server):
     (CHAT, rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}',
      "messages.0.content.0.text"),
     (COMPLETIONS, rb'{"prompt": "a\ud800b", "max_tokens": 2}', "prompt"),
+    (COMPLETIONS, b'{"prompt": "a\xed\xa0\x80b", "max_tokens": 2}', "prompt"),  # its UTF-8-style bytes, unescaped
     (COMPLETIONS, rb'{"prompt": ["ok", "x\udc00"], "max_tokens": 2}', "prompt.1"),
     (COMPLETIONS, rb'{"prompt": "hi", "model": "\ud800"}', "model"),
     (COMPLETIONS, rb'{"prompt": "hi", "stop": ["\ude00\ud83d"]}', "stop.0"),  # a pair in the wrong order
