@@ -102,4 +102,10 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     from hybridkv.server.runner import run_server
 
-    return run_server(app, args.host, args.port, args.log_level)
+    code = run_server(app, args.host, args.port, args.log_level)
+    # Every request is answered and the engine and its workers are stopped; the interpreter's own teardown (torch's
+    # process group, gloo) can take seconds more, in which nothing listens any more: leave now.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

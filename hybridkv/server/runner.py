@@ -2,13 +2,17 @@
 
 SIGTERM (or Ctrl-C) fails the requests in flight at once with 503, then uvicorn closes the connections and the
 engine thread gets ``SHUTDOWN_GRACE_S`` to finish its step: the process is gone within a few seconds even in the
-middle of a long CPU prefill. A dead engine stops the server the same way once the requests in flight have had
-their 503, and ``run_server`` returns 1, so a supervisor restarts it (vLLM's server exits too).
+middle of a long CPU prefill, with exit status 0 (a stop asked for is a clean one; uvicorn would re-raise the
+signal, status -15). A dead engine stops the server the same way once the requests in flight have had their 503
+and its workers are stopped (``/health`` answers 503 meanwhile), and ``run_server`` returns 1, so a supervisor
+restarts it (vLLM's server exits too).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 from types import FrameType
 
 import uvicorn
@@ -28,11 +32,14 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM:  # not re-raised once shut down (uvicorn's list of signals to re-raise)
+            with contextlib.suppress(AttributeError, ValueError):
+                self._captured_signals.remove(sig)
         self._engine.begin_shutdown()
 
 
 def run_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> int:
-    """Serve until a signal (0; uvicorn re-raises it afterwards) or a dead engine (1)."""
+    """Serve until SIGTERM (0), Ctrl-C (uvicorn re-raises SIGINT afterwards) or a dead engine (1)."""
     engine: AsyncEngine = app.state.server.engine
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
