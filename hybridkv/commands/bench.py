@@ -58,7 +58,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=_positive_int, required=True, help="max_tokens of every request")
     p.add_argument("--num-prompts", type=_positive_int, required=True, help="requests to send")
     p.add_argument("--max-concurrency", type=_positive_int, help="requests in flight at most (default: no limit)")
-    p.add_argument("--request-rate", type=_rate, default=math.inf, help="Poisson arrivals per second (default: inf, all at once)")
+    p.add_argument("--request-rate", type=_rate, default=math.inf,
+                   help="Poisson arrivals per second (default: inf, all at once)")
     p.add_argument("--prefix-len", type=_non_negative_int, default=0,
                    help="tokens of a prefix shared by every prompt (counted in --input-len)")
     p.add_argument("--summarize-instruction", action="store_true",
@@ -66,8 +67,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the arrival times")
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (default: no header)")
     p.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds per request")
-    p.add_argument("--json", dest="json_path", metavar="OUT.json", help="write metrics, config and per-request records (default: none written)")
-    p.add_argument("--plot", metavar="OUT.png", help="write latency histograms and throughput over time (default: none written)")
+    p.add_argument("--json", dest="json_path", metavar="OUT.json",
+                   help="write metrics, config and per-request records (default: none written)")
+    p.add_argument("--plot", metavar="OUT.png",
+                   help="write latency histograms and throughput over time (default: none written)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

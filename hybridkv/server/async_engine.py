@@ -9,9 +9,9 @@ engine's continuous batch, however many clients send them.
 A step that raises (a tensor-parallel rank died, a bug), or a tensor-parallel worker found dead while idle, kills
 the engine for good: ``is_alive`` is False from the moment a worker process has ended (``/health`` answers 503),
 every request in flight fails with ``EngineDeadError`` (the server answers 503), the workers are stopped, and only
-then is ``on_dead`` called, so the server stops listening (and exits) last. ``begin_shutdown`` (SIGTERM) fails the requests in flight at once,
-from the event loop, without waiting for the step in flight; ``shutdown`` gives that step a moment, then
-abandons it.
+then is ``on_dead`` called, so the server stops listening (and exits) last. ``begin_shutdown`` (SIGTERM) fails the
+requests in flight at once, from the event loop, without waiting for the step in flight; ``shutdown`` gives that
+step a moment, then abandons it.
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 
 A body is refused with 413 from its ``Content-Length`` before a byte is read, or as soon as a chunked body grows
 past the limit; a body that has not all arrived within ``body_read_timeout_s`` (a ``Content-Length`` larger than
-what is sent, a client that stalls) gets 408 and the connection is closed; JSON nested deeper than the limit is refused before the decoder recurses into it (a body of
-100,000 nested arrays would otherwise raise RecursionError); NaN and Infinity (which Python's decoder accepts)
-are refused as the JSON standard does, and so are strings that are not Unicode (an escaped unpaired surrogate such
-as ``"\\ud800"``, which Python's decoder turns into a str that no tokenizer or UTF-8 encoder takes).
+what is sent, a client that stalls) gets 408 and the connection is closed; JSON nested deeper than the limit is
+refused before the decoder recurses into it (a body of 100,000 nested arrays would otherwise raise RecursionError);
+NaN and Infinity (which Python's decoder accepts) are refused as the JSON standard does, and so are strings that
+are not Unicode (an escaped unpaired surrogate such as ``"\\ud800"``, which Python's decoder turns into a str that
+no tokenizer or UTF-8 encoder takes).
 """
 
 from __future__ import annotations

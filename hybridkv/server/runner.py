@@ -13,12 +13,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import socket
 from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
 
-from hybridkv.server.async_engine import AsyncEngine
+from hybridkv.server.app import ServerState
+from hybridkv.server.summary import startup_summary
 
 log = logging.getLogger("hybridkv.server")
 
@@ -26,9 +28,15 @@ GRACEFUL_SHUTDOWN_S = 2.0  # uvicorn's wait for connections to close; ours have 
 
 
 class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
-        self._engine = engine
+        self._state = state
+        self._engine = state.engine
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:  # listening: say what is served, and where
+            log.info(startup_summary(self._state, f"http://{self.config.host}:{self.config.port}"))
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
@@ -40,10 +48,11 @@ class _Server(uvicorn.Server):
 
 def run_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> int:
     """Serve until SIGTERM (0), Ctrl-C (uvicorn re-raises SIGINT afterwards) or a dead engine (1)."""
-    engine: AsyncEngine = app.state.server.engine
+    state: ServerState = app.state.server
+    engine = state.engine
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    server = _Server(config, engine)
+    server = _Server(config, state)
 
     def on_dead() -> None:  # on the engine thread: uvicorn polls the flag from its loop
         server.should_exit = True

@@ -34,11 +34,11 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, log_level: str = "warning") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "hybridkv.cli", "serve", *args, "--host", "127.0.0.1", "--port",
-               str(self.port), "--device", "cpu", "--log-level", "warning"]
+               str(self.port), "--device", "cpu", "--log-level", log_level]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def __enter__(self) -> ServerProcess:
