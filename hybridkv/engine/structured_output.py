@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 JSON_OBJECT_SCHEMA = {"type": "object"}
 # Schema keywords whose values are JSON data, not subschemas: a "$ref" key inside them is data.
 _VALUE_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# Keywords that describe a schema without constraining it: a schema with only these and "$ref" is the ref itself.
+_ANNOTATION_KEYWORDS = frozenset({"title", "description", "$comment", "examples", "default", "deprecated"})
 # Compiled grammars kept by the compiler: a JSON schema over a 49K vocabulary takes about 40-120 KB.
 GRAMMAR_CACHE_BYTES = 256 << 20
 
@@ -63,7 +65,7 @@ class StructuredOutputs:
         compiler = self.compiler
         kind = params.kind
         if kind == "json":
-            check_local_refs(params.json)
+            check_refs(params.json)
         try:
             grammar = _compile(compiler, params)
         except RuntimeError as error:  # xgrammar reports bad specs as RuntimeError with its C++ location first
@@ -136,21 +138,60 @@ def _compile(compiler: xgrammar.GrammarCompiler, params: StructuredOutputsParams
     return compiler.compile_grammar(params.grammar)
 
 
-def check_local_refs(schema: object, path: str = "") -> None:
-    """ValueError naming the first ``$ref`` that points outside the schema (a URL, another file): xgrammar would
-    drop it silently and leave that part unconstrained, and nothing is ever fetched."""
-    if isinstance(schema, dict):
-        ref = schema.get("$ref")
-        if isinstance(ref, str) and not ref.startswith("#"):
-            raise ValueError(f"structured_outputs.json: $ref {ref!r} (at {path or 'the root'}) is not a reference "
-                             "inside the schema; external schemas are never fetched: put it under $defs and refer "
-                             "to it as '#/$defs/NAME'")
-        for key, value in schema.items():
+def check_refs(schema: dict) -> None:
+    """ValueError naming the first ``$ref`` that points outside the schema (a URL, another file: xgrammar would drop
+    it silently and leave that part unconstrained; nothing is ever fetched), or that only leads, through schemas that
+    are nothing but a ``$ref``, back to itself (no value satisfies it, wherever it sits)."""
+    for path, ref in _refs(schema):
+        if not ref.startswith("#"):
+            raise ValueError(f"structured_outputs.json: $ref {ref!r} (at {path}) is not a reference inside the "
+                             "schema; external schemas are never fetched: put it under $defs and refer to it as "
+                             "'#/$defs/NAME'")
+        if _ref_loop(schema, ref):
+            raise ValueError(f"structured_outputs.json: $ref {ref!r} (at {path}) only leads back to itself through "
+                             "other $refs; no value satisfies it")
+
+
+def _refs(node: object, path: str = ""):
+    """(where, ``$ref`` value) for every reference in a schema, depth first."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            yield path or "the root", ref
+        for key, value in node.items():
             if key not in _VALUE_KEYWORDS:
-                check_local_refs(value, f"{path}.{key}" if path else key)
-    elif isinstance(schema, list):
-        for i, value in enumerate(schema):
-            check_local_refs(value, f"{path}.{i}")
+                yield from _refs(value, f"{path}.{key}" if path else key)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _refs(value, f"{path}.{i}")
+
+
+def _ref_loop(root: dict, ref: str) -> bool:
+    seen: set[str] = set()
+    while ref not in seen:
+        seen.add(ref)
+        target = _resolve(root, ref)
+        if not (isinstance(target, dict) and isinstance(target.get("$ref"), str)
+                and set(target) - _ANNOTATION_KEYWORDS == {"$ref"}):
+            return False
+        ref = target["$ref"]
+    return True
+
+
+def _resolve(root: dict, ref: str) -> object:
+    """The schema a local JSON-pointer ``$ref`` (``#/$defs/a``) names; None when it names nothing."""
+    node: object = root
+    for part in ref[2:].split("/") if ref.startswith("#/") else ([] if ref == "#" else [None]):
+        if part is None:
+            return None  # an anchor ("#name"): not followed
+        key = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and key in node:
+            node = node[key]
+        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        else:
+            return None
+    return node
 
 
 def choice_grammar(choices: Sequence[str]) -> str:

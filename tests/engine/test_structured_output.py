@@ -117,10 +117,18 @@ def test_sampler_applies_the_bitmask_before_sampling_and_logprobs(structured, to
 SELF_REF = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
 
 
+LOOP_DEEP = {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "required": ["a"],
+             "$defs": {"x": {"$ref": "#/$defs/y", "description": "x"}, "y": {"$ref": "#/$defs/x"}}}
+
+
 @pytest.mark.parametrize("params, needle", [
-    (StructuredOutputsParams(json=SELF_REF), "structured_outputs.json: no output satisfies it"),
+    (StructuredOutputsParams(json=SELF_REF),
+     "structured_outputs.json: $ref '#/$defs/a' (at the root) only leads back to itself through other $refs"),
+    (StructuredOutputsParams(json=LOOP_DEEP),  # its first token, "{", is fine: found from the schema alone
+     "structured_outputs.json: $ref '#/$defs/x' (at properties.a) only leads back to itself"),
     (StructuredOutputsParams(json={"allOf": [{"$ref": "#/$defs/a"}], "$defs": {"a": {"$ref": "#"}}}),
-     "structured_outputs.json: no output satisfies it"),
+     "structured_outputs.json: no output satisfies it: not even a first token is allowed"),
+    (StructuredOutputsParams(regex="[^\\s\\S]"), "structured_outputs.regex: no output satisfies it"),
     (StructuredOutputsParams(json={"$ref": "http://example.com/s.json"}),
      "structured_outputs.json: $ref 'http://example.com/s.json' (at the root) is not a reference inside the schema"),
     (StructuredOutputsParams(json={"type": "object", "properties": {"a": {"items": [{"$ref": "other.json#/x"}]}}}),

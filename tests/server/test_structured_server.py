@@ -84,7 +84,8 @@ def test_unsatisfiable_schema_and_external_ref_are_a_400_before_queueing(server)
     client = server.client()
     before = server.metrics()["hybridkv:prompt_tokens_total"]
     cases = {
-        "no output satisfies it": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
+        "only leads back to itself through other $refs; no value satisfies it":
+            {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
         "$ref 'http://example.com/cat.json' (at properties.cat) is not a reference inside the schema":
             {"type": "object", "properties": {"cat": {"$ref": "http://example.com/cat.json"}}},
     }
