@@ -71,8 +71,7 @@ class StructuredOutputs:
         except RuntimeError as error:  # xgrammar reports bad specs as RuntimeError with its C++ location first
             raise ValueError(f"structured_outputs.{kind}: {_xgrammar_message(error)}") from None
         if not self._accepts_a_first_token(grammar):
-            raise ValueError(f"structured_outputs.{kind}: no output satisfies it: not even a first token is allowed "
-                             "(e.g. a $ref that only refers to itself)")
+            raise ValueError(f"structured_outputs.{kind}: no output satisfies it: not even a first token is allowed")
         return grammar
 
     def _accepts_a_first_token(self, grammar: xgrammar.CompiledGrammar) -> bool:
@@ -180,10 +179,12 @@ def _ref_loop(root: dict, ref: str) -> bool:
 
 def _resolve(root: dict, ref: str) -> object:
     """The schema a local JSON-pointer ``$ref`` (``#/$defs/a``) names; None when it names nothing."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None  # an anchor ("#name"): not followed
     node: object = root
-    for part in ref[2:].split("/") if ref.startswith("#/") else ([] if ref == "#" else [None]):
-        if part is None:
-            return None  # an anchor ("#name"): not followed
+    for part in ref[2:].split("/"):
         key = part.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and key in node:
             node = node[key]
