@@ -95,6 +95,7 @@ def test_nan_and_infinity_are_not_json(server):
     (COMPLETIONS, b'{"prompt": "a\xed\xa0\x80b", "max_tokens": 2}', "prompt"),  # its UTF-8-style bytes, unescaped
     (COMPLETIONS, rb'{"prompt": ["ok", "x\udc00"], "max_tokens": 2}', "prompt.1"),
     (COMPLETIONS, rb'{"prompt": "hi", "model": "\ud800"}', "model"),
+    ("/tokenize", rb'{"prompt": "a\ud800b"}', "prompt"),
     (COMPLETIONS, rb'{"prompt": "hi", "stop": ["\ude00\ud83d"]}', "stop.0"),  # a pair in the wrong order
     (CHAT, rb'{"messages": [{"role": "user", "content": "hi"}], "\ud800key": 1}', "\\ud800key"),
 ])

@@ -164,9 +164,11 @@ def health_until_exit(srv: ServerProcess) -> list[int | None]:
 
 
 def gone(pid: int) -> bool:
-    """Dead: a zombie its parent has not reaped yet, or reaped."""
+    """Ended, every thread of it: a zombie its parent has not reaped yet with no thread left but its main one (a
+    killed process's main thread can turn zombie while other threads still hold its files), or reaped."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state == "Z" and os.listdir(f"/proc/{pid}/task") == [str(pid)]
     except FileNotFoundError:
         return True
 
