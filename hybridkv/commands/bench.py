@@ -45,27 +45,32 @@ def _rate(text: str) -> float:
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default %(default)s)")
-    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root")
+    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"],
+                   help="API the requests go to")
     p.add_argument("--model", help="model name sent in requests (default: the first id from GET /v1/models)")
     p.add_argument("--tokenizer", help="known model name, .gguf file or HF directory for prompt lengths "
                    "(default: --model if resolvable, else smollm2-135m-instruct)")
-    p.add_argument("--dataset", choices=["random", "text"], default="random")
-    p.add_argument("--dataset-path", help="text file for --dataset text")
+    p.add_argument("--dataset", choices=["random", "text"], default="random",
+                   help="random: random token ids; text: prompts cut from --dataset-path")
+    p.add_argument("--dataset-path", help="text file for --dataset text (required with it)")
     p.add_argument("--input-len", type=_positive_int, required=True, help="prompt tokens")
     p.add_argument("--output-len", type=_positive_int, required=True, help="max_tokens of every request")
-    p.add_argument("--num-prompts", type=_positive_int, required=True)
+    p.add_argument("--num-prompts", type=_positive_int, required=True, help="requests to send")
     p.add_argument("--max-concurrency", type=_positive_int, help="requests in flight at most (default: no limit)")
-    p.add_argument("--request-rate", type=_rate, default=math.inf, help="Poisson arrivals per second (default inf)")
+    p.add_argument("--request-rate", type=_rate, default=math.inf,
+                   help="Poisson arrivals per second (default: inf, all at once)")
     p.add_argument("--prefix-len", type=_non_negative_int, default=0,
                    help="tokens of a prefix shared by every prompt (counted in --input-len)")
     p.add_argument("--summarize-instruction", action="store_true",
                    help='start every prompt with "Please summarize the following text." (counted in --input-len)')
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the arrival times")
+    p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (default: no header)")
     p.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds per request")
-    p.add_argument("--json", dest="json_path", metavar="OUT.json", help="write metrics, config and per-request records")
-    p.add_argument("--plot", metavar="OUT.png", help="write latency histograms and throughput over time")
+    p.add_argument("--json", dest="json_path", metavar="OUT.json",
+                   help="write metrics, config and per-request records (default: none written)")
+    p.add_argument("--plot", metavar="OUT.png",
+                   help="write latency histograms and throughput over time (default: none written)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

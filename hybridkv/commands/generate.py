@@ -17,11 +17,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     p.add_argument("--prompt", required=True, help="the prompt (a chat message unless --no-chat)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
-                   help="apply the model's chat template when it has one (default)")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+                   help="apply the model's chat template when it has one")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: the smallest set of tokens with this much probability")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.set_defaults(run=_run)
 

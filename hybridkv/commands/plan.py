@@ -31,17 +31,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--model", required=True, metavar="PATH",
         help="model directory, config.json, .gguf file or known model name",
     )
-    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", help="ranks the model is split over")
     p.add_argument(
-        "--kv-cache-dtype", default="auto", metavar="DTYPE", help=f"auto | {' | '.join(KV_CACHE_DTYPES)} (auto)"
+        "--kv-cache-dtype", default="auto", metavar="DTYPE",
+        help=f"auto | {' | '.join(KV_CACHE_DTYPES)} (auto: the checkpoint's dtype)",
     )
     p.add_argument("--block-size", type=int, default=16, metavar="B", help="tokens per block, a power of two")
     mem = p.add_mutually_exclusive_group(required=True)
-    mem.add_argument("--kv-memory-gib", type=float, metavar="G", help="KV cache memory per rank")
-    mem.add_argument("--gpu-memory-gib", type=float, metavar="G", help="GPU memory per rank (KV is estimated)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="U")
+    mem.add_argument("--kv-memory-gib", type=float, metavar="G",
+                     help="KV cache memory per rank (this or --gpu-memory-gib is required)")
+    mem.add_argument("--gpu-memory-gib", type=float, metavar="G",
+                     help="GPU memory per rank; the KV memory is estimated from it "
+                          "(this or --kv-memory-gib is required)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="U",
+                   help="with --gpu-memory-gib: the share of GPU memory the engine may use")
     p.add_argument("--max-model-len", type=int, metavar="L", help="length to check; default: the longest that fits")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N", help="most tokens in one step")
     p.add_argument(
         "--max-num-seqs", type=int, default=256, metavar="N", help="sequences per step (sizes the sampler's reserve)"
     )

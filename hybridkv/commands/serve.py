@@ -14,6 +14,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from hybridkv.commands import plain_text
 from hybridkv.engine.args import add_engine_args, engine_config_from_args
 from hybridkv.server.tool_calls import TOOL_CALL_PARSERS, ToolConfig, load_chat_template
 
@@ -24,20 +25,22 @@ API_KEY_ENV = "HYBRIDKV_API_KEY"  # vLLM's VLLM_API_KEY
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", description=plain_text(__doc__))
     add_engine_args(p, model_positional=True)
     p.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces, like vLLM)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
                    help="how tool calls are read from the output: llama3_json / llama4_json (JSON calls), "
-                        "hermes (<tool_call> blocks, also SmolLM2's list form)")
+                        "hermes (<tool_call> blocks, also SmolLM2's list form); by default none, and tool_choice "
+                        '"auto" is refused')
     p.add_argument("--chat-template", default=None,
                    help="chat template replacing the model's: a file, the name of one in hybridkv/server/templates "
-                        "(e.g. tool_chat_template_smollm2.jinja), or the template itself")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+                        "(e.g. tool_chat_template_smollm2.jinja), or the template itself (default: the model's own)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="lowest level of log lines written to stderr")
     p.add_argument("--api-key", action="append", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1 routes; repeat for several keys "
                         f"(default: ${API_KEY_ENV} if set, else no authentication)")
@@ -47,6 +50,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     p.add_argument("--max-request-body-bytes", type=int, default=None,
                    help="larger request bodies get 413 (default: 100 MiB)")
+    p.add_argument("--request-body-timeout-s", type=float, default=None,
+                   help="a request body not all received within this many seconds gets 408 and its connection is "
+                        "closed (default: 30)")
     p.set_defaults(run=_run)
 
 
@@ -70,6 +76,10 @@ def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
         if args.max_request_body_bytes < 1:
             raise ValueError(f"--max-request-body-bytes must be at least 1, got {args.max_request_body_bytes}")
         limits.max_body_bytes = args.max_request_body_bytes
+    if args.request_body_timeout_s is not None:
+        if not args.request_body_timeout_s > 0:
+            raise ValueError(f"--request-body-timeout-s must be > 0, got {args.request_body_timeout_s}")
+        limits.body_read_timeout_s = args.request_body_timeout_s
     return ServerOptions(api_keys=keys, allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                          allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                          limits=limits)
@@ -92,4 +102,10 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     from hybridkv.server.runner import run_server
 
-    return run_server(app, args.host, args.port, args.log_level)
+    code = run_server(app, args.host, args.port, args.log_level)
+    # Every request is answered and the engine and its workers are stopped; the interpreter's own teardown (torch's
+    # process group, gloo) can take seconds more, in which nothing listens any more: leave now.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

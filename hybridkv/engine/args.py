@@ -21,7 +21,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     hints = typing.get_type_hints(EngineConfig)
     for f in engine_flags():
         if f.name == "model" and model_positional:
-            p.add_argument("model", nargs="?", default=None, help="known name, .gguf file or HF directory")
+            p.add_argument("model", nargs="?", default=None, help=f.metadata["help"])
             continue
         flag, kind = "--" + f.name.replace("_", "-"), _value_type(hints[f.name])
         help_text = f.metadata["help"]

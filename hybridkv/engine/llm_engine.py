@@ -87,21 +87,24 @@ def step_reserve_bytes(config: EngineConfig, hidden_size: int, vocab_size: int) 
     )
 
 
-def size_kv_cache(config: EngineConfig, hf_config: dict, layout: KVLayout, kv_bytes: int) -> tuple[int, int]:
+def size_kv_cache(config: EngineConfig, hf_config: dict, layout: KVLayout,
+                  kv_bytes: int) -> tuple[int, int, str]:
     """The engine's KV sizing of ``layout`` (one rank's, ``runtime.rank_layout``) for ``kv_bytes`` per rank: (number
-    of blocks with the null block, max_model_len). ``hybridkv plan`` (``plan_capacity``) reaches the same numbers
-    from the same inputs."""
+    of blocks with the null block, max_model_len, what bound it). ``hybridkv plan`` (``plan_capacity``) reaches the
+    same numbers from the same inputs."""
     num_blocks = layout.num_blocks(kv_bytes)
     if num_blocks < 2:
         raise ValueError(
             f"kv_cache_memory_bytes={kv_bytes} holds {num_blocks} blocks of {layout.page_bytes} bytes; "
             "at least 2 are needed"
         )
-    return num_blocks, resolve_max_model_len(config, hf_config, layout, num_blocks)
+    return num_blocks, *resolve_max_model_len(config, hf_config, layout, num_blocks)
 
 
-def resolve_max_model_len(config: EngineConfig, hf_config: dict, layout: KVLayout, num_blocks: int) -> int:
-    """The model's context (``max_position_embeddings``) or the asked length, within what the KV cache holds.
+def resolve_max_model_len(config: EngineConfig, hf_config: dict, layout: KVLayout,
+                          num_blocks: int) -> tuple[int, str]:
+    """The model's context (``max_position_embeddings``) or the asked length, within what the KV cache holds; and
+    which of these bound it, in words.
 
     Too long for the model or the cache: raise naming the limit, or clamp and log it (``clamp_max_model_len``).
     """
@@ -120,12 +123,13 @@ def resolve_max_model_len(config: EngineConfig, hf_config: dict, layout: KVLayou
             f"{layout.page_bytes} bytes each) holds at most {cache_fits} tokens for one request"
         )))
     if not limits:
-        return wanted
+        return wanted, ("asked for with max_model_len" if asked is not None
+                        else f"the model's context (max_position_embeddings) is {model_len}")
     length, why = min(limits)
     if asked is not None and not config.clamp_max_model_len:
         raise ValueError(f"max_model_len {asked} is too long: {why}; lower it or raise kv_cache_memory_bytes")
     log.warning("max_model_len %d clamped to %d: %s", wanted, length, why)
-    return length
+    return length, why
 
 
 class LLMEngine:
@@ -148,7 +152,8 @@ class LLMEngine:
             kv_dtype = dtype_name(dtype)
         self.layout = rank_layout(hf_config, tp.size, kv_dtype, config.block_size)
         kv_bytes = config.kv_cache_memory_bytes or self._default_kv_bytes()
-        num_blocks, self.max_model_len = size_kv_cache(config, hf_config, self.layout, kv_bytes)
+        num_blocks, self.max_model_len, self.max_model_len_bound = size_kv_cache(config, hf_config, self.layout,
+                                                                                 kv_bytes)
         host_blocks = self._host_blocks()
         self.kv = KVCacheManager(
             self.layout,

@@ -25,6 +25,13 @@ if TYPE_CHECKING:
 
     from hybridkv.model.loading.tokenizer import Tokenizer
 
+# OpenAI's JSON mode promises an object (vLLM compiles this schema too); xgrammar's builtin JSON grammar takes any
+# value, ``[1]`` included.
+JSON_OBJECT_SCHEMA = {"type": "object"}
+# Schema keywords whose values are JSON data, not subschemas: a "$ref" key inside them is data.
+_VALUE_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# Keywords that describe a schema without constraining it: a schema with only these and "$ref" is the ref itself.
+_ANNOTATION_KEYWORDS = frozenset({"title", "description", "$comment", "examples", "default", "deprecated"})
 # Compiled grammars kept by the compiler: a JSON schema over a 49K vocabulary takes about 40-120 KB.
 GRAMMAR_CACHE_BYTES = 256 << 20
 
@@ -53,27 +60,26 @@ class StructuredOutputs:
             return self._compiler
 
     def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
-        """The compiled grammar (from the cache when this spec was seen); ValueError naming the field if invalid."""
+        """The compiled grammar (from the cache when this spec was seen); ValueError naming the field if invalid,
+        if a JSON schema refers outside itself, or if the grammar accepts no output at all."""
         compiler = self.compiler
         kind = params.kind
+        if kind == "json":
+            check_refs(params.json)
         try:
-            if kind == "json":
-                return compiler.compile_json_schema(
-                    json.dumps(params.json), any_whitespace=not params.disable_any_whitespace
-                )
-            if kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
-            if kind == "regex":
-                return compiler.compile_regex(params.regex)
-            if kind == "choice":
-                return compiler.compile_grammar(choice_grammar(params.choice))
-            if "::=" not in params.grammar:  # Lark, which vLLM takes too (EBNF rules are written with ::=)
-                import xgrammar as xgr
-
-                return compiler.compile_grammar(xgr.Grammar.from_lark(params.grammar))
-            return compiler.compile_grammar(params.grammar)
+            grammar = _compile(compiler, params)
         except RuntimeError as error:  # xgrammar reports bad specs as RuntimeError with its C++ location first
             raise ValueError(f"structured_outputs.{kind}: {_xgrammar_message(error)}") from None
+        if not self._accepts_a_first_token(grammar):
+            raise ValueError(f"structured_outputs.{kind}: no output satisfies it: not even a first token is allowed")
+        return grammar
+
+    def _accepts_a_first_token(self, grammar: xgrammar.CompiledGrammar) -> bool:
+        import xgrammar as xgr
+
+        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        xgr.GrammarMatcher(grammar).fill_next_token_bitmask(mask, 0)
+        return bool(mask.any())
 
     def matcher(self, params: StructuredOutputsParams) -> xgrammar.GrammarMatcher:
         import xgrammar as xgr
@@ -113,6 +119,80 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequen
         if index < vocab_size and not tokenizer.is_special(index):
             vocab[index] = token
     return xgr.TokenizerInfo.from_vocab_and_metadata(vocab, probe.dump_metadata())
+
+
+def _compile(compiler: xgrammar.GrammarCompiler, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+    kind = params.kind
+    if kind in ("json", "json_object"):
+        schema = JSON_OBJECT_SCHEMA if kind == "json_object" else params.json
+        return compiler.compile_json_schema(json.dumps(schema), any_whitespace=not params.disable_any_whitespace)
+    if kind == "regex":
+        return compiler.compile_regex(params.regex)
+    if kind == "choice":
+        return compiler.compile_grammar(choice_grammar(params.choice))
+    if "::=" not in params.grammar:  # Lark, which vLLM takes too (EBNF rules are written with ::=)
+        import xgrammar as xgr
+
+        return compiler.compile_grammar(xgr.Grammar.from_lark(params.grammar))
+    return compiler.compile_grammar(params.grammar)
+
+
+def check_refs(schema: dict) -> None:
+    """ValueError naming the first ``$ref`` that points outside the schema (a URL, another file: xgrammar would drop
+    it silently and leave that part unconstrained; nothing is ever fetched), or that only leads, through schemas that
+    are nothing but a ``$ref``, back to itself (no value satisfies it, wherever it sits)."""
+    for path, ref in _refs(schema):
+        if not ref.startswith("#"):
+            raise ValueError(f"structured_outputs.json: $ref {ref!r} (at {path}) is not a reference inside the "
+                             "schema; external schemas are never fetched: put it under $defs and refer to it as "
+                             "'#/$defs/NAME'")
+        if _ref_loop(schema, ref):
+            raise ValueError(f"structured_outputs.json: $ref {ref!r} (at {path}) only leads back to itself through "
+                             "other $refs; no value satisfies it")
+
+
+def _refs(node: object, path: str = ""):
+    """(where, ``$ref`` value) for every reference in a schema, depth first."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            yield path or "the root", ref
+        for key, value in node.items():
+            if key not in _VALUE_KEYWORDS:
+                yield from _refs(value, f"{path}.{key}" if path else key)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _refs(value, f"{path}.{i}")
+
+
+def _ref_loop(root: dict, ref: str) -> bool:
+    seen: set[str] = set()
+    while ref not in seen:
+        seen.add(ref)
+        target = _resolve(root, ref)
+        if not (isinstance(target, dict) and isinstance(target.get("$ref"), str)
+                and set(target) - _ANNOTATION_KEYWORDS == {"$ref"}):
+            return False
+        ref = target["$ref"]
+    return True
+
+
+def _resolve(root: dict, ref: str) -> object:
+    """The schema a local JSON-pointer ``$ref`` (``#/$defs/a``) names; None when it names nothing."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None  # an anchor ("#name"): not followed
+    node: object = root
+    for part in ref[2:].split("/"):
+        key = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and key in node:
+            node = node[key]
+        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        else:
+            return None
+    return node
 
 
 def choice_grammar(choices: Sequence[str]) -> str:

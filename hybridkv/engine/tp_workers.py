@@ -182,6 +182,12 @@ class TPWorkers:
                 raise self.fail(f"rank {rank} sent {kind!r}, not {what!r}")
 
     # ---- failure and shutdown ---------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        """No worker has ended and none has failed. Read from the processes' sentinels, so any thread may ask
+        (``/health`` does, while the engine thread steps): nothing is reaped."""
+        return self.failure is None and not wait([p.sentinel for p in self.procs], 0)
+
     def fail(self, reason: str) -> TensorParallelError:
         """Kill every worker and return the error to raise, naming each rank that died or raised first."""
         sentinels = [p.sentinel for p in self.procs]

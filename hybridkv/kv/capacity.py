@@ -26,6 +26,12 @@ def peak_blocks(layout: KVLayout, num_tokens: int, max_step_tokens: int) -> int:
     return sum(g.spec.max_live_blocks(num_tokens, bs, max_step_tokens) for g in layout.groups)
 
 
+def pool_tokens(layout: KVLayout, usable_blocks: int) -> int:
+    """Tokens each layer group holds when every group gets the same share of the pool (full-attention groups: tokens
+    of context across all requests; sliding/chunked groups: of their windows)."""
+    return usable_blocks // len(layout.groups) * layout.block_size
+
+
 def longest_fitting(layout: KVLayout, usable_blocks: int, max_step_tokens: int, upper: int) -> int:
     """Longest request (<= ``upper``) whose peak fits ``usable_blocks``: binary search, the peak is monotone."""
     lo, hi = 0, upper

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from hybridkv.kv.capacity import GIB, longest_fitting, peak_blocks, step_reserve_bytes
+from hybridkv.kv.capacity import GIB, longest_fitting, peak_blocks, pool_tokens, step_reserve_bytes
 from hybridkv.kv.dtypes import dtype_bytes
 from hybridkv.kv.layer_specs import checkpoint_dtype, kv_heads_per_rank, layer_specs_from_hf_config, text_config
 from hybridkv.kv.layout import KVLayout, plan_layout
@@ -153,7 +153,7 @@ def plan_capacity(
         kv_cache_dtype=specs[0].dtype,
         block_size=block_size,
         max_num_batched_tokens=step,
-        types=_type_usage(layout, row_tokens, step),
+        types=type_usage(layout, row_tokens, step),
         row_tokens=row_tokens,
         page_bytes=layout.page_bytes,
         num_groups=len(layout.groups),
@@ -163,7 +163,7 @@ def plan_capacity(
         kv_memory_is_estimate=memory is not None,
         fixed_bytes=layout.fixed_bytes,
         padding_bytes=sum(layout.padding_bytes.values()),
-        pool_tokens=usable // len(layout.groups) * block_size,
+        pool_tokens=pool_tokens(layout, usable),
         max_model_len=longest,
         requested_max_model_len=max_model_len,
         fits=fits,
@@ -229,7 +229,7 @@ def physical_limit(specs: list[AttentionSpec], kv_memory_bytes: int) -> int | No
     return max(0, kv_memory_bytes - fixed) // full
 
 
-def _type_usage(layout: KVLayout, num_tokens: int, max_step_tokens: int) -> list[TypeUsage]:
+def type_usage(layout: KVLayout, num_tokens: int, max_step_tokens: int) -> list[TypeUsage]:
     rows: dict[str, TypeUsage] = {}
     for g in layout.groups:
         spec = g.spec

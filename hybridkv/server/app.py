@@ -141,7 +141,10 @@ def _state(request: Request) -> ServerState:
 # ---- errors ------------------------------------------------------------------------------------------------
 def _add_error_handlers(app: FastAPI) -> None:
     async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param)
+        response = error_response(exc.status, exc.message, exc.param)
+        if exc.status == 408:  # the rest of the body may still come: this connection cannot carry another request
+            response.headers["connection"] = "close"
+        return response
 
     async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
@@ -176,7 +179,7 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
 async def _parse_body(request: Request, model: type[BaseModel]):
     """JSON whatever the content type says (``curl -d`` sends form-encoded), validated into ``model``."""
     limits = _state(request).options.limits
-    raw = await read_body(request, limits.max_body_bytes)
+    raw = await read_body(request, limits)
     if not raw.strip():
         raise APIError(400, "the request body is empty: a JSON object is expected")
     data = parse_json(raw, limits.max_json_depth)
@@ -408,7 +411,7 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 def _chat_choice(state: ServerState, o: CompletionOutput, plan: ToolPlan) -> ChatChoice:
-    content, calls = extract(plan, o.text) if plan.parses else (o.text, [])
+    content, calls = extract(plan, o.text, o.finish_reason == "length") if plan.parses else (o.text, [])
     return ChatChoice(index=o.index, message=ResponseMessage(content=content, tool_calls=calls),
                       logprobs=_chat_logprobs(state, o.logprobs), stop_reason=o.stop_reason,
                       finish_reason=finish_reason(plan, o.finish_reason, bool(calls)))
@@ -442,7 +445,7 @@ async def _chat_chunks(
             delta, reason = DeltaMessage(content=o.delta_text), o.finish_reason
             if tool_streams is not None:
                 tool_stream = tool_streams[o.index]
-                content, calls = tool_stream.feed(o.delta_text, bool(reason))
+                content, calls = tool_stream.feed(o.delta_text, bool(reason), reason == "length")
                 if content is None and not calls and not reason and rows is None:
                     continue
                 delta = DeltaMessage(content=content, tool_calls=calls or None)

@@ -6,11 +6,12 @@ notify it. Engine thread: takes everything queued, adds and aborts, runs one ``s
 sleeps on the condition (waking only to write the periodic log line). All requests in flight share the
 engine's continuous batch, however many clients send them.
 
-A step that raises (a tensor-parallel rank died, a bug) kills the engine for good: every request in flight
-fails with ``EngineDeadError`` (the server answers 503), ``is_alive`` turns False (``/health`` answers 503) and
-``on_dead`` is called, so the server can exit. ``begin_shutdown`` (SIGTERM) fails the requests in flight at once,
-from the event loop, without waiting for the step in flight; ``shutdown`` gives that step a moment, then
-abandons it.
+A step that raises (a tensor-parallel rank died, a bug), or a tensor-parallel worker found dead while idle, kills
+the engine for good: ``is_alive`` is False from the moment a worker process has ended (``/health`` answers 503),
+every request in flight fails with ``EngineDeadError`` (the server answers 503), the workers are stopped, and only
+then is ``on_dead`` called, so the server stops listening (and exits) last. ``begin_shutdown`` (SIGTERM) fails the
+requests in flight at once, from the event loop, without waiting for the step in flight; ``shutdown`` gives that
+step a moment, then abandons it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ log = logging.getLogger("hybridkv.server")
 
 _ACCEPTED = object()  # first item on a request's queue when the engine took it
 SHUTDOWN_GRACE_S = 1.0  # how long shutdown waits for the step in flight (a long CPU prefill is abandoned)
+WORKER_WATCH_S = 1.0  # how often an idle engine thread looks at its tensor-parallel workers
 
 
 class EngineDeadError(RuntimeError):
@@ -139,8 +141,9 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
+        workers = self.engine.workers
         return (self._thread is not None and self._thread.is_alive() and self.failure is None
-                and not self._stopping)
+                and not self._stopping and (workers is None or workers.alive))
 
     def _fail_live(self, error: Exception) -> None:
         for queue in self.live.values():
@@ -192,6 +195,11 @@ class AsyncEngine:
         work = self._take_work()
         if work is None:
             return False
+        workers = self.engine.workers
+        if workers is not None and not workers.alive and workers.failure is None:  # died while idle
+            failure = str(workers.fail(""))
+            self._die(failure, EngineDeadError(f"the engine stopped: {failure}"))
+            return False
         new, aborts = work
         for submission in new:  # adds first: an abort may name a request submitted in the same batch
             self._add(submission)
@@ -209,13 +217,19 @@ class AsyncEngine:
         """Block until there is something to do (or a log line is due); None when shutting down."""
         with self._cond:
             while not (self._new or self._aborts or self._stopping or self.engine.has_unfinished_requests()):
-                if not self._cond.wait(self.metrics.seconds_to_next_log()):
-                    break  # time for the log line
+                if not self._cond.wait(self._idle_wait()):
+                    break  # time for the log line, or to look at the workers
             if self._stopping:
                 return None
             new, self._new = self._new, []
             aborts, self._aborts = self._aborts, []
         return new, aborts
+
+    def _idle_wait(self) -> float | None:
+        wait = self.metrics.seconds_to_next_log()
+        if self.engine.workers is None:
+            return wait
+        return WORKER_WATCH_S if wait is None else min(wait, WORKER_WATCH_S)
 
     def _add(self, sub: _Submission) -> None:
         try:
@@ -242,10 +256,8 @@ class AsyncEngine:
             outputs = self.engine.execute(scheduled)
         except Exception as error:  # noqa: BLE001 - the engine's state is unknown now: it is dead, say so
             log.exception("engine step failed; the engine is dead, failing %d requests", len(self._channels))
-            self.failure = f"an engine step failed: {error}"
-            self._fail_all(EngineDeadError(f"the engine failed while running this request ({error})"))
-            if self.on_dead is not None:
-                self.on_dead()
+            self._die(f"an engine step failed: {error}",
+                      EngineDeadError(f"the engine failed while running this request ({error})"))
             return False
         self.metrics.update_engine_state(self.engine)  # before the outputs: a client that sees one sees this too
         now = time.monotonic()
@@ -258,6 +270,16 @@ class AsyncEngine:
             if out.finished:
                 del self._channels[out.request_id]
         return True
+
+    def _die(self, failure: str, error: EngineDeadError) -> None:
+        """The engine is dead for good: fail every request, stop the workers, then tell the server (which stops
+        listening, so everything slow happens while ``/health`` still answers 503)."""
+        log.error("the engine is dead: %s", failure)
+        self.failure = failure
+        self._fail_all(error)
+        self.engine.shutdown()
+        if self.on_dead is not None:
+            self.on_dead()
 
     def _record(self, channel: _Channel, out: RequestOutput, now: float) -> None:
         total = sum(len(o.token_ids) for o in out.outputs)

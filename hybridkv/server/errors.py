@@ -9,7 +9,8 @@ from fastapi.responses import JSONResponse
 from hybridkv.server.protocol import ErrorInfo, ErrorResponse
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-                404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+                404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError",
+                413: "RequestTooLargeError",
                 422: "UnprocessableEntityError", 499: "ClientDisconnectedError", 500: "InternalServerError",
                 503: "ServiceUnavailableError"}
 _FIELD_PREFIX = re.compile(r"^(\w+)(?::| must| requires| is )")

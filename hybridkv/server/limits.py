@@ -1,13 +1,17 @@
 """What a client may send, checked before the work it would cost: body size, JSON nesting, context length.
 
 A body is refused with 413 from its ``Content-Length`` before a byte is read, or as soon as a chunked body grows
-past the limit; JSON nested deeper than the limit is refused before the decoder recurses into it (a body of
-100,000 nested arrays would otherwise raise RecursionError); NaN and Infinity (which Python's decoder accepts)
-are refused as the JSON standard does.
+past the limit; a body that has not all arrived within ``body_read_timeout_s`` (a ``Content-Length`` larger than
+what is sent, a client that stalls) gets 408 and the connection is closed; JSON nested deeper than the limit is
+refused before the decoder recurses into it (a body of 100,000 nested arrays would otherwise raise RecursionError);
+NaN and Infinity (which Python's decoder accepts) are refused as the JSON standard does, and so are strings that
+are not Unicode (an escaped unpaired surrogate such as ``"\\ud800"``, which Python's decoder turns into a str that
+no tokenizer or UTF-8 encoder takes).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from dataclasses import dataclass
@@ -19,8 +23,13 @@ from hybridkv.server.errors import APIError
 
 DEFAULT_MAX_BODY_BYTES = 100 << 20  # a 10M-token prompt sent as token ids is about 70 MB of JSON
 DEFAULT_MAX_JSON_DEPTH = 128  # a request is 4 levels deep; a JSON schema inside one rarely passes 20
+DEFAULT_BODY_READ_TIMEOUT_S = 30.0  # the whole body: 100 MiB at 30 MB/s, any chat request over a slow link
 # A JSON string (escapes included), written so the regex engine loops over plain characters without backtracking.
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# Only a body with a \uD800-\uDFFF escape, or those code points' (invalid) UTF-8 bytes, which json.loads decodes
+# with "surrogatepass", can decode to an unpaired surrogate.
+_SURROGATE_BYTES = re.compile(rb"\\u[dD][89abcdefABCDEF]|\xed[\xa0-\xbf]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _OPENERS = np.frombuffer(b"[{", np.uint8)
 _CLOSERS = np.frombuffer(b"]}", np.uint8)
 
@@ -29,20 +38,34 @@ _CLOSERS = np.frombuffer(b"]}", np.uint8)
 class RequestLimits:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
+    body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The whole body, or 413 as soon as it is known to be longer than ``max_bytes``."""
+async def read_body(request: Request, limits: RequestLimits) -> bytes:
+    """The whole body; 413 as soon as it is known to be longer than ``limits.max_body_bytes``, 408 when it has not
+    all arrived within ``limits.body_read_timeout_s``."""
+    max_bytes = limits.max_body_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(f"is {int(declared):,} bytes", max_bytes)
-    chunks, size = [], 0
+    chunks: list[bytes] = []
+    try:
+        await asyncio.wait_for(_read_chunks(request, max_bytes, chunks), limits.body_read_timeout_s)
+    except asyncio.TimeoutError:
+        got = sum(map(len, chunks))
+        expected = f" of the {int(declared):,} its Content-Length announced" if declared.isdigit() else ""
+        raise APIError(408, f"the request body did not arrive within {limits.body_read_timeout_s:g} s ({got:,} "
+                            f"bytes{expected}; the server's --request-body-timeout-s)") from None
+    return b"".join(chunks)
+
+
+async def _read_chunks(request: Request, max_bytes: int, chunks: list[bytes]) -> None:
+    size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > max_bytes:
             raise _too_large(f"is longer than that (over {size:,} bytes read)", max_bytes)
         chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _too_large(what: str, max_bytes: int) -> APIError:
@@ -58,16 +81,42 @@ def json_depth(raw: bytes) -> int:
 
 
 def parse_json(raw: bytes, max_depth: int):
-    """The decoded body; APIError 400 for malformed JSON, nesting deeper than ``max_depth``, NaN or Infinity."""
+    """The decoded body; APIError 400 for malformed JSON, nesting deeper than ``max_depth``, NaN or Infinity, or a
+    string (or key) holding an unpaired surrogate."""
     if raw.count(b"[") + raw.count(b"{") > max_depth:  # cheap: only such bodies can nest that deep
         depth = json_depth(raw)
         if depth > max_depth:
             raise APIError(400, f"the request body nests JSON arrays and objects {depth:,} levels deep; "
                                 f"at most {max_depth} are accepted")
     try:
-        return json.loads(raw, parse_constant=_refuse_constant)
+        data = json.loads(raw, parse_constant=_refuse_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise APIError(400, f"malformed JSON in the request body: {error}") from None
+    if _SURROGATE_BYTES.search(raw) or json.detect_encoding(raw) != "utf-8":
+        bad = unpaired_surrogate(data)
+        if bad is not None:
+            path, char = bad
+            raise APIError(400, f"{path or 'request body'}: not valid Unicode: the string holds an unpaired "
+                                f"surrogate (\\u{ord(char):04x}); send UTF-8 text, or escape characters outside "
+                                "the BMP as a surrogate pair", path.split(".")[0] or None)
+    return data
+
+
+def unpaired_surrogate(data, path: str = "") -> tuple[str, str] | None:
+    """(path of the first string or key holding an unpaired surrogate, that surrogate), or None. The decoder has
+    already joined every escaped pair into one character, so any surrogate left is unpaired."""
+    if isinstance(data, str):
+        found = _SURROGATE.search(data)
+        return None if found is None else (path, found.group())
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        # the path goes into the error message, which must itself be valid Unicode
+        name = key.encode("utf-8", "backslashreplace").decode() if isinstance(key, str) else str(key)
+        where = f"{path}.{name}" if path else name
+        found = (unpaired_surrogate(key, where) if isinstance(key, str) else None) or unpaired_surrogate(value, where)
+        if found is not None:
+            return found
+    return None
 
 
 def _refuse_constant(name: str):

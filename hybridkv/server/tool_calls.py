@@ -16,6 +16,9 @@ Parsers (``--tool-call-parser``):
 
 Streaming sends content as it comes and each tool call as one delta (id, name, complete arguments) as soon as its
 JSON is complete; a named function's arguments stream piece by piece.
+
+A call cut by ``max_tokens`` (finish reason ``length``) still comes back as a tool call once its name is complete,
+with the arguments text written so far (vLLM streams such partial arguments too); before that it is content.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ from hybridkv.server.protocol import (
 _PYTHON_TAG = "<|python_tag|>"
 _TOOL_CALL_OPEN = "<tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+# The start of a call whose JSON was cut: its complete name, then (maybe) the start of its arguments.
+_CUT_CALL_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")', re.DOTALL)
+_CUT_CALL_ARGUMENTS = re.compile(r'\s*,\s*"(?:parameters|arguments)"\s*:\s*', re.DOTALL)
 _DECODER = json.JSONDecoder()
 
 
@@ -66,21 +72,43 @@ def _call_from(obj: Any) -> ParsedCall | None:
 def json_calls(text: str) -> tuple[list[ParsedCall], bool]:
     """The calls in a run of JSON objects (``<|python_tag|>``, ``[``, ``]``, ``,``, ``;`` and space between them),
     as far as they are complete; and whether all of ``text`` was such a run (False: not tool calls)."""
+    calls, end = _scan_calls(text)
+    return calls, end == len(text)
+
+
+def _scan_calls(text: str) -> tuple[list[ParsedCall], int]:
+    """The complete calls at the start of ``text``, and where the first thing that is not one begins."""
     calls: list[ParsedCall] = []
     pos = text.find(_PYTHON_TAG) + len(_PYTHON_TAG) if text.lstrip().startswith(_PYTHON_TAG) else 0
     while True:
         while pos < len(text) and text[pos] in " \t\r\n[],;":
             pos += 1
         if pos == len(text):
-            return calls, True
+            return calls, pos
         try:
-            obj, pos = _DECODER.raw_decode(text, pos)
+            obj, end = _DECODER.raw_decode(text, pos)
         except ValueError:
-            return calls, False
+            return calls, pos
         call = _call_from(obj)
         if call is None:
-            return calls, False
+            return calls, pos
         calls.append(call)
+        pos = end
+
+
+def cut_json_calls(text: str) -> list[ParsedCall]:
+    """The calls in output cut by ``max_tokens``: the complete ones, then the cut one if its name is complete
+    (its arguments: the text written after ``"arguments":`` / ``"parameters":``, possibly none)."""
+    calls, pos = _scan_calls(text)
+    name = _CUT_CALL_NAME.match(text, pos)
+    if name is None:
+        return calls
+    try:
+        function = json.loads(name.group(1))
+    except ValueError:  # an escape JSON does not have
+        return calls
+    rest = _CUT_CALL_ARGUMENTS.match(text, name.end())
+    return [*calls, ParsedCall(function, text[rest.end():] if rest else "")]
 
 
 class Llama3JsonParser:
@@ -99,6 +127,9 @@ class Llama3JsonParser:
 
     def calls(self, region: str) -> tuple[list[ParsedCall], bool]:
         return json_calls(region)
+
+    def cut_calls(self, region: str) -> list[ParsedCall]:
+        return cut_json_calls(region)
 
 
 class HermesParser:
@@ -124,6 +155,15 @@ class HermesParser:
                 return calls, False
             calls.extend(found)
         return calls, True
+
+    def cut_calls(self, region: str) -> list[ParsedCall]:
+        """The complete blocks' calls, then those of the block ``max_tokens`` cut (see ``cut_json_calls``)."""
+        calls, complete = self.calls(region)
+        if not complete:
+            return []
+        last = max((m.end() for m in _HERMES_BLOCK.finditer(region)), default=0)
+        opened = region.find(_TOOL_CALL_OPEN, last)
+        return calls if opened < 0 else calls + cut_json_calls(region[opened + len(_TOOL_CALL_OPEN):])
 
 
 TOOL_CALL_PARSERS = {"llama3_json": Llama3JsonParser, "llama4_json": Llama3JsonParser, "hermes": HermesParser}
@@ -164,6 +204,13 @@ class ToolPlan:
     @property
     def parses(self) -> bool:
         return self.mode in ("auto", "required", "named")
+
+    def region_calls(self, region: str, cut: bool) -> tuple[list[ParsedCall], bool]:
+        """The calls in the tool-call part of the output (``required`` and ``auto``), and whether all of it was
+        calls; ``cut``: the output ended at ``max_tokens``, so a call may be unfinished."""
+        if cut:
+            return (cut_json_calls(region) if self.mode == "required" else self.parser.cut_calls(region)), True
+        return json_calls(region) if self.mode == "required" else self.parser.calls(region)
 
 
 def plan_tools(body: ChatCompletionRequest, config: ToolConfig, template_renders_tools: bool) -> ToolPlan:
@@ -240,19 +287,16 @@ def _choice_name(choice: Any) -> str:
 
 
 # ---- turning output into tool calls -----------------------------------------------------------------------
-def extract(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
-    """The final message's content and tool calls (text that does not parse stays content)."""
+def extract(plan: ToolPlan, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+    """The final message's content and tool calls (text that does not parse stays content); ``cut``: the output
+    ended at ``max_tokens``."""
     if plan.mode == "named":
         return None, [ParsedCall(plan.named, text).tool_call()]
-    if plan.mode == "required":
-        calls, complete = json_calls(text)
-        return (None, [c.tool_call() for c in calls]) if complete and calls else (text, [])
-    if plan.mode == "auto":
-        start = plan.parser.region_start(text)
-        if start is not None:
-            calls, complete = plan.parser.calls(text[start:])
-            if complete and calls:
-                return text[:start] or None, [c.tool_call() for c in calls]
+    start = 0 if plan.mode == "required" else plan.parser.region_start(text) if plan.mode == "auto" else None
+    if start is not None:
+        calls, complete = plan.region_calls(text[start:], cut)
+        if complete and calls:
+            return text[:start] or None, [c.tool_call() for c in calls]
     return text, []
 
 
@@ -267,8 +311,9 @@ class ToolCallStream:
     calls_sent: int = 0
     ids: list[str] = field(default_factory=list)
 
-    def feed(self, delta: str, finished: bool) -> tuple[str | None, list[DeltaToolCall]]:
-        """Content to send now (None: nothing) and tool-call deltas, after ``delta`` was appended."""
+    def feed(self, delta: str, finished: bool, cut: bool = False) -> tuple[str | None, list[DeltaToolCall]]:
+        """Content to send now (None: nothing) and tool-call deltas, after ``delta`` was appended; ``cut``: the
+        output ended at ``max_tokens`` (an unfinished call goes out with the arguments written so far)."""
         self.text += delta
         if self.plan.mode == "named":
             return None, self._named_delta(delta)
@@ -279,9 +324,7 @@ class ToolCallStream:
         if self.region is None:
             end = len(self.text) if finished else self.plan.parser.content_end(self.text)
             return self._content(end), []
-        region_text = self.text[self.region:]
-        calls, complete = (json_calls(region_text) if self.plan.mode == "required"
-                           else self.plan.parser.calls(region_text))
+        calls, complete = self.plan.region_calls(self.text[self.region:], finished and cut)
         if finished and self.calls_sent == 0 and not (complete and calls):
             return self._content(len(self.text)), []  # not tool calls after all: the rest is content
         return self._content(self.region), [self._call_delta(call) for call in calls[self.calls_sent:]]

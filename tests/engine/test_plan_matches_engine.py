@@ -46,7 +46,7 @@ def test_scout_tp8_engine_sizing_equals_the_plan(kv_dtype, kv_gib, block, step):
                           max_num_batched_tokens=step)
     kv_bytes = int(kv_gib * GIB)
     layout = rank_layout(hf_config, 8, kv_dtype, block)  # as LLMEngine.__init__ builds it
-    num_blocks, max_model_len = size_kv_cache(config, hf_config, layout, kv_bytes)
+    num_blocks, max_model_len, _ = size_kv_cache(config, hf_config, layout, kv_bytes)
     plan = plan_for(hf_config, config, kv_bytes)
     assert (num_blocks, layout.page_bytes, len(layout.groups)) == (plan.num_blocks, plan.page_bytes, plan.num_groups)
     assert max_model_len == engine_default_len(plan)

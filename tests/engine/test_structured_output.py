@@ -11,6 +11,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridkv import LLM, SamplingParams, StructuredOutputsParams
 from hybridkv.engine.sampler import Sampler
@@ -112,6 +114,46 @@ def test_sampler_applies_the_bitmask_before_sampling_and_logprobs(structured, to
     assert out.token_ids[1] == int(logits[1].argmax())  # the free row is untouched
 
 
+SELF_REF = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+
+
+LOOP_DEEP = {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "required": ["a"],
+             "$defs": {"x": {"$ref": "#/$defs/y", "description": "x"}, "y": {"$ref": "#/$defs/x"}}}
+
+
+@pytest.mark.parametrize("params, needle", [
+    (StructuredOutputsParams(json=SELF_REF),
+     "structured_outputs.json: $ref '#/$defs/a' (at the root) only leads back to itself through other $refs"),
+    (StructuredOutputsParams(json=LOOP_DEEP),  # its first token, "{", is fine: found from the schema alone
+     "structured_outputs.json: $ref '#/$defs/x' (at properties.a) only leads back to itself"),
+    (StructuredOutputsParams(json={"allOf": [{"$ref": "#/$defs/a"}], "$defs": {"a": {"$ref": "#"}}}),
+     "structured_outputs.json: no output satisfies it: not even a first token is allowed"),
+    (StructuredOutputsParams(regex="[^\\s\\S]"), "structured_outputs.regex: no output satisfies it"),
+    (StructuredOutputsParams(json={"$ref": "http://example.com/s.json"}),
+     "structured_outputs.json: $ref 'http://example.com/s.json' (at the root) is not a reference inside the schema"),
+    (StructuredOutputsParams(json={"type": "object", "properties": {"a": {"items": [{"$ref": "other.json#/x"}]}}}),
+     "structured_outputs.json: $ref 'other.json#/x' (at properties.a.items.0) is not a reference inside"),
+])
+def test_unsatisfiable_schemas_and_external_refs_are_refused_at_compile_time(structured, params, needle):
+    with pytest.raises(ValueError) as info:
+        structured.compile(params)
+    assert str(info.value).startswith(needle)
+
+
+def test_local_refs_and_ref_shaped_data_still_compile(structured):
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+            "required": ["kids"]}
+    structured.compile(StructuredOutputsParams(json=tree))  # recursion with a way out is fine
+    structured.compile(StructuredOutputsParams(json={"const": {"$ref": "http://example.com"}}))  # data, not a ref
+
+
+def test_json_mode_allows_only_an_object_to_start(structured, tokenizer):
+    mask = structured.bitmask([structured.matcher(StructuredOutputsParams(json_object=True))])
+    allowed = _allowed(mask, tokenizer.vocab_size)[0].nonzero().flatten().tolist()
+    starts = {tokenizer.decode([t], skip_special_tokens=False).lstrip()[:1] for t in allowed}
+    assert starts == {"{"}, starts  # never "[", a digit or a quote
+
+
 def _allowed(mask: torch.Tensor, vocab: int) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32)
     return ((mask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
@@ -154,6 +196,21 @@ def test_sampled_choices_each_follow_the_schema(llm):
     for o in out.outputs:
         assert o.finish_reason == "stop", o.text
         jsonschema.validate(json.loads(o.text), PERSON)
+
+
+@settings(max_examples=3, deadline=None, derandomize=True, database=None)
+@given(seed=st.integers(0, 2**32 - 1), temperature=st.floats(0.0, 1.5))
+def test_json_mode_returns_an_object_whatever_the_seed_and_temperature(llm, seed, temperature):
+    params = SamplingParams(n=2, seed=seed, temperature=temperature, max_tokens=24,
+                            structured_outputs=StructuredOutputsParams(json_object=True))
+    # unconstrained by an object schema, this prompt gets numbers and arrays ("[1, 2, 3]", "24.13")
+    out = llm.generate("The first five prime numbers, as a JSON array: ", params, use_tqdm=False)[0]
+    for o in out.outputs:
+        assert o.text.lstrip().startswith("{"), o.text
+        if o.finish_reason == "stop":
+            assert isinstance(json.loads(o.text), dict), o.text
+        else:
+            assert o.finish_reason == "length" and len(o.token_ids) == 24
 
 
 def test_a_bad_spec_is_refused_before_anything_is_queued(llm):

@@ -89,10 +89,14 @@ def test_serve_flags(monkeypatch):
     options = server_options_from_args(parse([
         "serve", "--api-key", "a", "--api-key", "b", "--allowed-origins", '["https://x"]',
         "--allowed-methods", '["GET", "POST"]', "--allowed-headers", '["Authorization"]', "--allow-credentials",
-        "--max-request-body-bytes", "1000"]))
+        "--max-request-body-bytes", "1000", "--request-body-timeout-s", "2.5"]))
     assert options.api_keys == ["a", "b"]  # the flag wins over the environment
     assert (options.allowed_origins, options.allowed_methods, options.allowed_headers) == (
         ["https://x"], ["GET", "POST"], ["Authorization"])
     assert options.allow_credentials and options.limits.max_body_bytes == 1000
+    assert options.limits.body_read_timeout_s == 2.5
+    assert server_options_from_args(parse(["serve"])).limits.body_read_timeout_s == 30.0
+    with pytest.raises(ValueError, match="--request-body-timeout-s must be > 0, got 0.0"):
+        server_options_from_args(parse(["serve", "--request-body-timeout-s", "0"]))
     with pytest.raises(SystemExit):
         parse(["serve", "--allowed-origins", "https://x"])  # not a JSON list

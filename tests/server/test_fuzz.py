@@ -1,30 +1,52 @@
 """Hypothesis-generated requests (plausible values, edge values and arbitrary JSON in every field of both
-endpoints): every answer is a 2xx or a 4xx, and the server is healthy and holds no request or KV block after.
+endpoints; strings with unpaired surrogates and NUL characters; raw bodies with NUL bytes and Content-Lengths that
+lie): every answer is a 2xx or a 4xx, and the server is healthy and holds no request or KV block after.
 
 Derandomized, so CI runs the same examples every time."""
 
 from __future__ import annotations
 
 import json
+import socket
+import threading
+import time
 
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybridkv.engine.llm_engine import EngineConfig
 from hybridkv.server.app import build_app
+from hybridkv.server.limits import RequestLimits
+from hybridkv.server.options import ServerOptions
 
 MAX_MODEL_LEN = 96
+BODY_TIMEOUT_S = 0.3  # a body that lies about its length waits this long for the rest, then gets 408
+
+
+ODD = st.sampled_from(["\x00", "\ud800", "\udfff", "\ud83d\ude00", "\ude00\ud83d"]) | st.characters(
+    categories=["Cs"])
+# text holding at least one lone surrogate (which json.dumps escapes as \\udXXX), a NUL or a surrogate pair
+odd_strings = st.tuples(st.text(max_size=6), ODD, st.text(max_size=6)).map("".join)
+
+
+def odd_text(max_size: int) -> st.SearchStrategy:
+    """Text that is sometimes not Unicode or holds NULs."""
+    plain = st.text(max_size=max_size)
+    return st.sampled_from([plain] * 3 + [st.lists(ODD | st.characters(), max_size=max_size).map("".join)]).flatmap(
+        lambda strategy: strategy)
+
 
 scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | \
-    st.text(max_size=12)
-any_json = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6),
+    odd_text(12)
+any_json = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(odd_text(6),
                                                                                               inner, max_size=3),
                         max_leaves=6)
 edge_ints = st.sampled_from([0, -1, 2**31, 2**63, -(2**63) - 1, 2**64, 10**30])
 token_ids = st.lists(st.integers(0, 49_151) | st.sampled_from([-1, 49_152, 10**12]), max_size=8)
-text = st.text(max_size=40)
+text = odd_text(40)
 few_tokens = st.integers(1, 6) | edge_ints  # generations stay short: the fuzzing is about input, not output
 
 
@@ -35,7 +57,7 @@ def mostly(valid: st.SearchStrategy, edge: st.SearchStrategy) -> st.SearchStrate
 
 # plausible values for every field the endpoints read or refuse, edge values included
 SAMPLING = {
-    "model": mostly(st.just("smollm2-135m-instruct"), st.sampled_from(["gpt-4", ""])),
+    "model": mostly(st.just("smollm2-135m-instruct"), st.sampled_from(["gpt-4", ""]) | odd_text(8)),
     "n": mostly(st.integers(1, 2), edge_ints | st.just(3)),
     "best_of": mostly(st.none(), st.integers(0, 3)),
     "temperature": mostly(st.floats(0, 2), st.floats(-1, 3) | st.sampled_from([1e-9, 1e308])),
@@ -90,10 +112,27 @@ def one_field_anything(path: str) -> st.SearchStrategy:
     return st.tuples(plausible(path), st.sampled_from(names), any_json).map(lambda t: {**t[0], t[1]: t[2]})
 
 
+# a small valid body with an odd string where a client's text goes: these reach the tokenizer unless refused
+ODD_PLACES = {
+    "/v1/completions": lambda t: [{"prompt": t}, {"prompt": [t]}, {"prompt": "hi", "model": t},
+                                  {"prompt": "hi", "stop": [t]}, {"prompt": "hi", t: 1}],
+    "/v1/chat/completions": lambda t: [{"messages": [{"role": "user", "content": t}]},
+                                       {"messages": [{"role": "user", "content": [{"type": "text", "text": t}]}]},
+                                       {"messages": [{"role": "user", "content": "hi", "name": t}]},
+                                       {"messages": [{"role": "user", "content": "hi"}], "model": t}],
+}
+
+
+def odd_string_body(path: str) -> st.SearchStrategy:
+    return st.tuples(odd_strings, st.integers(0, 4)).map(
+        lambda t: {**(places := ODD_PLACES[path](t[0]))[t[1] % len(places)], "max_tokens": 2})
+
+
 PATHS = sorted(REQUIRED)
 requests = st.one_of(
     *(st.tuples(st.just(path), plausible(path)) for path in PATHS),
     *(st.tuples(st.just(path), one_field_anything(path)) for path in PATHS),
+    *(st.tuples(st.just(path), odd_string_body(path)) for path in PATHS),
     st.tuples(st.sampled_from(PATHS), any_json),
 )
 
@@ -101,8 +140,38 @@ requests = st.one_of(
 @pytest.fixture(scope="module")
 def client():
     config = EngineConfig(max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=32 << 20, max_num_seqs=2)
-    with TestClient(build_app(config)) as c:
+    options = ServerOptions(limits=RequestLimits(max_body_bytes=1 << 20, body_read_timeout_s=BODY_TIMEOUT_S))
+    with TestClient(build_app(config, options=options)) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def port(client):
+    """The same app, engine and all, on a real socket too (its lifespan already runs under ``client``): raw
+    bytes and Content-Lengths that lie, which no HTTP client library sends."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(client.app, lifespan="off", log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    yield sock.getsockname()[1]
+    server.should_exit = True
+    thread.join(30)
+    sock.close()
+
+
+def exchange(port: int, raw: bytes) -> tuple[int, bytes]:
+    """Send ``raw`` on a fresh connection; the status and the response, read until the server closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(raw)
+        response = b""
+        while chunk := s.recv(1 << 16):
+            response += chunk
+    return int(response.split(b" ", 2)[1]), response
 
 
 @settings(max_examples=200, deadline=None, derandomize=True, database=None,
@@ -117,6 +186,56 @@ def test_no_request_gets_a_5xx(client, request):
         assert error["code"] == r.status_code and error["message"]
     elif r.headers["content-type"].startswith("text/event-stream"):
         assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text, r.text
+
+
+def raw_request(path: str, body: bytes, length: int | str) -> bytes:
+    head = (f"POST {path} HTTP/1.1\r\nhost: fuzz\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            f"content-length: {length}\r\n\r\n")
+    return head.encode() + body
+
+
+def with_nul_bytes(body: bytes, at: list[int]) -> bytes:
+    for i in sorted(at, reverse=True):
+        body = body[: i % (len(body) + 1)] + b"\x00" + body[i % (len(body) + 1):]
+    return body
+
+
+raw_bodies = st.tuples(
+    requests,
+    st.booleans(),  # strings escaped to ASCII, or raw UTF-8 bytes (a lone surrogate as its invalid 3 bytes)
+    st.lists(st.integers(0, 10**6), max_size=2),  # where raw NUL bytes go
+    st.sampled_from(["true", "true", "more", "less", "huge", "junk"]),  # what Content-Length says
+    st.integers(1, 64),
+)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=raw_bodies)
+def test_raw_bodies_and_lying_content_lengths_get_a_2xx_or_4xx(port, case):
+    (path, body), escaped, nuls, length_kind, delta = case
+    raw = with_nul_bytes(json.dumps(body, ensure_ascii=escaped).encode("utf-8", "surrogatepass"), nuls)
+    length = {"true": len(raw), "more": len(raw) + delta, "less": max(0, len(raw) - delta), "huge": 10**12,
+              "junk": "12abc"}[length_kind]
+    status, response = exchange(port, raw_request(path, raw, length))
+    assert 200 <= status < 500, response
+    if length_kind == "more":
+        assert status == 408 and b"did not arrive within 0.3 s" in response, response
+    if length_kind == "huge":
+        assert status == 413, response
+
+
+def test_a_body_shorter_than_its_content_length_gets_408_and_a_closed_connection(port):
+    body = b'{"prompt": "hi", "max_tokens": 2}'
+    start = time.monotonic()
+    status, response = exchange(port, raw_request("/v1/completions", body, len(body) + 10))
+    assert time.monotonic() - start < 20  # bounded; exchange() itself only returns once the server closed
+    assert status == 408 and b"connection: close" in response.lower()
+    error = json.loads(response.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error == {"message": f"the request body did not arrive within 0.3 s ({len(body)} bytes of the "
+                                f"{len(body) + 10} its Content-Length announced; the server's "
+                                "--request-body-timeout-s)", "type": "RequestTimeoutError", "param": None,
+                     "code": 408}
 
 
 def test_the_server_is_healthy_and_empty_after_the_fuzzing(client):

@@ -4,6 +4,7 @@ One server (SmolLM2-135M-Instruct, max_model_len 512, max_num_seqs 8, a 1 MiB bo
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
@@ -83,6 +84,45 @@ def test_nan_and_infinity_are_not_json(server):
     for constant in ("NaN", "Infinity", "-Infinity"):
         body = f'{{"prompt": "hi", "temperature": {constant}}}'
         assert "is not a JSON number" in error_of(post(server, COMPLETIONS, body), 400)["message"]
+
+
+# ---- strings that are not Unicode, NUL bytes ----------------------------------------------------------------
+@pytest.mark.parametrize("path, body, where", [
+    (CHAT, rb'{"messages": [{"role": "user", "content": "a\ud800b"}], "max_tokens": 2}', "messages.0.content"),
+    (CHAT, rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}',
+     "messages.0.content.0.text"),
+    (COMPLETIONS, rb'{"prompt": "a\ud800b", "max_tokens": 2}', "prompt"),
+    (COMPLETIONS, b'{"prompt": "a\xed\xa0\x80b", "max_tokens": 2}', "prompt"),  # its UTF-8-style bytes, unescaped
+    (COMPLETIONS, rb'{"prompt": ["ok", "x\udc00"], "max_tokens": 2}', "prompt.1"),
+    (COMPLETIONS, rb'{"prompt": "hi", "model": "\ud800"}', "model"),
+    ("/tokenize", rb'{"prompt": "a\ud800b"}', "prompt"),
+    (COMPLETIONS, rb'{"prompt": "hi", "stop": ["\ude00\ud83d"]}', "stop.0"),  # a pair in the wrong order
+    (CHAT, rb'{"messages": [{"role": "user", "content": "hi"}], "\ud800key": 1}', "\\ud800key"),
+])
+def test_an_unpaired_surrogate_anywhere_is_a_400_naming_where(server, path, body, where):
+    before = server.metrics()["hybridkv:prompt_tokens_total"]
+    error = error_of(post(server, path, body), 400)
+    assert error["message"].startswith(f"{where}: not valid Unicode: the string holds an unpaired surrogate"), error
+    assert server.metrics()["hybridkv:prompt_tokens_total"] == before  # refused before tokenizing
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_surrogate_pairs_and_nul_characters_are_ordinary_text(server):
+    emoji = post(server, CHAT, rb'{"messages": [{"role": "user", "content": "\ud83d\ude00 a\u0000b"}], '
+                               rb'"max_tokens": 2, "stop": ["\u0000"]}')
+    assert emoji.status_code == 200, emoji.text
+    prompt = post(server, COMPLETIONS, rb'{"prompt": "a\u0000b\u0000", "max_tokens": 2}')
+    assert prompt.status_code == 200, prompt.text
+    assert prompt.json()["usage"]["prompt_tokens"] == len(server.tokenizer.encode("a\0b\0"))
+    raw_nul = post(server, COMPLETIONS, b'{"prompt": "a\x00b", "max_tokens": 2}')  # unescaped: not JSON
+    assert "malformed JSON" in error_of(raw_nul, 400)["message"]
+
+
+@pytest.mark.parametrize("model", [r"x\u0000y", r"\u00e9\ud83d\udca5", r"`}{%s\\n\"", r"\u202e\ufeff"])
+def test_the_404_for_an_unknown_model_survives_odd_characters(server, model):
+    body = f'{{"prompt": "hi", "max_tokens": 1, "model": "{model}"}}'.encode()
+    error = error_of(post(server, COMPLETIONS, body), 404)
+    assert error["param"] == "model" and json.loads(f'"{model}"') in error["message"]
 
 
 # ---- lengths -----------------------------------------------------------------------------------------------

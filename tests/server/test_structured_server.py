@@ -65,6 +65,40 @@ def test_json_mode(server):
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
+def test_langchain_json_mode_returns_the_object(server):
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Cat(BaseModel):
+        name: str
+        age: int
+
+    llm = ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key="none", temperature=0, max_tokens=60,
+                     max_retries=0, timeout=TIMEOUT)
+    cat = llm.with_structured_output(Cat, method="json_mode").invoke(
+        'Describe a cat as a JSON object with exactly two keys: "name" (a string) and "age" (an integer).')
+    assert isinstance(cat, Cat) and cat.name, cat
+
+
+def test_unsatisfiable_schema_and_external_ref_are_a_400_before_queueing(server):
+    client = server.client()
+    before = server.metrics()["hybridkv:prompt_tokens_total"]
+    cases = {
+        "only leads back to itself through other $refs; no value satisfies it":
+            {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
+        "$ref 'http://example.com/cat.json' (at properties.cat) is not a reference inside the schema":
+            {"type": "object", "properties": {"cat": {"$ref": "http://example.com/cat.json"}}},
+    }
+    for needle, schema in cases.items():
+        fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, response_format=fmt, max_tokens=5)
+        assert needle in info.value.body["message"], info.value.body
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=MODEL, prompt="x", max_tokens=5, extra_body={"response_format": fmt})
+    assert server.metrics()["hybridkv:prompt_tokens_total"] == before  # refused before the engine saw them
+
+
 def test_json_schema_strict_chat_stream_and_non_stream(server):
     client = server.client()
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
@@ -191,6 +225,37 @@ def test_tool_choice_required(server):
     assert list(calls.values()) == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
 
 
+def _streamed_calls(client: openai.OpenAI, **kw) -> tuple[list[tuple[str, str]], str | None, str]:
+    """(name, arguments) per call as the deltas build them up, the finish reason, and the content."""
+    calls: dict[int, list[str]] = {}
+    finish, content = None, ""
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, **kw):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for d in delta.tool_calls or []:
+            name, arguments = calls.setdefault(d.index, ["", ""])
+            calls[d.index] = [name + (d.function.name or ""), arguments + (d.function.arguments or "")]
+        finish = chunk.choices[0].finish_reason or finish
+    return [tuple(c) for c in calls.values()], finish, content
+
+
+@pytest.mark.parametrize("tool_choice, max_tokens", [
+    ("required", 24), ({"type": "function", "function": {"name": "get_weather"}}, 8)])
+def test_a_tool_call_cut_by_max_tokens_is_still_a_tool_call(server, tool_choice, max_tokens):
+    client = server.client()
+    kw = dict(messages=ASK_WEATHER, tools=TOOLS, tool_choice=tool_choice, temperature=0)
+    whole = client.chat.completions.create(model=MODEL, max_tokens=80, **kw).choices[0].message.tool_calls[0]
+    cut = client.chat.completions.create(model=MODEL, max_tokens=max_tokens, **kw).choices[0]
+    assert cut.finish_reason == "length" and cut.message.content is None
+    [call] = cut.message.tool_calls
+    assert call.function.name == whole.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
+    assert 0 < len(call.function.arguments) < len(whole.function.arguments), (call, whole)
+    squeeze = lambda text: "".join(text.split())  # noqa: E731  complete arguments are re-serialized JSON
+    assert squeeze(whole.function.arguments).startswith(squeeze(call.function.arguments)), (call, whole)
+    streamed = _streamed_calls(client, max_tokens=max_tokens, **kw)
+    assert streamed == ([(call.function.name, call.function.arguments)], "length", "")
+
+
 def test_named_function(server):
     client = server.client()
     named = {"type": "function", "function": {"name": "add"}}
@@ -269,6 +334,22 @@ def test_auto_parses_tool_calls_from_the_output(make_serve):
         finish = chunk.choices[0].finish_reason or finish
     assert (content, finish) == ("I will check. ", "tool_calls")
     assert calls == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+
+
+def test_auto_tool_call_cut_by_max_tokens_is_still_a_tool_call(make_serve):
+    client = make_serve.client()
+    kw = dict(messages=ASK_WEATHER, tools=TOOLS, temperature=0, extra_body={"structured_outputs": {"regex": CALL_REGEX}})
+    cut = client.chat.completions.create(model=MODEL, max_tokens=30, **kw).choices[0]
+    assert cut.finish_reason == "length" and cut.message.content == "I will check. "
+    [call] = cut.message.tool_calls
+    assert call.function.name == "get_weather" and '"city": "' in call.function.arguments
+    assert not call.function.arguments.endswith("}}")  # cut: the arguments are unfinished
+    assert _streamed_calls(client, max_tokens=30, **kw) == (
+        [("get_weather", call.function.arguments)], "length", "I will check. ")
+    # cut before the name is complete: the text stays content
+    early = client.chat.completions.create(model=MODEL, max_tokens=15, **kw).choices[0]
+    assert early.finish_reason == "length" and not early.message.tool_calls
+    assert early.message.content.startswith("I will check. <tool_call>")
 
 
 def test_auto_without_a_call_is_plain_content(make_serve):

@@ -85,6 +85,55 @@ def test_streaming_a_character_at_a_time_gives_the_same_message(case):
     assert stream.called == bool(calls)
 
 
+# cut by max_tokens: text, mode (parser for auto), content, [(name, arguments text)]
+CUT = {
+    "required, second call cut": (
+        '[{"name": "add", "parameters": {"a": 1, "b": 2}}, {"name": "get_weather", "parameters": {"city": "Pa',
+        "required", None, [("add", '{"a": 1, "b": 2}'), ("get_weather", '{"city": "Pa')]),
+    "required, name just complete": ('[{"name": "add"', "required", None, [("add", "")]),
+    "required, arguments just opened": ('[{"name": "add", "parameters": ', "required", None, [("add", "")]),
+    "required, name cut": ('[{"name": "get_wea', "required", '[{"name": "get_wea', []),
+    "hermes, call cut": ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Ro',
+                         "hermes", "Let me check. ", [("get_weather", '{"city": "Ro')]),
+    "smollm2 list, second call cut": (
+        '<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_weather", "arguments": {"ci',
+        "hermes", None, [("add", '{"a": 1, "b": 2}'), ("get_weather", '{"ci')]),
+    "hermes, block after a complete one cut": (
+        '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n<tool_call>{"name": "get_',
+        "hermes", None, [("add", '{"a": 1, "b": 2}')]),
+    "hermes, name cut": ('Sure <tool_call>{"name": "ad', "hermes", 'Sure <tool_call>{"name": "ad', []),
+    "llama json cut": ('{"name": "get_weather", "parameters": {"city": "Os', "llama3_json", None,
+                       [("get_weather", '{"city": "Os')]),
+}
+
+
+def cut_plan(mode: str) -> ToolPlan:
+    if mode == "required":
+        return plan_tools(request(tools=[WEATHER, ADD], tool_choice="required"), ToolConfig(), False)
+    return plan_for(mode)
+
+
+@pytest.mark.parametrize("case", list(CUT))
+def test_a_call_cut_by_max_tokens_comes_back_once_its_name_is_complete(case):
+    text, mode, content, calls = CUT[case]
+    plan = cut_plan(mode)
+    got_content, got_calls = extract(plan, text, cut=True)
+    assert (got_content, [(c.function.name, c.function.arguments) for c in got_calls]) == (content, calls)
+    assert finish_reason(plan, "length", bool(got_calls)) == "length"
+    stream = ToolCallStream(plan)
+    sent_content, sent_calls = "", []
+    for i, ch in enumerate(text):
+        piece, deltas = stream.feed(ch, finished=i == len(text) - 1, cut=True)
+        sent_content += piece or ""
+        sent_calls += [(d.function.name, d.function.arguments) for d in deltas]
+    assert (sent_content, sent_calls) == (content or "", calls)
+
+
+def test_an_unfinished_call_without_the_cut_stays_content():
+    text = CUT["required, second call cut"][0]
+    assert extract(cut_plan("required"), text) == (text, [])
+
+
 def test_hermes_holds_back_what_could_open_a_tool_call():
     stream = ToolCallStream(plan_for("hermes"))
     assert stream.feed("Checking <tool_", finished=False) == ("Checking ", [])

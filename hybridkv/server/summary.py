@@ -1,0 +1,79 @@
+"""What a server serves, in the log once it is ready: model, device and dtypes, ``max_model_len`` and what bound
+it, the KV pool per attention type, prefix caching, the host tier, the tool parser and the URL.
+
+Every number is one the engine or the planner already computed (``plan.type_usage``, ``capacity.pool_tokens``,
+``planner.concurrency_at``, ``host_tier.host_tier_tokens``); nothing here recomputes a formula.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hybridkv.kv.capacity import pool_tokens
+from hybridkv.kv.host_tier import host_tier_tokens
+from hybridkv.kv.planner import type_usage, concurrency_at
+
+if TYPE_CHECKING:
+    from hybridkv.server.app import ServerState
+
+GIB = 1 << 30
+
+
+def startup_summary(state: ServerState, url: str) -> str:
+    engine = state.engine.engine
+    return "\n".join([
+        f"hybridkv serve ready at {url}",
+        _model_line(state),
+        f"  max_model_len: {engine.max_model_len:,} tokens (why: {engine.max_model_len_bound})",
+        *_pool_lines(engine),
+        _cache_line(engine),
+        f"  tools: {_tools(state)}",
+    ])
+
+
+def _model_line(state: ServerState) -> str:
+    engine = state.engine.engine
+    name = engine.loaded.name
+    served = "" if state.model_name == name else f", served as {state.model_name!r}"
+    from hybridkv.model.dtypes import dtype_name  # torch: loaded with the engine already
+
+    dtype = dtype_name(next(engine.model.parameters()).dtype)
+    tp = engine.config.tensor_parallel_size
+    ranks = f", tensor parallel {tp}" if tp > 1 else ""
+    return (f"  model: {name}{served} on {engine.config.device}{ranks}, {dtype} "
+            f"(KV cache {engine.layout.groups[0].spec.dtype})")
+
+
+def _pool_lines(engine) -> list[str]:
+    layout, usable = engine.layout, engine.kv.pool.num_usable_blocks
+    step = engine.config.max_num_batched_tokens
+    types = ", ".join(f"{t.label} {t.groups} group{'s' * (t.groups > 1)} of {t.layers // t.groups} layers"
+                      for t in type_usage(layout, engine.max_model_len, step))
+    fits = concurrency_at(layout, usable, step, engine.max_model_len)
+    return [
+        f"  KV pool: {usable:,} blocks of {layout.block_size} tokens ({layout.page_bytes:,} B pages), "
+        f"{pool_tokens(layout, usable):,} tokens per group when shared evenly: {types}",
+        f"  concurrency at max_model_len: {fits.ratio:,.2f}x ({fits.blocks_per_request:,} blocks per request)",
+    ]
+
+
+def _cache_line(engine) -> str:
+    config = engine.config
+    prefix = f"on ({config.prefix_caching_hash_algo})" if config.enable_prefix_caching else "off"
+    host = "off"
+    if config.kv_offload_bytes:
+        layout = engine.layout
+        full_groups = sum(1 for g in layout.groups if g.spec.keeps_every_token)
+        tokens = host_tier_tokens(config.kv_offload_bytes, layout.page_bytes, layout.block_size, full_groups)
+        held = f"{tokens:,} tokens of context" if tokens is not None else "windows only"
+        host = (f"{config.kv_offload_bytes / GIB:.2f} GiB per rank = "
+                f"{config.kv_offload_bytes // layout.page_bytes:,} pages = {held}")
+    return f"  prefix caching: {prefix}; host tier: {host}"
+
+
+def _tools(state: ServerState) -> str:
+    tools = state.tools
+    if tools.tool_call_parser is None:
+        return 'no tool call parser (tool_choice "required" and named functions work; "auto" is refused)'
+    auto = "on" if tools.enable_auto_tool_choice else "off"
+    return f"tool call parser {tools.tool_call_parser}, auto tool choice {auto}"
