@@ -14,6 +14,10 @@ passes over an expert's bytes (read, write, read). Here the kernels read the wei
 3. ``down_kernel``: program (expert e, column tile n) multiplies the pairs of ``e`` by ``W_down[e, :, n]``;
    output rows are the pairs (summed over top_k by the caller).
 
+The shared expert (Llama-4's, ungated, on every token) runs as one more program row of both kernels: its
+nn.Linear weights are read transposed in place (K-contiguous), and each token gets a second output row, added to
+its routed ones at the end.
+
 E.g. 2 tokens, top-1, ids [3, 3], 16 experts, I = 1024, 64-column tiles, 4 splits: 16 x 16 x 4 programs start,
 the 64 of expert 3 each read a [H/4, 64] tile of gate and of up for both rows at once; 960 return at once.
 
@@ -67,47 +71,69 @@ def route_kernel(
 
 
 @triton.jit
-def gate_up_kernel(
-    x_ptr, gate_ptr, ids_ptr, w_ptr, part_ptr,
-    num_pairs, hidden, inter, k_per_split,
-    stride_xt, stride_we, stride_wk, stride_ps, stride_pp,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    e = tl.program_id(0)
-    n0 = tl.program_id(1) * BLOCK_N
-    split = tl.program_id(2)
-    pairs = tl.arange(0, BLOCK_M)
-    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
-    mine = ids == e
-    if tl.sum(mine.to(tl.int32), 0) == 0:
-        return
-    gate = tl.load(gate_ptr + pairs, mask=mine, other=0.0).to(tl.float32)
-    tokens = (pairs // TOP_K).to(tl.int64)
-    cols = n0 + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
-    w_e = w_ptr + e.to(tl.int64) * stride_we
+def _gate_up_dots(x_ptr, tokens, gate, mine, w_ptr, stride_wk, stride_wn, hidden, inter, k_lo, k_hi, stride_xt,
+                  cols, col_ok, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  IEEE: tl.constexpr):
+    """Rows ``mine`` of the gated input times columns ``cols`` of gate and of up (``inter`` further on), over K in
+    [k_lo, k_hi). The weight is read as w[k, n] = w_ptr[k * stride_wk + n * stride_wn]: experts are stored N-major,
+    the shared expert's nn.Linear weight K-major (a stride of 1 is a compile-time constant either way)."""
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, hidden)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_hi
         x = tl.load(x_ptr + tokens[:, None] * stride_xt + ks[None, :], mask=mine[:, None] & k_ok[None, :], other=0.0)
         # the gated input rounded to the weights' dtype, as (x * gate) is in eager torch
         xg = (x.to(tl.float32) * gate[:, None]).to(w_ptr.dtype.element_ty)
-        w_rows = w_e + ks[:, None].to(tl.int64) * stride_wk
+        w_rows = w_ptr + ks[:, None].to(tl.int64) * stride_wk
         ok = k_ok[:, None] & col_ok[None, :]
-        wg = tl.load(w_rows + cols[None, :], mask=ok, other=0.0)
-        wu = tl.load(w_rows + (cols + inter)[None, :], mask=ok, other=0.0)
+        wg = tl.load(w_rows + cols[None, :].to(tl.int64) * stride_wn, mask=ok, other=0.0)
+        wu = tl.load(w_rows + (cols + inter)[None, :].to(tl.int64) * stride_wn, mask=ok, other=0.0)
         if IEEE:
             acc_g += tl.dot(xg, wg, input_precision="ieee")
             acc_u += tl.dot(xg, wu, input_precision="ieee")
         else:
             acc_g += tl.dot(xg, wg)
             acc_u += tl.dot(xg, wu)
-    out = part_ptr + split * stride_ps + pairs[:, None].to(tl.int64) * stride_pp
+    return acc_g, acc_u
+
+
+@triton.jit
+def gate_up_kernel(
+    x_ptr, gate_ptr, ids_ptr, w_ptr, sw_ptr, part_ptr,
+    num_pairs, num_tokens, num_experts, hidden, inter, k_per_split,
+    stride_xt, stride_we, stride_wk, stride_wn, stride_swk, stride_swn, stride_ps, stride_pp,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr, SHARED: tl.constexpr,
+):
+    """Rows 0..num_pairs are the (token, choice) pairs; with SHARED, rows num_pairs.. are each token once more for
+    the shared expert (program e == num_experts, gate 1)."""
+    e = tl.program_id(0)
+    n0 = tl.program_id(1) * BLOCK_N
+    split = tl.program_id(2)
+    rows = tl.arange(0, BLOCK_M)
+    routed = rows < num_pairs
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, hidden)
+    if SHARED and e == num_experts:
+        mine = (rows >= num_pairs) & (rows < num_pairs + num_tokens)
+        tokens = (rows - num_pairs).to(tl.int64)
+        gate = tl.full((BLOCK_M,), 1.0, tl.float32)
+        acc_g, acc_u = _gate_up_dots(x_ptr, tokens, gate, mine, sw_ptr, stride_swk, stride_swn, hidden, inter,
+                                     k_lo, k_hi, stride_xt, cols, col_ok, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+    else:
+        ids = tl.load(ids_ptr + rows, mask=routed, other=-1)
+        mine = ids == e
+        if tl.sum(mine.to(tl.int32), 0) == 0:
+            return
+        tokens = (rows // TOP_K).to(tl.int64)
+        gate = tl.load(gate_ptr + rows, mask=mine, other=0.0).to(tl.float32)
+        acc_g, acc_u = _gate_up_dots(x_ptr, tokens, gate, mine, w_ptr + e.to(tl.int64) * stride_we, stride_wk,
+                                     stride_wn, hidden, inter, k_lo, k_hi, stride_xt, cols, col_ok, BLOCK_M,
+                                     BLOCK_N, BLOCK_K, IEEE)
+    out = part_ptr + split * stride_ps + rows[:, None].to(tl.int64) * stride_pp
     ok = mine[:, None] & col_ok[None, :]
     tl.store(out + cols[None, :], acc_g, mask=ok)
     tl.store(out + (cols + inter)[None, :], acc_u, mask=ok)
@@ -133,35 +159,47 @@ def silu_mul_kernel(part_ptr, h_ptr, inter, stride_ps, stride_pp, SPLITS: tl.con
 
 
 @triton.jit
-def down_kernel(
-    h_ptr, ids_ptr, w_ptr, out_ptr,
-    num_pairs, hidden, inter,
-    stride_we, stride_wk, stride_op,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-):
-    e = tl.program_id(0)
-    n0 = tl.program_id(1) * BLOCK_N
-    pairs = tl.arange(0, BLOCK_M)
-    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
-    mine = ids == e
-    if tl.sum(mine.to(tl.int32), 0) == 0:
-        return
-    cols = n0 + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
-    w_e = w_ptr + e.to(tl.int64) * stride_we
-    rows = h_ptr + pairs[:, None].to(tl.int64) * inter
+def _down_dots(h_ptr, mine, rows, w_ptr, stride_wk, stride_wn, inter, cols, col_ok,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    h_rows = h_ptr + rows[:, None].to(tl.int64) * inter
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < inter
-        h = tl.load(rows + ks[None, :], mask=mine[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_e + ks[:, None].to(tl.int64) * stride_wk + cols[None, :],
+        h = tl.load(h_rows + ks[None, :], mask=mine[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + ks[:, None].to(tl.int64) * stride_wk + cols[None, :].to(tl.int64) * stride_wn,
                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if IEEE:
             acc += tl.dot(h, w, input_precision="ieee")
         else:
             acc += tl.dot(h, w)
-    out = out_ptr + pairs[:, None].to(tl.int64) * stride_op + cols[None, :]
+    return acc
+
+
+@triton.jit
+def down_kernel(
+    h_ptr, ids_ptr, w_ptr, sw_ptr, out_ptr,
+    num_pairs, num_tokens, num_experts, hidden, inter,
+    stride_we, stride_wk, stride_wn, stride_swk, stride_swn, stride_op,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, SHARED: tl.constexpr,
+):
+    e = tl.program_id(0)
+    n0 = tl.program_id(1) * BLOCK_N
+    rows = tl.arange(0, BLOCK_M)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    if SHARED and e == num_experts:
+        mine = (rows >= num_pairs) & (rows < num_pairs + num_tokens)
+        acc = _down_dots(h_ptr, mine, rows, sw_ptr, stride_swk, stride_swn, inter, cols, col_ok, BLOCK_M, BLOCK_N,
+                         BLOCK_K, IEEE)
+    else:
+        ids = tl.load(ids_ptr + rows, mask=rows < num_pairs, other=-1)
+        mine = ids == e
+        if tl.sum(mine.to(tl.int32), 0) == 0:
+            return
+        acc = _down_dots(h_ptr, mine, rows, w_ptr + e.to(tl.int64) * stride_we, stride_wk, stride_wn, inter, cols,
+                         col_ok, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+    out = out_ptr + rows[:, None].to(tl.int64) * stride_op + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mine[:, None] & col_ok[None, :])
 
 
@@ -190,45 +228,62 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
 
 
 def fused_moe(x: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-              down: torch.Tensor, gate_up_tile: tuple[int, int, int, int] | None = None,
-              down_tile: tuple[int, int, int, int] = (64, 128, 4, 3)) -> torch.Tensor:
-    """Routed experts' output [T, H] for ``x`` [T, H], top-k ``gates`` and expert ``ids`` [T, top_k].
+              down: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+              gate_up_tile: tuple[int, int, int, int] | None = None,
+              down_tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """Routed experts' output [T, H] for ``x`` [T, H], top-k ``gates`` and expert ``ids`` [T, top_k], plus the
+    shared expert's when ``shared`` = (its gate/up weight [2I, H], gate rows first; its down weight [H, I]) is given
+    (nn.Linear's layout): it runs as one more expert on every token, ungated, in the same launches.
 
     ``gate_up`` [E, H, 2I] (gate columns first), ``down`` [E, I, H]: transformers' Llama-4 layout. The caller
-    guarantees ``T * top_k <= MAX_PAIRS``. The tiles (columns, K, warps, pipeline stages) are
-    ``benchmarks/gpu/decode.py --moe-tiles``'s best on an H200."""
+    guarantees ``T * top_k`` (plus T with ``shared``) <= MAX_PAIRS. The tiles (columns, K, warps, pipeline stages)
+    are ``benchmarks/gpu/decode.py --moe-tiles``'s best on an H200."""
     tokens, top_k = ids.shape
     num_pairs = tokens * top_k
-    if num_pairs > MAX_PAIRS:
-        raise ValueError(f"fused_moe takes at most {MAX_PAIRS} (token, choice) pairs, got {num_pairs}")
+    num_rows = num_pairs + (tokens if shared is not None else 0)
+    if num_rows > MAX_PAIRS:
+        raise ValueError(f"fused_moe takes at most {MAX_PAIRS} rows ((token, choice) pairs and shared-expert "
+                         f"tokens), got {num_rows}")
     num_experts, hidden, inter = down.shape[0], down.shape[2], down.shape[1]
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids = ids.reshape(-1)
     gates = gates.reshape(-1)
-    block_m = max(16, triton.next_power_of_2(num_pairs))
-    # wider tiles once several experts share the SMs (batch 8 on a Scout rank: 58 us instead of 67)
-    block_n, block_k, warps, stages = gate_up_tile or ((64, 128, 4, 3) if num_pairs <= 4 else (128, 128, 8, 3))
+    # the shared expert's weights read as w[k, n]: its [2I, H] gate/up and [H, I] down transposed in place
+    s_gate_up, s_down = (shared[0].t(), shared[1].t()) if shared is not None else (gate_up[0], down[0])
+    programs = num_experts + (shared is not None)
+    block_m = max(16, triton.next_power_of_2(num_rows))
+    # longer K tiles once several experts share the SMs (a Scout rank's batch 8 with its shared expert: 67.5 us
+    # instead of 71.6); at 64 rows, or in float32, they no longer fit in shared memory
+    if gate_up_tile is None:
+        wide = x.element_size() == 2 and 4 < num_pairs and num_rows <= 32
+        gate_up_tile = (64, 256, 4, 3) if wide else (64, 128, 4, 3 if x.element_size() == 2 else 2)
+    block_n, block_k, warps, stages = gate_up_tile
     col_tiles = triton.cdiv(inter, block_n)
-    # enough programs with work to keep ~128 SMs streaming: pairs touch at most min(E, pairs) experts
-    busy = min(num_experts, num_pairs) * col_tiles
+    # enough programs with work to keep ~128 SMs streaming: rows touch at most min(experts, rows) experts
+    busy = min(programs, num_rows) * col_tiles
     splits = max(1, min(16, 128 // busy, triton.cdiv(hidden, 4 * block_k)))
     k_per_split = triton.cdiv(triton.cdiv(hidden, splits), block_k) * block_k
     splits = triton.cdiv(hidden, k_per_split)
-    part = torch.empty((splits, num_pairs, 2 * inter), dtype=torch.float32, device=x.device)
+    part = torch.empty((splits, num_rows, 2 * inter), dtype=torch.float32, device=x.device)
     ieee = x.dtype == torch.float32
-    gate_up_kernel[(num_experts, col_tiles, splits)](
-        x, gates, ids, gate_up, part, num_pairs, hidden, inter, k_per_split,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), part.stride(0), part.stride(1),
-        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, num_warps=warps,
+    gate_up_kernel[(programs, col_tiles, splits)](
+        x, gates, ids, gate_up, s_gate_up, part, num_pairs, tokens, num_experts, hidden, inter, k_per_split,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), s_gate_up.stride(0),
+        s_gate_up.stride(1), part.stride(0), part.stride(1),
+        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, SHARED=shared is not None,
+        num_warps=warps, num_stages=stages,
+    )
+    h = torch.empty((num_rows, inter), dtype=x.dtype, device=x.device)
+    silu_mul_kernel[(num_rows, triton.cdiv(inter, 1024))](
+        part, h, inter, part.stride(0), part.stride(1), SPLITS=splits, BLOCK=1024, num_warps=4)
+    out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
+    down_n, down_k, warps, stages = down_tile or ((64, 128, 4, 3) if x.element_size() == 2 else (64, 64, 4, 2))
+    down_kernel[(programs, triton.cdiv(hidden, down_n))](
+        h, ids, down, s_down, out, num_pairs, tokens, num_experts, hidden, inter, down.stride(0), down.stride(1),
+        down.stride(2), s_down.stride(0), s_down.stride(1), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=down_n, BLOCK_K=down_k, IEEE=ieee, SHARED=shared is not None, num_warps=warps,
         num_stages=stages,
     )
-    h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
-    silu_mul_kernel[(num_pairs, triton.cdiv(inter, 1024))](
-        part, h, inter, part.stride(0), part.stride(1), SPLITS=splits, BLOCK=1024, num_warps=4)
-    out = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
-    down_n, down_k, warps, stages = down_tile
-    down_kernel[(num_experts, triton.cdiv(hidden, down_n))](
-        h, ids, down, out, num_pairs, hidden, inter, down.stride(0), down.stride(1), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=down_n, BLOCK_K=down_k, IEEE=ieee, num_warps=warps, num_stages=stages,
-    )
-    return out if top_k == 1 else out.view(tokens, top_k, hidden).sum(dim=1)
+    routed = out[:num_pairs] if top_k == 1 else out[:num_pairs].view(tokens, top_k, hidden).sum(dim=1)
+    # eager torch adds the two bf16 outputs: the same single rounding here
+    return routed if shared is None else out[num_pairs:] + routed

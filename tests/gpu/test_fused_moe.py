@@ -22,10 +22,14 @@ from hybridkv.kernels.fused_moe import MAX_PAIRS, fused_moe, route  # noqa: E402
 DEVICE = "cpu" if INTERPRET else "cuda"
 
 
-def reference(x, gates, ids, gate_up, down):
-    """float64 per (token, choice): the expert's MLP on the gated input, summed over choices."""
+def reference(x, gates, ids, gate_up, down, shared=None):
+    """float64 per (token, choice): the expert's MLP on the gated input, summed over choices; plus the shared
+    expert's MLP (nn.Linear weights: gate/up [2I, H], down [H, I]) on the ungated input."""
     x, gates, gate_up, down = (t.double() for t in (x, gates, gate_up, down))
     out = torch.zeros_like(x)
+    if shared is not None:
+        g, u = (x @ shared[0].double().T).chunk(2, dim=-1)
+        out += (F.silu(g) * u) @ shared[1].double().T
     for t in range(x.shape[0]):
         for c in range(ids.shape[1]):
             e = int(ids[t, c])
@@ -39,14 +43,16 @@ def relative_error(got, want):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("experts,top_k,tokens,hidden,inter", [
-    (16, 1, 1, 320, 96),    # batch 1: one expert busy, K split over several programs
-    (16, 1, 7, 200, 64),    # K and I not multiples of the tiles
-    (4, 2, 5, 256, 160),    # top-2: two rows per token, summed
-    (16, 1, 32, 256, 128),  # every expert likely busy, one split
-    (8, 2, 32, 128, 64),    # MAX_PAIRS rows
+@pytest.mark.parametrize("experts,top_k,tokens,hidden,inter,with_shared", [
+    (16, 1, 1, 320, 96, False),    # batch 1: one expert busy, K split over several programs
+    (16, 1, 1, 320, 96, True),     # ... and the shared expert as one more
+    (16, 1, 7, 200, 64, True),     # K and I not multiples of the tiles
+    (4, 2, 5, 256, 160, False),    # top-2: two rows per token, summed
+    (4, 2, 5, 256, 160, True),
+    (16, 1, 32, 256, 128, True),   # every expert likely busy, one split; MAX_PAIRS rows with the shared ones
+    (8, 2, 32, 128, 64, False),    # MAX_PAIRS (token, choice) rows
 ])
-def test_matches_reference(dtype, experts, top_k, tokens, hidden, inter):
+def test_matches_reference(dtype, experts, top_k, tokens, hidden, inter, with_shared):
     if INTERPRET and dtype == torch.bfloat16:
         pytest.skip("Triton 3.6's interpreter gets bf16 dots wrong (any tl.dot of two bf16 tiles)")
     torch.manual_seed(experts * 100 + tokens)
@@ -56,9 +62,14 @@ def test_matches_reference(dtype, experts, top_k, tokens, hidden, inter):
     gates = torch.sigmoid(top).to(dtype)
     gate_up = (torch.randn(experts, hidden, 2 * inter) / hidden**0.5).to(dtype)
     down = (torch.randn(experts, inter, hidden) / inter**0.5).to(dtype)
-    got = fused_moe(*(t.to(DEVICE) for t in (x, gates, ids, gate_up, down))).cpu()
+    shared = None
+    if with_shared:
+        shared = ((torch.randn(2 * inter, hidden) / hidden**0.5).to(dtype),
+                  (torch.randn(hidden, inter) / inter**0.5).to(dtype))
+    on_device = [t.to(DEVICE) for t in (x, gates, ids, gate_up, down)]
+    got = fused_moe(*on_device, shared=tuple(w.to(DEVICE) for w in shared) if shared else None).cpu()
     assert got.shape == x.shape and got.dtype == dtype and torch.isfinite(got).all()
-    err = relative_error(got, reference(x, gates, ids, gate_up, down))
+    err = relative_error(got, reference(x, gates, ids, gate_up, down, shared))
     assert err < (1e-5 if dtype == torch.float32 else 1.5e-2), err
 
 
