@@ -17,21 +17,6 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate(x_ptr, cos_ptr, sin_ptr, half, INTERLEAVED: tl.constexpr):
-    """The two rotated halves of one row (pairs (2i, 2i+1) or (i, i + D/2)) in float32."""
-    i = tl.arange(0, half)
-    if INTERLEAVED:
-        a = tl.load(x_ptr + 2 * i).to(tl.float32)
-        b = tl.load(x_ptr + 2 * i + 1).to(tl.float32)
-    else:
-        a = tl.load(x_ptr + i).to(tl.float32)
-        b = tl.load(x_ptr + half + i).to(tl.float32)
-    c = tl.load(cos_ptr + i)
-    s = tl.load(sin_ptr + i)
-    return a * c - b * s, a * s + b * c
-
-
-@triton.jit
 def rope_qk_kernel(
     q_ptr, k_ptr, q_out, k_out, cos_ptr, sin_ptr, scale_ptr,
     stride_qt, stride_kt, stride_cos, num_q_heads, eps,
@@ -51,32 +36,32 @@ def rope_qk_kernel(
         dst = k_out + (t * (tl.num_programs(1) - num_q_heads) + kh) * D
     dtype = q_out.dtype.element_ty
     HALF: tl.constexpr = D // 2
+    # the two members of each rotated pair: (2i, 2i+1), or (i, i + D/2)
     i = tl.arange(0, HALF)
+    if INTERLEAVED:
+        first = 2 * i
+        second = 2 * i + 1
+    else:
+        first = i
+        second = i + HALF
+    a = tl.load(src + first).to(tl.float32)
+    b = tl.load(src + second).to(tl.float32)
     if ROTATE:
-        a, b = _rotate(src, cos_ptr + t * stride_cos, sin_ptr + t * stride_cos, HALF, INTERLEAVED)
+        c = tl.load(cos_ptr + t * stride_cos + i)
+        s = tl.load(sin_ptr + t * stride_cos + i)
+        a, b = a * c - b * s, a * s + b * c
         a = a.to(dtype).to(tl.float32)
         b = b.to(dtype).to(tl.float32)
         if QK_NORM:
             inv = tl.rsqrt((tl.sum(a * a, 0) + tl.sum(b * b, 0)) / D + eps)
             a = (a * inv).to(dtype).to(tl.float32)
             b = (b * inv).to(dtype).to(tl.float32)
-    else:
-        if INTERLEAVED:
-            a = tl.load(src + 2 * i).to(tl.float32)
-            b = tl.load(src + 2 * i + 1).to(tl.float32)
-        else:
-            a = tl.load(src + i).to(tl.float32)
-            b = tl.load(src + HALF + i).to(tl.float32)
-        if TEMPERATURE and is_q:
-            scale = tl.load(scale_ptr + t)
-            a = a * scale
-            b = b * scale
-    if INTERLEAVED:
-        tl.store(dst + 2 * i, a.to(dtype))
-        tl.store(dst + 2 * i + 1, b.to(dtype))
-    else:
-        tl.store(dst + i, a.to(dtype))
-        tl.store(dst + HALF + i, b.to(dtype))
+    elif TEMPERATURE and is_q:
+        scale = tl.load(scale_ptr + t)
+        a = a * scale
+        b = b * scale
+    tl.store(dst + first, a.to(dtype))
+    tl.store(dst + second, b.to(dtype))
 
 
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, rotate: bool,
