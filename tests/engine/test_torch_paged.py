@@ -8,6 +8,7 @@ import torch
 from hybridkv.kv import CacheRequest, KVCacheManager, plan_layout
 from hybridkv.kv.specs import ChunkedLocalSpec, FullAttentionSpec, SlidingWindowSpec
 from hybridkv.model.attention.base import StepSequence
+from hybridkv.model.attention import torch_paged
 from hybridkv.model.attention.torch_paged import TorchPagedAttention
 
 HQ, HKV, D = 4, 2, 8
@@ -41,11 +42,48 @@ def layer_specs():
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("chunks", [[23], [7, 9, 7], [1] * 23, [10, 1, 1, 11]])
 def test_chunked_prefill_and_decode_match_whole_sequence_attention(block_size, chunks):
+    check_against_reference(block_size, chunks)
+
+
+@pytest.mark.parametrize("query_tile", [1, 3, 4, 7])
+@pytest.mark.parametrize("chunks", [[41], [13, 28], [9, 1, 31]])
+def test_query_tiles_spanning_windows_and_chunks_match_reference(query_tile, chunks):
+    """Prefills of many query tiles: a tile's keys start at its first query's reach (window 5, chunk 6), tiles
+    that straddle a chunk boundary or start mid-window included."""
+    check_against_reference(4, chunks, query_tile)
+
+
+def test_a_tile_reads_only_the_keys_its_queries_reach(monkeypatch):
+    """Sliding window 5, tiles of 4 queries over a 41-token prefill: every SDPA call sees at most 4 + 5 - 1 keys,
+    not the whole prefix (what keeps a long prompt's mask and working set bounded)."""
+    spec = SlidingWindowSpec(HKV, D, "float32", window=5)
+    layout = plan_layout([spec], 4)
+    kv = KVCacheManager(layout, num_blocks=40, enable_prefix_caching=False)
+    backend = TorchPagedAttention(layout, 40, "float32", query_tile=4)
+    req = CacheRequest("0", list(range(41)))
+    assert kv.allocate_slots(req, 41)
+    backend.begin_step([StepSequence(0, 41, kv.block_tables("0"))])
+    seen = []
+    real = torch_paged._sdpa
+
+    def spy(q, k, v, mask, scale):
+        seen.append((q.shape[0], k.shape[0]))
+        return real(q, k, v, mask, scale)
+
+    monkeypatch.setattr(torch_paged, "_sdpa", spy)
+    q, k, v = torch.randn(41, HQ, D), torch.randn(41, HKV, D), torch.randn(41, HKV, D)
+    out = backend.attend(0, q, k, v, 1 / math.sqrt(D))
+    assert [n for n, _ in seen] == [4] * 10 + [1]
+    assert max(keys for _, keys in seen) == 4 + 5 - 1
+    torch.testing.assert_close(out, reference(spec, q, k, v, 1 / math.sqrt(D)), atol=1e-5, rtol=1e-5)
+
+
+def check_against_reference(block_size, chunks, query_tile=torch_paged.QUERY_TILE):
     torch.manual_seed(0)
     specs = layer_specs()
     layout = plan_layout(specs, block_size)
     kv = KVCacheManager(layout, num_blocks=200, enable_prefix_caching=False)
-    backend = TorchPagedAttention(layout, 200, "float32")
+    backend = TorchPagedAttention(layout, 200, "float32", query_tile=query_tile)
     lengths = [sum(chunks), sum(chunks) - 3]
     reqs = [CacheRequest(str(i), list(range(n))) for i, n in enumerate(lengths)]
     qkv = {

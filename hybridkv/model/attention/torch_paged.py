@@ -7,7 +7,11 @@ layer at slot s sees ``[num_blocks, g, 2, block_size, num_kv_heads, head_dim][:,
    many are computed now (``query_len``) and its block table per group. Metadata (write slots, which key
    positions each group reads) is built here once per group and shared by every layer of that group.
 2. ``attend`` writes the step's K/V into their slots, gathers the keys each sequence can see for this layer's
-   type (full: all; sliding: the window; chunked: the chunk), and runs masked softmax attention.
+   type (full: all; sliding: the window; chunked: the chunk), and runs masked softmax attention through
+   ``scaled_dot_product_attention``, whose CPU kernel is flash-style: it never holds a score matrix. Queries go
+   in tiles of ``query_tile``, each with only the keys its rows can reach, so the mask is at most
+   ``query_tile`` x keys and a long prefill's working set stays bounded (an 8K-token prompt's dense scores
+   would be 9 heads x 8K x 8K x 4 B = 2.3 GB per layer).
 
 Example: chunked layer, chunk 8, block 4, a sequence with 10 cached tokens and 3 new ones (positions 10..12)
 reads keys 8..12 only: block table ``[0, 0, 7, 9]`` -> blocks 7 (positions 8..11) and 9 (12).
@@ -19,11 +23,16 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from hybridkv.kv.layout import KVLayout
 from hybridkv.kv.specs import AttentionSpec
 from hybridkv.model.attention.base import BackendCapabilities, StepSequence
 from hybridkv.model.attention.kv_cache import PagedKVCache
+
+
+# Queries per tile of a prefill: its mask is QUERY_TILE x keys bools, and SDPA's own blocks do the rest.
+QUERY_TILE = 1024
 
 
 @dataclass(slots=True)
@@ -48,26 +57,28 @@ class TorchPagedAttention:
         return BackendCapabilities()
 
     def __init__(
-        self, layout: KVLayout, num_blocks: int, kv_dtype: str, device: torch.device | str = "cpu"
+        self, layout: KVLayout, num_blocks: int, kv_dtype: str, device: torch.device | str = "cpu",
+        query_tile: int = QUERY_TILE,
     ) -> None:
+        if query_tile < 1:
+            raise ValueError(f"query_tile must be >= 1, got {query_tile}")
         self.layout = layout
+        self.query_tile = query_tile
         self.block_size = layout.block_size
         self.cache = PagedKVCache(layout, num_blocks, kv_dtype, device)
         self.kv_dtype = self.cache.dtype
         self.capabilities = self.declare(kv_dtype)
         self._step: list[_GroupStep] = []
         self._seq_query_lens: list[int] = []
-        self._seq_q_positions: list[torch.Tensor] = []
+        self._seq_context_lens: list[int] = []
 
     # ---- per step ----------------------------------------------------------------------------------
     def begin_step(self, seqs: list[StepSequence]) -> None:
         bs = self.block_size
         self._seq_query_lens = [s.query_len for s in seqs]
+        self._seq_context_lens = [s.context_len for s in seqs]
         dev = self.cache.buffer.device
         on_dev = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731
-        self._seq_q_positions = [
-            torch.arange(s.context_len, s.context_len + s.query_len, device=dev) for s in seqs
-        ]
         self._step = []
         for group in self.layout.groups:
             write_b, write_o, read_b, read_o, key_pos = [], [], [], [], []
@@ -98,13 +109,33 @@ class TorchPagedAttention:
         out = torch.empty_like(q)
         start = 0
         for i, n in enumerate(self._seq_query_lens):
-            keys = cache[step.read_blocks[i], 0, step.read_offsets[i]].to(q.dtype)
-            values = cache[step.read_blocks[i], 1, step.read_offsets[i]].to(q.dtype)
-            mask = spec.visible(self._seq_q_positions[i], step.key_positions[i])  # causal and the type's reach
-            out[start : start + n] = _masked_attention(q[start : start + n], keys, values, mask, scale)
+            keys = cache[step.read_blocks[i], 0, step.read_offsets[i]]
+            values = cache[step.read_blocks[i], 1, step.read_offsets[i]]
+            out[start : start + n] = self._attend_tiles(
+                spec, q[start : start + n], keys, values, self._seq_context_lens[i], step.key_positions[i], scale
+            )
             start += n
         return out
 
+    def _attend_tiles(
+        self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int,
+        key_positions: torch.Tensor, scale: float,
+    ) -> torch.Tensor:
+        """One sequence's queries (at ``context_len``...) over its gathered keys (at ``key_positions``), a tile of
+        queries at a time. A single query sees every gathered key (they were gathered from its reach): no mask."""
+        if q.shape[0] == 1:
+            return _sdpa(q, k, v, None, scale)
+        out = torch.empty_like(q)
+        first_key = _key_range(spec, context_len)  # the gathered keys start here
+        for lo in range(0, q.shape[0], self.query_tile):
+            hi = min(lo + self.query_tile, q.shape[0])
+            # reach is monotone in the position: the tile's first query sees furthest back, its last one furthest on
+            k_lo = spec.first_needed_token(context_len + lo) - first_key
+            k_hi = context_len + hi - first_key
+            q_pos = torch.arange(context_len + lo, context_len + hi, device=q.device)
+            mask = spec.visible(q_pos, key_positions[k_lo:k_hi])  # causal and the type's reach
+            out[lo:hi] = _sdpa(q[lo:hi], k[k_lo:k_hi], v[k_lo:k_hi], mask, scale)
+        return out
 
     def _to_cache(self, x: torch.Tensor) -> torch.Tensor:
         if self.kv_dtype == torch.float8_e4m3fn:
@@ -113,14 +144,14 @@ class TorchPagedAttention:
         return x.to(self.kv_dtype)
 
 
-def _masked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """q [Q, Hq, D], k/v [K, Hkv, D], mask [Q, K] -> [Q, Hq, D]; query heads share KV heads in groups (GQA)."""
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
-    scores = scores.masked_fill(~mask[None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q [Q, Hq, D], k/v [K, Hkv, D], mask [Q, K] (True: attend) or None -> [Q, Hq, D] in q's dtype.
+
+    Query head h reads KV head h // (Hq / Hkv) (GQA, as transformers' repeat_kv lays them out). float32 inside:
+    this backend is also the reference the GPU kernels are checked against. 4-D [1, H, len, D]: torch's CPU flash
+    kernel takes only 4-D inputs (3-D ones fall back to the math path, which builds the scores)."""
+    as_4d = lambda x: x.float().transpose(0, 1)[None]  # noqa: E731
+    out = F.scaled_dot_product_attention(
+        as_4d(q), as_4d(k), as_4d(v), attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return out[0].transpose(0, 1).to(q.dtype)
