@@ -7,8 +7,15 @@ workers receive the whole config. Adding a knob is adding a field here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+
+# Default step budgets (max_num_batched_tokens). On CPU a step of 1024 tokens of SmolLM2-135M takes about a second
+# on 2 cores, so a long prompt goes in chunks with other requests' tokens between them; prefill throughput is
+# flat from 512 to 2048 (benchmarks/cpu.py --chunks).
+GPU_STEP_TOKENS = 8192
+CPU_STEP_TOKENS = 1024
 
 
 def knob(default: Any, help: str, cli: bool = True) -> Any:
@@ -28,7 +35,12 @@ class EngineConfig:
     # an explicit max_model_len that does not fit: clamp (serve sets this) or raise
     clamp_max_model_len: bool = knob(False, "clamp a max_model_len the KV cache cannot hold", cli=False)
     max_num_seqs: int = knob(256, "most sequences in one step")
-    max_num_batched_tokens: int = knob(8192, "most tokens in one step")
+    max_num_batched_tokens: int | None = knob(
+        None, f"most tokens in one step (default: {GPU_STEP_TOKENS} on GPU, {CPU_STEP_TOKENS} on CPU)")
+    # vLLM's name; its scheduler caps a long prompt's chunk the same way
+    long_prefill_token_threshold: int | None = knob(
+        None, "most tokens of one prompt in one step, the rest of the step left to other requests "
+              "(0: no cap; default: none on GPU, half the step on CPU)")
     kv_cache_memory_bytes: int | None = knob(
         None, "KV cache budget in bytes (default: 2 GiB on CPU; on GPU what --gpu-memory-utilization leaves)")
     gpu_memory_utilization: float = knob(0.9, "GPU only: the share of GPU memory the engine may use")
@@ -48,3 +60,19 @@ class EngineConfig:
     # the CLI names it in GiB (--kv-offload-gib, see args.py), like vLLM's --kv-offloading-size
     kv_offload_bytes: int = knob(0, "host-memory tier of the prefix cache, bytes per rank (0: off); see kv/host_tier.py",
                                  cli=False)
+
+
+def resolve_step_budget(config: EngineConfig, device: str) -> EngineConfig:
+    """``config`` with its step knobs (left None) set to ``device``'s defaults; explicit values are checked."""
+    on_cpu = device == "cpu"
+    step = config.max_num_batched_tokens
+    if step is None:
+        step = CPU_STEP_TOKENS if on_cpu else GPU_STEP_TOKENS
+    cap = config.long_prefill_token_threshold
+    if cap is None:
+        cap = max(1, step // 2) if on_cpu else 0
+    if step < 1:
+        raise ValueError(f"max_num_batched_tokens must be >= 1, got {step}")
+    if cap < 0:
+        raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: no cap), got {cap}")
+    return replace(config, max_num_batched_tokens=step, long_prefill_token_threshold=cap)

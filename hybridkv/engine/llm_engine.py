@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.config import EngineConfig, resolve_step_budget
 from hybridkv.engine.model_runner import ModelRunner
 from hybridkv.engine.output_processing import Logprobs, PromptLogprobs, PromptScores, RequestOutputState
 from hybridkv.engine.runtime import build_runtime, rank_layout
@@ -82,9 +82,8 @@ def step_reserve_bytes(config: EngineConfig, hidden_size: int, vocab_size: int) 
     planner's too), with an FP8 cache on the Triton kernels keeping room for a long prefill's bf16 segments."""
     # what the backend declares it widens beside the cache (an FP8 cache's prefill segments on the kernels)
     segments = paged_attention_capabilities(config.attention_backend, "cuda", config.kv_cache_dtype).segment_bytes
-    return _step_reserve_formula(
-        config.max_num_batched_tokens, config.max_num_seqs, hidden_size, vocab_size, segments
-    )
+    step = resolve_step_budget(config, "cuda").max_num_batched_tokens  # a GPU reserve: the GPU's default step
+    return _step_reserve_formula(step, config.max_num_seqs, hidden_size, vocab_size, segments)
 
 
 def size_kv_cache(config: EngineConfig, hf_config: dict, layout: KVLayout,
@@ -134,7 +133,8 @@ def resolve_max_model_len(config: EngineConfig, hf_config: dict, layout: KVLayou
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        config = replace(config, device=resolve_device(config.device))
+        device = resolve_device(config.device)
+        config = resolve_step_budget(replace(config, device=device), device)
         self.config = config
         dtype = _resolve_dtype(config.dtype, config.device)
         tp = TPGroup(0, config.tensor_parallel_size)
@@ -166,7 +166,8 @@ class LLMEngine:
         runtime = build_runtime(self.model, self.layout, num_blocks, kv_dtype, config.attention_backend,
                                 config.device, self.kv, host_blocks, config.fp8_attention_compute)
         self.backend, self.runner = runtime.backend, runtime.runner
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.long_prefill_token_threshold)
         if tp.size > 1:
             self.runner = self._start_workers(tp, dtype, kv_dtype, num_blocks, host_blocks)
         elif not config.enforce_eager:

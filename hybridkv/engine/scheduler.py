@@ -7,6 +7,10 @@ is bounded by the budget, not by the longest prompt::
     budget 8: running A (decode, 1 token), B (decode, 1), waiting C (prompt 20)
     step 1: A 1, B 1, C 6     step 2: A 1, B 1, C 6     step 3: A 1, B 1, C 6     step 4: A 1, B 1, C 2 -> C samples
 
+With ``long_prefill_token_threshold`` (CPU default: half the budget) one prompt's chunk is capped below the
+budget, so a short request that arrives during a long prefill starts at the next step and its decodes go on
+between the long prompt's chunks (with budget 8 and cap 4, C above would take 4 a step and leave room).
+
 Running sequences go first, oldest first. When the pool cannot hold a running sequence's next tokens, the newest
 running sequence is preempted (its blocks go back; it waits and later recomputes, helped by the prefix cache).
 A waiting sequence is admitted only when its first chunk fits; otherwise it waits (first come, first served).
@@ -55,12 +59,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, long_prefill_token_threshold: int = 0
+    ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # most tokens one sequence gets in a step (0: the whole budget)
+        self.max_chunk = long_prefill_token_threshold or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -79,7 +87,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens, budget, self.max_chunk)
             if self._allocate_or_preempt(seq, n, out):
                 out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, n))
                 budget -= n
@@ -102,7 +110,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hit = CacheHit.none(self.kv.num_groups) if seq.needs_prompt_scores else self.kv.find_cache_hit(seq)
-            n = min(seq.num_uncomputed_tokens - hit.num_tokens, budget)
+            n = min(seq.num_uncomputed_tokens - hit.num_tokens, budget, self.max_chunk)
             if not self.kv.allocate_slots(seq, n, hit, full_sequence_must_fit=True):
                 return  # first come, first served: later arrivals do not overtake it
             self.kv.record_hit(seq, hit)
