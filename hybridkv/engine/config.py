@@ -41,6 +41,12 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = knob(
         None, "most tokens of one prompt in one step, the rest of the step left to other requests "
               "(0: no cap; default: none on GPU, half the step on CPU)")
+    quantization: str = knob(
+        "auto", "CPU: auto (a GGUF's Q4_1 weights stay 4-bit, run by torch's int4 kernel with bf16 activations: "
+                "decode ~2x faster than float32, logits slightly off) | none (every weight in --dtype)")
+    cpu_threads: int = knob(
+        0, "CPU: torch's intra-op threads (0: half the cores, at least 1, as llama-cpp-python; on 2 cores shared "
+           "with other work, 2 threads decoded 3-7x slower than 1: a thread waiting on a busy core stalls each op)")
     kv_cache_memory_bytes: int | None = knob(
         None, "KV cache budget in bytes (default: 2 GiB on CPU; on GPU what --gpu-memory-utilization leaves)")
     gpu_memory_utilization: float = knob(0.9, "GPU only: the share of GPU memory the engine may use")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -32,6 +33,7 @@ from hybridkv.kv.specs import AttentionSpec
 from hybridkv.model.architectures.parallel import TPGroup
 from hybridkv.model.attention.factory import paged_attention_capabilities
 from hybridkv.model.dtypes import dtype_name, torch_dtype
+from hybridkv.model.int4_cpu import int4_kernel_available, pack_int4_linears
 from hybridkv.model.loading.checkpoint import LoadedModel, load_checkpoint
 from hybridkv.model.loading.tokenizer import Tokenizer
 
@@ -135,6 +137,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         device = resolve_device(config.device)
         config = resolve_step_budget(replace(config, device=device), device)
+        if device == "cpu":
+            torch.set_num_threads(cpu_threads(config.cpu_threads))
         self.config = config
         dtype = _resolve_dtype(config.dtype, config.device)
         tp = TPGroup(0, config.tensor_parallel_size)
@@ -143,6 +147,7 @@ class LLMEngine:
         if tp.size > 1 and loaded is not None:
             raise ValueError("tensor_parallel_size > 1 loads each rank's shard itself: pass model, not loaded")
         self.model = self.loaded.model.to(device=config.device, dtype=dtype).eval()
+        self.int4_linears = _keep_4bit_weights(self.model, config, tp)
         self.tokenizer = None if config.skip_tokenizer_init else self.loaded.tokenizer
         hf_config = self.loaded.hf_config
         kv_dtype = config.kv_cache_dtype
@@ -443,6 +448,26 @@ def _advance_grammar(seq: Sequence, token: int) -> str | None:
 def _load_rank0(config: EngineConfig, dtype: torch.dtype, tp: TPGroup) -> LoadedModel:
     return load_checkpoint(config.model, dtype, tokenizer=not config.skip_tokenizer_init, tp=tp,
                            load_format=config.load_format, device=config.device, seed=config.seed)
+
+
+def _keep_4bit_weights(model: torch.nn.Module, config: EngineConfig, tp: TPGroup) -> int:
+    """``quantization`` auto on CPU: a GGUF's Q4_1 linear layers packed 4-bit (``model/int4_cpu.py``); returns how
+    many were packed (0: the model runs in its dtype)."""
+    if config.quantization not in ("auto", "none"):
+        raise ValueError(f"unknown quantization {config.quantization!r}; choose auto or none")
+    if config.quantization == "none" or config.device != "cpu" or tp.size > 1 or not int4_kernel_available():
+        return 0
+    packed = pack_int4_linears(model)
+    if packed:
+        log.info("%d linear layers kept 4-bit (Q4_1 weights, bf16 activations); quantization=none: float32", packed)
+    return packed
+
+
+def cpu_threads(asked: int) -> int:
+    """Intra-op threads on CPU: ``asked``, or (0) half the cores this process may use, at least 1."""
+    if asked < 0:
+        raise ValueError(f"cpu_threads must be >= 0 (0: half the cores), got {asked}")
+    return asked or max(1, len(os.sched_getaffinity(0)) // 2)
 
 
 def resolve_device(device: str) -> str:

@@ -26,7 +26,8 @@ N_NEW = 24
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(block_size=16, max_num_batched_tokens=32)
+    """float32 throughout (the default keeps the GGUF's Q4_1 weights 4-bit on CPU, tested below)."""
+    return LLM(block_size=16, max_num_batched_tokens=32, quantization="none")
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,19 @@ def hf_model():
 
 
 def test_chat_greedy_matches_transformers_token_for_token(llm, hf_model):
+    assert llm.engine.int4_linears == 0
+    check_greedy_against_transformers(llm, hf_model)
+
+
+def test_the_default_keeps_q4_weights_4bit_and_its_greedy_tokens_still_match(hf_model):
+    """``LLM()`` on CPU: the 210 Q4_1 projections run 4-bit with bf16 activations (the Q8_0 embedding / output head
+    stays float32); on these conversations greedy decoding is still token for token transformers' float32."""
+    default = LLM(block_size=16)
+    assert default.engine.int4_linears == 210
+    check_greedy_against_transformers(default, hf_model)
+
+
+def check_greedy_against_transformers(llm, hf_model):
     params = SamplingParams(temperature=0, max_tokens=N_NEW)
     outs = llm.chat(CONVERSATIONS, params, use_tqdm=False)
     for conv, out in zip(CONVERSATIONS, outs):

@@ -1,0 +1,93 @@
+"""4-bit linear layers on CPU: a GGUF's Q4_1 weights kept 4-bit, through torch's CPU int4 kernel.
+
+CPU decode reads every weight once a token, so its speed is the bytes of the weights over the memory bandwidth:
+SmolLM2-135M is 540 MB a token in float32, 270 MB in bf16 and ~80 MB in Q4_1 as the GGUF stores it.
+
+Q4_1 stores each group of 32 weights of a row as ``d * q + m`` with q in 0..15; torch's int4 kernel
+(``_weight_int4pack_mm_for_cpu``, bf16 activations) computes with ``(q - 8) * scale + zero`` per group of 32 along
+the input dimension: the same grid with ``scale = d`` and ``zero = m + 8 d``. The grid is recovered from the
+dequantised float weight itself (a group's smallest value is ``m``: Q4_1 gives it q = 0, and its largest
+``m + 15 d``), and only a weight every group of which lies on its grid is packed, so a float checkpoint is never
+quantised here. What changes: activations and each group's scale and zero are rounded to bf16 (8-bit mantissa);
+``benchmarks/cpu.py`` prints how far the logits move against the float32 model. The output head (the tied
+Q8_0 embedding in SmolLM2) stays float32: a bf16 head rounds the logits themselves to 8 bits of mantissa, which
+turned near-ties into ties and changed greedy tokens.
+
+Example, one group of 4 (not 32) for brevity: weights [0.5, 0.1, 0.3, 0.1] -> m = 0.1, d = (0.5 - 0.1) / 15,
+q = [15, 0, 7.5 -> not on the grid] -> left dense; [0.5, 0.1, 0.1 + 7 d, 0.1] -> q = [15, 0, 7, 0] -> packed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+GROUP = 32  # Q4_1's block of weights sharing a scale and a minimum
+# A value is on its group's grid when it is within this fraction of the group's step of a grid point (the step
+# and minimum are fp16 in the file and float32 here: rounding leaves ~1e-4 of a step, off-grid values ~0.5).
+_GRID_TOLERANCE = 1e-2
+
+
+def int4_kernel_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def grid_of(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(q int32 [N, K], scale [N, K/GROUP], zero [N, K/GROUP]) if every group of 32 along a row of ``weight``
+    lies on a 16-level grid (a dequantised Q4_1 weight); None otherwise."""
+    n, k = weight.shape
+    if k % GROUP:
+        return None
+    groups = weight.detach().float().view(n, k // GROUP, GROUP)
+    low = groups.amin(-1)
+    step = (groups.amax(-1) - low) / 15
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    levels = (groups - low[..., None]) / safe[..., None]
+    q = levels.round()
+    if (levels - q).abs().max() > _GRID_TOLERANCE:
+        return None
+    return q.to(torch.int32).view(n, k), step, low + 8 * step
+
+
+class Int4Linear(nn.Module):
+    """``F.linear(x, weight, bias)`` with ``weight`` packed 4-bit; x and the output keep their dtype."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        # [K/GROUP, N, 2] as the kernel reads them
+        self.register_buffer("scales_zeros", torch.stack((scale.t(), zero.t()), dim=-1).bfloat16().contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def pack_int4_linears(model: nn.Module) -> int:
+    """Replace every plain (single-rank) linear layer whose weight lies on a Q4_1 grid by an ``Int4Linear``;
+    returns how many. CPU only."""
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear) and _single_rank(child)
+    ]
+    packed = 0
+    for parent, name, linear in targets:
+        grid = grid_of(linear.weight)
+        if grid is None:
+            continue
+        setattr(parent, name, Int4Linear(*grid, linear.bias))
+        packed += 1
+    return packed
+
+
+def _single_rank(linear: nn.Linear) -> bool:
+    """A tensor-parallel shard reduces over ranks in its own forward; only whole layers are replaced."""
+    tp = getattr(linear, "tp", None)
+    count = getattr(linear, "count", 1)
+    return (tp is None or tp.size == 1) and count == 1

@@ -1,0 +1,58 @@
+"""4-bit CPU linears: a Q4_1 weight's grid recovered exactly from its dequantised values, float weights left alone,
+and the packed layer computing the float layer's output within bf16 rounding."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from hybridkv.model.int4_cpu import GROUP, Int4Linear, grid_of, int4_kernel_available, pack_int4_linears
+
+pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="torch has no CPU int4 kernel")
+
+
+def q4_1(shape: tuple[int, int], seed: int) -> torch.Tensor:
+    """A weight as a Q4_1 GGUF holds it: quantised by gguf (llama.cpp's reference code) and dequantised."""
+    w = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 0.05
+    quant = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    return torch.from_numpy(gguf.quants.dequantize(quant, gguf.GGMLQuantizationType.Q4_1).copy()).float()
+
+
+def test_a_q4_1_weight_is_recovered_exactly_from_its_dequantised_values():
+    w = q4_1((48, 4 * GROUP), seed=0)
+    q, scale, zero = grid_of(w)
+    assert q.min() >= 0 and q.max() <= 15
+    rebuilt = (q.float().view(48, 4, GROUP) - 8) * scale[..., None] + zero[..., None]
+    torch.testing.assert_close(rebuilt.view_as(w), w, atol=1e-6, rtol=0)
+
+
+def test_float_weights_and_rows_not_a_multiple_of_the_group_are_not_packed():
+    assert grid_of(torch.randn(16, 4 * GROUP)) is None
+    assert grid_of(q4_1((16, 4 * GROUP), seed=1)[:, :-8]) is None
+    one_off = q4_1((16, 4 * GROUP), seed=2)
+    one_off[3, 5] += 1e-3  # a single value off the grid keeps the whole weight dense
+    assert grid_of(one_off) is None
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_the_packed_layer_matches_the_float_layer_within_bf16_rounding(rows):
+    w, bias = q4_1((96, 6 * GROUP), seed=3), torch.randn(96) * 0.1
+    x = torch.randn(rows, 6 * GROUP)
+    got = Int4Linear(*grid_of(w), bias)(x)
+    want = nn.functional.linear(x, w, bias)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    # bf16 activations and scales: ~2^-8 relative per product, averaged over the dot product
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+    assert (got - want).abs().max() > 0  # really the 4-bit kernel, not the float weight
+
+
+def test_pack_replaces_only_the_layers_on_a_grid():
+    model = nn.Sequential(nn.Linear(4 * GROUP, 32), nn.Linear(32, 4 * GROUP, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(q4_1((32, 4 * GROUP), seed=4))
+    assert pack_int4_linears(model) == 1
+    assert isinstance(model[0], Int4Linear) and isinstance(model[1], nn.Linear)
+    assert model(torch.randn(2, 4 * GROUP)).shape == (2, 4 * GROUP)
