@@ -44,8 +44,9 @@ def test_tight_kv_budget_queues_and_preempts_but_output_is_unchanged(tiny_model,
     probe = LLM(model=str(model.path), block_size=4, kv_cache_memory_bytes=1 << 20)
     page = probe.engine.layout.page_bytes
     # one request (50 tokens) fits at its peak, five together cannot (Mistral's window needs 5 pages, not 13)
+    # whole 8-token chunks (no cap on one prompt's chunk): the pages above are counted for that schedule
     llm = LLM(model=str(model.path), block_size=4, max_num_batched_tokens=8, kv_cache_memory_bytes=pages * page,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, long_prefill_token_threshold=0)
     assert llm.engine.kv.can_ever_fit(50)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(20), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hybridkv.kv.layout import KVLayout
@@ -30,8 +31,7 @@ class PagedKVCache:
         self.dtype = torch_dtype(kv_dtype)
         elem = torch.empty((), dtype=self.dtype).element_size()
         self.page_elems = layout.page_bytes // elem
-        # zeros (not empty): untouched pages are never resident on CPU, and no read can see garbage
-        self.buffer = torch.zeros(num_blocks, self.page_elems, dtype=self.dtype, device=device)
+        self.buffer = _zeroed(num_blocks, self.page_elems, self.dtype, torch.device(device))
         self.layers: dict[int, LayerCache] = {}
         for group in layout.groups:
             spec = group.spec
@@ -41,3 +41,13 @@ class PagedKVCache:
             )
             for slot, layer_id in enumerate(group.layer_ids):
                 self.layers[layer_id] = LayerCache(group.group_id, spec, view[:, slot], slot * slot_elems)
+
+
+def _zeroed(num_blocks: int, page_elems: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros (no read can see garbage). On CPU through numpy's calloc: the OS hands out zero pages as they are
+    first written, so an untouched page of the cache is never resident (``torch.zeros`` writes every byte: 2 GiB
+    of RSS and a second of start-up for the default CPU budget before any request)."""
+    if device.type != "cpu":
+        return torch.zeros(num_blocks, page_elems, dtype=dtype, device=device)
+    nbytes = num_blocks * page_elems * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(num_blocks, page_elems)

@@ -152,10 +152,24 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str:
     return f"model.layers.{layer}.{layer_tensors[part]}.{kind}"
 
 
+class FastGGUFReader(gguf.GGUFReader):
+    """gguf's reader, its slices cut from a plain ndarray view of the memory map: the same bytes without an
+    ``np.memmap`` object per slice (SmolLM2's ~100K tokenizer strings and merges took ~3 s of memmap bookkeeping
+    at start-up, more than anything else in reading the file)."""
+
+    def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        count = int(count)
+        arr = plain[offset : offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
 def read_gguf(path: str | PathLike, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
     """Open a llama or gemma3 GGUF file; raises ValueError naming the architecture if it is neither."""
     path = Path(path)
-    reader = gguf.GGUFReader(path)
+    reader = FastGGUFReader(path)
     architecture = gguf_metadata(reader, "general.architecture")
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(

