@@ -11,11 +11,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 
-# Default step budgets (max_num_batched_tokens). On CPU a step of 1024 tokens of SmolLM2-135M takes about a second
-# on 2 cores, so a long prompt goes in chunks with other requests' tokens between them; prefill throughput is
-# flat from 512 to 2048 (benchmarks/cpu.py --chunks).
+# Default step budgets (max_num_batched_tokens). On CPU, SmolLM2-135M prefills ~230 tokens/s on one core whatever
+# the chunk from 128 to 1024 tokens (a 2048-token prompt: 8.8, 9.0, 8.8, 9.3 s), so the step is small: a long
+# prompt's chunk (half the step, long_prefill_token_threshold) takes ~1 s, and other streams get a token a step.
 GPU_STEP_TOKENS = 8192
-CPU_STEP_TOKENS = 1024
+CPU_STEP_TOKENS = 512
 
 
 def knob(default: Any, help: str, cli: bool = True) -> Any:
