@@ -132,6 +132,9 @@ class TorchPagedAttention:
             # reach is monotone in the position: the tile's first query sees furthest back, its last one furthest on
             k_lo = spec.first_needed_token(context_len + lo) - first_key
             k_hi = context_len + hi - first_key
+            if spec.keeps_every_token and q.device.type == "cpu":
+                out[lo:hi] = _prefix_then_causal(q[lo:hi], k[:k_hi], v[:k_hi], context_len + lo, scale)
+                continue
             q_pos = torch.arange(context_len + lo, context_len + hi, device=q.device)
             mask = spec.visible(q_pos, key_positions[k_lo:k_hi])  # causal and the type's reach
             out[lo:hi] = _sdpa(q[lo:hi], k[k_lo:k_hi], v[k_lo:k_hi], mask, scale)
@@ -155,3 +158,19 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
         as_4d(q), as_4d(k), as_4d(v), attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
     return out[0].transpose(0, 1).to(q.dtype)
+
+
+def _prefix_then_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float) -> torch.Tensor:
+    """Full attention of a tile of queries (CPU): the first ``prefix`` keys are earlier tokens every query sees, the
+    last ``len(q)`` keys are the tile's own, seen causally. Two unmasked flash calls (the second with ``is_causal``,
+    square, so its top-left alignment is right) merged by their log-sum-exps: with a [Q, K] mask instead, torch's
+    CPU flash kernel ran at half speed (256 queries over 8,000 keys: 160 ms masked, 81 ms without)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    as_4d = lambda x: x.float().transpose(0, 1)[None]  # noqa: E731
+    q4, k4, v4 = as_4d(q), as_4d(k), as_4d(v)
+    own, own_lse = flash(q4, k4[:, :, prefix:], v4[:, :, prefix:], 0.0, True, scale=scale)
+    if prefix:
+        seen, seen_lse = flash(q4, k4[:, :, :prefix], v4[:, :, :prefix], 0.0, False, scale=scale)
+        lse = torch.logaddexp(seen_lse, own_lse)
+        own = seen * torch.exp(seen_lse - lse)[..., None] + own * torch.exp(own_lse - lse)[..., None]
+    return own[0].transpose(0, 1).to(q.dtype)
