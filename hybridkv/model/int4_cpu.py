@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridkv.model.architectures.parallel import FusedColumns
+
 GROUP = 32  # Q4_1's block of weights sharing a scale and a minimum
 # A value is on its group's grid when it is within this fraction of the group's step of a grid point (the step
 # and minimum are fp16 in the file and float32 here: rounding leaves ~1e-4 of a step, off-grid values ~0.5).
@@ -67,23 +69,34 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class Int4Columns:
+    """A ``FusedColumns`` group (q/k/v, gate/up) some of whose linears were packed: each runs its own GEMM (the
+    4-bit ones through the int4 kernel), with ``FusedColumns``' call signature."""
+
+    def __init__(self, linears: list[nn.Module]) -> None:
+        self.linears = linears
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(linear(x) for linear in self.linears)
+
+
 def pack_int4_linears(model: nn.Module) -> int:
-    """Replace every plain (single-rank) linear layer whose weight lies on a Q4_1 grid by an ``Int4Linear``;
-    returns how many. CPU only."""
-    targets = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if isinstance(child, nn.Linear) and _single_rank(child)
-    ]
-    packed = 0
-    for parent, name, linear in targets:
-        grid = grid_of(linear.weight)
-        if grid is None:
-            continue
-        setattr(parent, name, Int4Linear(*grid, linear.bias))
-        packed += 1
-    return packed
+    """Replace every plain (single-rank) linear layer whose weight lies on a Q4_1 grid by an ``Int4Linear``, and
+    every ``FusedColumns`` group holding one by an ``Int4Columns`` (before or after ``fuse_columns``: the float
+    weights are let go either way); returns how many linears were packed. CPU only."""
+    replaced: dict[int, Int4Linear] = {}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and _single_rank(child):
+                grid = grid_of(child.weight)
+                if grid is not None:
+                    replaced[id(child)] = Int4Linear(*grid, child.bias)
+                    setattr(parent, name, replaced[id(child)])
+    for module in model.modules():
+        for attr, group in list(vars(module).items()):
+            if isinstance(group, FusedColumns) and any(id(linear) in replaced for linear in group.linears):
+                setattr(module, attr, Int4Columns([replaced.get(id(l), l) for l in group.linears]))
+    return len(replaced)
 
 
 def _single_rank(linear: nn.Linear) -> bool:

@@ -9,7 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from hybridkv.model.int4_cpu import GROUP, Int4Linear, grid_of, int4_kernel_available, pack_int4_linears
+from hybridkv.model.architectures.llama import MLP
+from hybridkv.model.architectures.parallel import TPGroup, fuse_columns
+from hybridkv.model.int4_cpu import (
+    GROUP, Int4Columns, Int4Linear, grid_of, int4_kernel_available, pack_int4_linears,
+)
 
 pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="torch has no CPU int4 kernel")
 
@@ -56,3 +60,24 @@ def test_pack_replaces_only_the_layers_on_a_grid():
     assert pack_int4_linears(model) == 1
     assert isinstance(model[0], Int4Linear) and isinstance(model[1], nn.Linear)
     assert model(torch.randn(2, 4 * GROUP)).shape == (2, 4 * GROUP)
+
+
+@pytest.mark.parametrize("fused_first", [False, True])
+def test_a_fused_gate_up_group_runs_its_packed_linears(fused_first):
+    """Llama's MLP: gate and up run as a ``FusedColumns`` group; packed before or after ``fuse_columns``, the group
+    calls the 4-bit linears (and holds no float weight) and the MLP still computes its float output."""
+    mlp = MLP(4 * GROUP, 6 * GROUP, False, None, TPGroup())
+    with torch.no_grad():
+        for i, linear in enumerate((mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            linear.weight.copy_(q4_1(tuple(linear.weight.shape), seed=10 + i))
+    x = torch.randn(3, 4 * GROUP)
+    want = mlp(x)
+    if fused_first:
+        fuse_columns(mlp)
+    assert pack_int4_linears(mlp) == 3
+    fuse_columns(mlp)  # what ModelRunner does after the engine packed: a packed group is left alone
+    assert isinstance(mlp.gate_up, Int4Columns)
+    assert all(isinstance(linear, Int4Linear) for linear in mlp.gate_up.linears)
+    assert not any(isinstance(p, nn.Parameter) and p.dim() == 2 for p in mlp.parameters())  # float weights gone
+    got = mlp(x)
+    assert (got - want).abs().max() <= 3e-2 * want.abs().max()
