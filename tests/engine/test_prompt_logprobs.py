@@ -61,7 +61,9 @@ def test_prompt_logprobs_match_transformers_over_chunked_prefill_and_a_cached_pr
 def test_only_the_asked_rows_are_scored_in_lm_head_slices(tiny_model, monkeypatch):
     model = tiny_model("llama3")
     monkeypatch.setattr(model_runner, "SCORE_ROWS", 3)  # each step's rows cross several slices
-    llm = LLM(model=str(model.path), block_size=4, max_num_batched_tokens=8, kv_cache_memory_bytes=KV_BYTES)
+    # whole 8-token chunks (no cap on one prompt's chunk), as the counts below assume
+    llm = LLM(model=str(model.path), block_size=4, max_num_batched_tokens=8, kv_cache_memory_bytes=KV_BYTES,
+              long_prefill_token_threshold=0)
     prompt = random_prompts([30], seed=13)[0]
     scored_rows = []
     prepare = llm.engine.runner.prepare
