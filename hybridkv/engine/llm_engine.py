@@ -117,7 +117,8 @@ def resolve_max_model_len(config: EngineConfig, hf_config: dict, layout: KVLayou
     if wanted > model_len:
         limits.append((model_len, f"the model's context (max_position_embeddings) is {model_len}"))
     usable = num_blocks - 1  # block 0 is the null block
-    cache_fits = longest_fitting(layout, usable, config.max_num_batched_tokens, wanted)
+    step = resolve_step_budget(config, config.device).max_num_batched_tokens  # unresolved "auto": the GPU's step
+    cache_fits = longest_fitting(layout, usable, step, wanted)
     if cache_fits < wanted:
         limits.append((cache_fits, (
             f"the KV cache ({usable} blocks of {layout.block_size} tokens, "
