@@ -62,6 +62,13 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_zeros", torch.stack((scale.t(), zero.t()), dim=-1).bfloat16().contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
+    def _apply(self, fn, recurse: bool = True):
+        # the kernel takes its scales in bf16 whatever dtype the model is later moved to (a second engine over the
+        # same loaded model moves it to its dtype again)
+        super()._apply(fn, recurse)
+        self.scales_zeros = self.scales_zeros.to(torch.bfloat16)
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)

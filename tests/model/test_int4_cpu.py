@@ -81,3 +81,21 @@ def test_a_fused_gate_up_group_runs_its_packed_linears(fused_first):
     assert not any(isinstance(p, nn.Parameter) and p.dim() == 2 for p in mlp.parameters())  # float weights gone
     got = mlp(x)
     assert (got - want).abs().max() <= 3e-2 * want.abs().max()
+
+
+def test_packed_layer_survives_a_move_to_another_dtype():
+    """A second engine over the same loaded model moves it to its dtype again: the packed scales stay bf16."""
+    from hybridkv.model.int4_cpu import Int4Linear, grid_of
+
+    torch.manual_seed(3)
+    low = torch.randn(16, 2, 1)
+    step = torch.rand(16, 2, 1) * 0.1 + 0.01
+    q = torch.randint(0, 16, (16, 2, 32)).float()
+    q[..., 0], q[..., 1] = 0, 15  # every group spans its whole grid, as Q4_1's do
+    weight = (low + step * q).view(16, 64)
+    layer = Int4Linear(*grid_of(weight), None)
+    x = torch.randn(3, 64)
+    before = layer(x)
+    layer.to(dtype=torch.float32)
+    assert layer.scales_zeros.dtype == torch.bfloat16
+    torch.testing.assert_close(layer(x), before, rtol=0, atol=0)
