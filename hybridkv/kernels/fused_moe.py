@@ -12,16 +12,18 @@ passes over an expert's bytes (read, write, read). Here the kernels read the wei
 2. ``silu_mul_kernel`` sums the splits and applies ``silu(gate) * up`` (summing them inside the down kernel made
    every one of its programs hold all splits' tiles in registers: spills, 118 us a layer on an H200);
 3. ``down_kernel``: program (expert e, column tile n) multiplies the pairs of ``e`` by ``W_down[e, :, n]``;
-   output rows are the pairs (summed over top_k by the caller).
+   output rows are the pairs, summed over top_k at the end.
 
-The shared expert (Llama-4's, ungated, on every token) runs as one more program row of both kernels: its
+Before them, ``route_kernel`` computes the router's logits, top-k and gates in one launch.
+
+The shared expert (Llama-4's, ungated, on every token) can run as one more expert in the gate/up and down kernels: its
 nn.Linear weights are read transposed in place (K-contiguous), and each token gets a second output row, added to
 its routed ones at the end.
 
 E.g. 2 tokens, top-1, ids [3, 3], 16 experts, I = 1024, 64-column tiles, 4 splits: 16 x 16 x 4 programs start,
 the 64 of expert 3 each read a [H/4, 64] tile of gate and of up for both rows at once; 960 return at once.
 
-Both kernels take any float dtype; float32 weights use IEEE dots (Triton's default for float32 is tf32), so the
+The kernels take any float dtype; float32 weights use IEEE dots (Triton's default for float32 is tf32), so the
 tiny float32 test models stay exact to rounding.
 """
 
@@ -31,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-# the most (token, choice) pairs one launch takes: rows of a program's tiles (register use grows with it)
+# the most rows one launch takes ((token, choice) pairs, plus one per token for the shared expert): rows of a
+# program's tiles (register and shared-memory use grow with it)
 MAX_PAIRS = 64
 
 
