@@ -15,7 +15,7 @@ full tensor or a lazy safetensors slice, so a rank reads only its part from disk
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -24,6 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.model.architectures.collectives import OneShotAllReduce
+
 
 @dataclass(slots=True)
 class TPGroup:
@@ -31,18 +33,27 @@ class TPGroup:
 
     rank: int = 0
     size: int = 1
+    # small CUDA all-reduces (decode steps) over peer buffers instead of NCCL; set up by ``connect``
+    one_shot: OneShotAllReduce | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"tensor_parallel_size must be >= 1 (and rank below it), got {self.rank} of {self.size}")
 
-    def connect(self, store: dist.Store, backend: str, timeout_s: float) -> None:
+    def connect(self, store: dist.Store, backend: str, timeout_s: float, custom_all_reduce: bool = True) -> None:
         """Join the group's ranks (torch.distributed's default group); a collective that waits longer than
-        ``timeout_s`` raises, so a hung rank cannot hang the others forever."""
+        ``timeout_s`` raises, so a hung rank cannot hang the others forever. On GPUs that reach each other's
+        memory, small all-reduces then take the one-shot path unless ``custom_all_reduce`` is off."""
         timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.size, timeout=timeout)
+        if backend == "nccl" and custom_all_reduce:
+            device = torch.device("cuda", torch.cuda.current_device())
+            if OneShotAllReduce.usable(device, self.size):
+                # the store's port names the group: the same on every rank, new for every engine in a process
+                self.one_shot = OneShotAllReduce(device, store, f"hybridkv-tp-{store.port}")
 
     def leave(self) -> None:
+        self.one_shot = None
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -63,18 +74,27 @@ class TPGroup:
         return self.rank * num_kv_heads // self.size, num_kv_heads
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            dist.all_reduce(x)
+        """The sum of ``x`` over ranks: in place through NCCL/gloo, or a new tensor from the one-shot path."""
+        if self.size == 1:
+            return x
+        if self.one_shot is not None and self.one_shot.fits(x):
+            return self.one_shot(x)
+        dist.all_reduce(x)
         return x
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Concatenate every rank's ``x`` along the last dim on rank 0; other ranks get None."""
+        """Concatenate every rank's ``x`` along the last dim on rank 0; other ranks get None.
+
+        An all-gather, not a gather: NCCL's gather is point-to-point sends, and a CUDA graph of a decode step
+        holds the collective (the logits slices are small: rows x vocab / ranks)."""
         if self.size == 1:
             return x
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(x, parts, dst=0)
-        return torch.cat(parts, dim=-1) if parts is not None else None
+        parts = x.new_empty((self.size * x.shape[0], *x.shape[1:]))  # rank r's rows at r * rows (gloo's layout)
+        # torch 2.13 renamed it; the GPU image's 2.11 has only the old name
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(parts, x)
+        return torch.cat(parts.chunk(self.size), dim=-1) if self.rank == 0 else None
 
 
 def source_shape(source: Any) -> tuple[int, ...]:
