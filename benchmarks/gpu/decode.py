@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scout_rank import engine_for, fill_random, median_step_ms, prompt, random_model, rank_config  # noqa: E402
+from scout_rank import (  # noqa: E402
+    SLOT_PIECE, engine_for, fill_random, median_step_ms, prompt, random_model, rank_config,
+)
 
 from hybridkv.bench.tables import markdown_table  # noqa: E402
 from hybridkv.engine.sampling_params import SamplingParams  # noqa: E402
@@ -72,7 +74,7 @@ def start_decoding(engine, batch: int, context: int, vocab: int, steps: int) -> 
         engine.add_request(f"decode-{context}-{b}", prompt(context, vocab, 7 + b), SamplingParams(
             temperature=0, max_tokens=steps + 2, ignore_eos=True))
     seqs = [engine.scheduler.waiting.popleft() for _ in range(batch)]
-    piece = 1 << 20
+    piece = SLOT_PIECE
     for seq in seqs:
         # slots for all but the last prompt token; their KV "exists" as the random values filled in before
         while seq.num_computed_tokens < context - 1:

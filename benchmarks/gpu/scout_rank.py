@@ -17,6 +17,16 @@ per-GPU compute and memory are those of one rank. Reports:
     python benchmarks/gpu/scout_rank.py [--prefill-lengths 1048576,2845646] [--decode-contexts 1048576,5242880,10000000]
         [--kv-dtypes bfloat16,fp8_e4m3] [--block-size 64] [--step-contexts 0,1048576,...] [--plot PATH]
 
+Tensor parallelism (dummy weights, every rank's KV filled with random values through ``collective_rpc``):
+
+    python benchmarks/gpu/scout_rank.py --tensor-parallel-size 2 [--tp-prefill-length 1048576]
+        [--decode-contexts 1048576,5242880]
+    python benchmarks/gpu/scout_rank.py --tensor-parallel-size 4 --full-model [--tp-prefill-length 2845646]
+
+The first runs Scout/4 over 2 GPUs beside Scout/8 on one (the same shapes per GPU): prefill, decode with CUDA
+graphs, time in collectives, and a model of the TP 8 step from them. The second runs full-size Scout over 4 GPUs
+beside one TP-8 rank on one GPU (``--tp-prefill-length 0`` skips its prefill).
+
 ``--plot PATH`` (with ``--step-contexts``): a PNG of this run's step times with their fitted line, and the prefill
 time the step model predicts by prompt length beside the measured prefills and the user's vLLM runs.
 """
@@ -100,29 +110,147 @@ def decode_after_prefill_ms(engine: LLMEngine, n: int, vocab: int, steps: int = 
     return prefill, median_step_ms(engine, steps)
 
 
-def tensor_parallel_rows(size: int, n: int) -> list[list[str]]:
+def fill_random_cache(runner) -> None:
+    """Every rank's KV cache filled with random values (``LLMEngine.collective_rpc`` runs it on each rank)."""
+    fill_buffer(runner.backend.cache.buffer)
+
+
+def peak_gib(runner) -> float:
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def comm_ms(engine: LLMEngine, run) -> tuple[float, float]:
+    """(ms in all-reduce / all-gather kernels, ms in all kernels) on rank 0's GPU while ``run()`` executes; a
+    collective's time includes its wait for the slower rank."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    comm = sum(e.device_time for e in kernels if "nccl" in e.name.lower() or "all_reduce" in e.name.lower())
+    return comm / 1000, sum(e.device_time for e in kernels) / 1000
+
+
+TP_DECODE_MESSAGES = 97  # a Scout decode step's all-reduces: 2 per layer and the embedding's
+
+
+def tensor_parallel_rows(size: int, n: int, contexts: list[int]) -> list[list[str]]:
     """Scout with the shapes of one TP-(8/size) rank, split over ``size`` GPUs by real tensor parallelism: each GPU
-    holds what one GPU holds in the single-GPU run, plus the all-reduces. Weights: load_format=dummy."""
+    holds what one GPU holds in the single-GPU run, plus the all-reduces. Weights: load_format=dummy. Then a model
+    of the TP 8 step from the measured communication."""
     import tempfile
 
-    rows = []
+    rows, measured = [], {}
     for tp in (1, size):
         cfg = rank_config(8 // tp)
         with tempfile.TemporaryDirectory() as path:
             Path(path, "config.json").write_text(json.dumps(cfg))
-            engine = engine_for(None, "bfloat16", model=path, load_format="dummy", tensor_parallel_size=tp,
-                                enforce_eager=True)
-            vocab = cfg["vocab_size"]
-            decode_after_prefill_ms(engine, 20000, vocab, steps=2)  # compiles the kernels; not reported
-            seconds, ms = decode_after_prefill_ms(engine, n, vocab)
-            label = f"TP {tp}, Scout/{8 // tp} split over {tp} GPU(s)"
-            rows.append(["bfloat16", f"{label}: prefill {n:,} (cold)", f"{seconds:.1f} s", f"{n / seconds:,.0f} tok/s"])
-            rows.append(["bfloat16", f"{label}: decode step after it (eager)", f"{ms:.1f} ms", ""])
-            print(rows[-2], rows[-1], flush=True)
+            engine = engine_for(None, "bfloat16", model=path, load_format="dummy", tensor_parallel_size=tp)
+            label = f"TP {tp} (Scout/{8 // tp} over {tp} GPU{'s' if tp > 1 else ''})"
+            rows += engine_rows(engine, label, cfg["vocab_size"], n, contexts, measured.setdefault(tp, {}))
             engine.shutdown()
             del engine
             torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    return rows + tp8_model_rows(size, measured)
+
+
+def engine_rows(engine: LLMEngine, label: str, vocab: int, n: int, contexts: list[int], out: dict) -> list[list[str]]:
+    """Prefill of ``n`` tokens and the decode step after it; decode steps at ``contexts`` over random KV (CUDA
+    graphs), with the time in collectives; peak memory per GPU. Times go into ``out`` too."""
+    rows = []
+    decode_after_prefill_ms(engine, 20000, vocab, steps=2)  # compiles the kernels; not reported
+    if n:
+        seconds, ms = decode_after_prefill_ms(engine, n, vocab)
+        out["prefill"] = seconds
+        rows.append(["bfloat16", f"{label}: prefill {n:,} (cold)", f"{seconds:.1f} s", f"{n / seconds:,.0f} tok/s"])
+        rows.append(["bfloat16", f"{label}: decode step after it (graphs)", f"{ms:.2f} ms", ""])
+        print(rows[-2], rows[-1], flush=True)
+    engine.collective_rpc(fill_random_cache)
+    if engine.workers is not None and STEP_TOKENS + (1 << 19) <= engine.max_model_len:
+        comm, total = comm_ms(engine, lambda: step_seconds(engine, 1 << 19, vocab))
+        out["prefill_comm_share"] = comm / total
+        rows.append(["bfloat16", f"{label}: {STEP_TOKENS:,}-token prefill step over 524,288: collectives",
+                     f"{comm:.1f} of {total:.1f} ms", f"{100 * comm / total:.1f}% of kernel time"])
+    for ctx in contexts:
+        if ctx > engine.max_model_len:
+            rows.append(["bfloat16", f"{label}: decode step @ {ctx:,}", "does not fit", ""])
+            continue
+        ms = out[ctx] = decode_ms(engine, ctx, vocab, drain=False)
+        comm, total = comm_ms(engine, lambda: median_step_ms(engine, 5, drain=True))
+        note = f"collectives {comm / 5:.2f} ms a step" if engine.workers is not None else ""
+        out.setdefault("decode_comm", {})[ctx] = comm / 5
+        rows.append(["bfloat16", f"{label}: decode step @ {ctx:,} (random KV, graphs)", f"{ms:.2f} ms", note])
+        print(rows[-1], flush=True)
+    peaks = engine.collective_rpc(peak_gib)
+    rows.append(["bfloat16", f"{label}: peak GPU memory per rank", " / ".join(f"{p:.1f}" for p in peaks) + " GiB", ""])
     return rows
+
+
+def tp8_model_rows(size: int, measured: dict) -> list[list[str]]:
+    """The TP 8 step, modelled: one rank's work (the TP 1 run: Scout/8 on one GPU) plus TP ``size``'s measured
+    collectives, decode's per message and prefill's share scaled by a ring's traffic per GPU, 2 (N - 1) / N."""
+    one, many = measured[1], measured[size]
+    rows = []
+    for ctx, comm in many.get("decode_comm", {}).items():
+        if ctx in one:
+            per = comm / TP_DECODE_MESSAGES
+            rows.append(["bfloat16", f"TP 8 model: decode step @ {ctx:,}", f"{one[ctx] + comm:.2f} ms",
+                         f"rank step {one[ctx]:.2f} + {TP_DECODE_MESSAGES} x {1000 * per:.1f} us (TP {size}'s "
+                         "latency; 8 GPUs not measured)"])
+    if "prefill" in one and "prefill_comm_share" in many:
+        ring = (2 * 7 / 8) / (2 * (size - 1) / size)
+        share = many["prefill_comm_share"] * ring
+        rows.append(["bfloat16", "TP 8 model: prefill (collectives not overlapped)",
+                     f"{one['prefill'] / (1 - share):.1f} s",
+                     f"rank prefill {one['prefill']:.1f} s / (1 - {100 * share:.1f}% collectives: TP {size}'s share "
+                     f"x {ring:.2f} ring traffic)"])
+    return rows
+
+
+def full_model_rows(size: int, n: int, contexts: list[int]) -> list[list[str]]:
+    """Full-size Scout (dummy weights) over ``size`` GPUs: plan vs engine max_model_len, the prefill of ``n``
+    tokens, decode steps at ``contexts`` with graphs, peak memory per GPU; beside one TP-8 rank's decode steps on
+    one GPU (the same build), which each GPU here does twice over at TP 4."""
+    import tempfile
+
+    rows, rank = [], {}
+    cfg = rank_config(8)
+    with tempfile.TemporaryDirectory() as path:
+        Path(path, "config.json").write_text(json.dumps(cfg))
+        engine = engine_for(None, "bfloat16", model=path, load_format="dummy")
+        rows += engine_rows(engine, "one TP-8 rank (Scout/8, 1 GPU)", cfg["vocab_size"], 0, contexts, rank)
+        del engine
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    full = json.loads(CONFIG.read_text())
+    with tempfile.TemporaryDirectory() as path:
+        Path(path, "config.json").write_text(json.dumps(full))
+        engine = engine_for(None, "bfloat16", model=path, load_format="dummy", tensor_parallel_size=size)
+        kv_bytes = engine.kv.pool.num_blocks * engine.layout.page_bytes
+        plan = plan_capacity(full, tensor_parallel_size=size, kv_cache_dtype="bfloat16", block_size=BLOCK_SIZE,
+                             kv_memory_bytes=kv_bytes, max_num_batched_tokens=16384)
+        label = f"Scout, TP {size}"
+        rows.append(["bfloat16", f"{label}: max_model_len plan / engine", f"{plan.max_model_len:,} / "
+                     f"{engine.max_model_len:,}", f"KV {kv_bytes / 2**30:.2f} GiB per GPU"])
+        measured = {}
+        rows += engine_rows(engine, label, full["vocab_size"], n, contexts, measured)
+        for ctx in contexts:
+            if ctx in measured and ctx in rank:
+                rows.append(["bfloat16", f"{label}: decode @ {ctx:,} vs 2 x rank step + 1 ms",
+                             f"{measured[ctx]:.2f} vs {2 * rank[ctx] + 1:.2f} ms", ""])
+        if n == VLLM_FULL_PREFILL[0] and "prefill" in measured:
+            vllm_s, vllm_gpus = VLLM_FULL_PREFILL[1:]
+            rows.append(["bfloat16", f"{label}: GPU-seconds for {n:,} tokens vs the user's vLLM",
+                         f"{size * measured['prefill']:,.0f} vs {vllm_gpus * vllm_s:,.0f}",
+                         f"vLLM {vllm_s} s on {vllm_gpus} GPUs"])
+        engine.shutdown()
+    return rows
+
+
+# the user's vLLM run on 8xH200 the full-size rows compare with: prompt tokens, wall s, GPUs
+VLLM_FULL_PREFILL = (2845646, 334.9, 8)
 
 
 def prompt(n: int, vocab: int, seed: int) -> list[int]:
@@ -140,22 +268,31 @@ def prefill_seconds(engine: LLMEngine, n: int, vocab: int) -> float:
     return time.perf_counter() - start
 
 
+# Slots are allocated this many tokens at a time when a context is faked: a chunked layer's blocks are only freed
+# once the tokens are marked computed, so a piece holds a piece's worth of blocks in every chunked group (at 1M
+# pieces, full-size Scout at TP 4 ran out of blocks at 5M of its 6.17M).
+SLOT_PIECE = 1 << 17
+
+
 def fill_random(engine: LLMEngine) -> None:
     """Random K/V everywhere (not zeros: timing on zeros can flatter)."""
-    buf = engine.backend.cache.buffer
-    for rows in torch.split(torch.arange(buf.shape[0], device="cuda"), 4096):
-        chunk = torch.randn(len(rows), buf.shape[1], device="cuda", dtype=torch.bfloat16)
+    fill_buffer(engine.backend.cache.buffer)
+
+
+def fill_buffer(buf: torch.Tensor) -> None:
+    for rows in torch.split(torch.arange(buf.shape[0], device=buf.device), 4096):
+        chunk = torch.randn(len(rows), buf.shape[1], device=buf.device, dtype=torch.bfloat16)
         buf[rows] = chunk.to(buf.dtype)
 
 
-def decode_ms(engine: LLMEngine, context: int, vocab: int, steps: int = 8) -> float:
+def decode_ms(engine: LLMEngine, context: int, vocab: int, steps: int = 8, drain: bool = True) -> float:
     """Decode latency with ``context`` tokens already in a cache filled with random values."""
     engine.add_request(f"decode-{context}", prompt(context, vocab, 7), SamplingParams(
-        temperature=0, max_tokens=steps + 2, ignore_eos=True))
+        temperature=0, max_tokens=steps + 2 + (0 if drain else 5), ignore_eos=True))
     seq = engine.scheduler.waiting.popleft()
     # slots for all but the last prompt token, a piece at a time so chunked layers drop what left their chunk; the
     # KV of these tokens "exists" as the random values filled in before, it is not computed
-    piece = 1 << 20
+    piece = SLOT_PIECE
     while seq.num_computed_tokens < context - 1:
         n = min(piece, context - 1 - seq.num_computed_tokens)
         assert engine.kv.allocate_slots(seq, n)
@@ -165,7 +302,7 @@ def decode_ms(engine: LLMEngine, context: int, vocab: int, steps: int = 8) -> fl
     engine.scheduler.running.append(seq)
     engine.step()  # the last prompt token, then decodes
     engine.step()
-    return median_step_ms(engine, steps)
+    return median_step_ms(engine, steps, drain)
 
 
 STEP_TOKENS = 16384
@@ -181,7 +318,7 @@ def step_seconds(engine: LLMEngine, context: int, vocab: int) -> float:
         temperature=0, max_tokens=1))
     if context:
         seq = engine.scheduler.waiting.popleft()
-        piece = 1 << 20
+        piece = SLOT_PIECE
         while seq.num_computed_tokens < context:
             n = min(piece, context - seq.num_computed_tokens)
             assert engine.kv.allocate_slots(seq, n)
@@ -280,7 +417,11 @@ def median_step_ms(engine: LLMEngine, steps: int, drain: bool = True) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
-                    help="1: one TP-8 rank on one GPU; 2, 4, 8: real TP over that many GPUs, each holding a TP-8 rank")
+                    help="1: one TP-8 rank on one GPU; 2, 4, 8: real TP over that many GPUs, each holding a "
+                         "TP-(8/N) rank, beside TP 1 holding the same per GPU")
+    ap.add_argument("--full-model", action="store_true",
+                    help="with --tensor-parallel-size N: full-size Scout over N GPUs (--tp-prefill-length tokens, "
+                         "decode at --decode-contexts), beside one TP-8 rank's decode on one GPU")
     ap.add_argument("--prefill-lengths", default="1048576")
     ap.add_argument("--decode-contexts", default="1048576,5242880,10000000")
     ap.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3",
@@ -292,8 +433,13 @@ def main() -> None:
                          "predict vLLM's prompt lengths, e.g. 0,1048576,2097152,4194304,8388608,9800000")
     ap.add_argument("--plot", metavar="PATH", help="with --step-contexts: draw the step model of this run into a PNG")
     args = ap.parse_args()
+    contexts = [int(x) for x in args.decode_contexts.split(",") if x]
+    if args.full_model:
+        rows = full_model_rows(args.tensor_parallel_size, args.tp_prefill_length, contexts)
+        print_table(rows, f"full-size Llama-4-Scout over {args.tensor_parallel_size} GPUs, block {BLOCK_SIZE}")
+        return
     if args.tensor_parallel_size in (2, 4, 8):
-        rows = tensor_parallel_rows(args.tensor_parallel_size, args.tp_prefill_length)
+        rows = tensor_parallel_rows(args.tensor_parallel_size, args.tp_prefill_length, contexts)
         print_table(rows, f"Llama-4-Scout, tensor parallelism {args.tensor_parallel_size} vs 1, block {BLOCK_SIZE}")
         return
     cfg = rank_config(8)

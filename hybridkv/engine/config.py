@@ -63,6 +63,10 @@ class EngineConfig:
     skip_tokenizer_init: bool = knob(False, "load no tokenizer: prompts and outputs are token ids")
     tensor_parallel_size: int = knob(1, "ranks (processes) to split the model over; this one is rank 0")
     distributed_timeout_s: float = knob(300.0, "a collective that waits this long raises: a rank has hung")
+    # vLLM's name: its own custom all-reduce is on by default too
+    disable_custom_all_reduce: bool = knob(
+        False, "GPU tensor parallelism: every all-reduce through NCCL (default: small ones, as in decode steps, "
+               "one-shot over peer GPU memory)")
     # the CLI names it in GiB (--kv-offload-gib, see args.py), like vLLM's --kv-offloading-size
     kv_offload_bytes: int = knob(0, "host-memory tier of the prefix cache, bytes per rank (0: off); see kv/host_tier.py",
                                  cli=False)

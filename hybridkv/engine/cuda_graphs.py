@@ -5,6 +5,14 @@ A decode step launches every kernel of every layer from Python; on a Llama-4 Sco
 padded up to the next bucket (1, 2, 4, 8, ...); padding rows attend to nothing and write into the null block.
 
 Prefill and mixed steps stay eager. ``EngineConfig(enforce_eager=True)`` turns graphs off.
+
+Under tensor parallelism every rank captures the same buckets in the same order and replays the same bucket each
+step. The graphs hold the all-reduces only through the one-shot path (``collectives.py``), never NCCL: torch's
+``destroy_process_group`` hangs once NCCL work was captured in a graph (pytorch#115388), and NCCL documents
+deadlocks between graphs of several communicators. So the buckets stop where a step's messages outgrow the
+one-shot buffer, the graphs end at the final hidden states and the vocabulary slices' logits are computed and
+gathered after the replay, eagerly; without the one-shot path (``disable_custom_all_reduce``, or GPUs that cannot
+reach each other's memory) decode stays eager.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ class DecodeGraphs:
         self.backend = backend
         width = -(-max_model_len // backend.block_size)
         by_tables = TABLE_BUDGET_BYTES // (width * 4 * len(backend.layout.groups))
-        most = max(1, min(max_num_seqs, by_tables, model.max_graph_tokens))
+        most = max(1, min(max_num_seqs, by_tables, model.max_graph_tokens, self.one_shot_tokens(model)))
         self.buckets = sorted({min(1 << i, most) for i in range(most.bit_length() + 1)})
         self.max_seqs = self.buckets[-1]
         device = backend.device
@@ -36,10 +44,23 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(self.max_seqs, dtype=torch.long, device=device)
         self.positions = torch.zeros(self.max_seqs, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # logits (TP 1) or final hidden states
         self.replays = 0
         self._capture()
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+
+    @staticmethod
+    def possible(model: CausalLM) -> bool:
+        """One rank, or tensor-parallel ranks whose all-reduces can stay out of NCCL (see the module docstring)."""
+        return model.tp.size == 1 or model.tp.one_shot is not None
+
+    @staticmethod
+    def one_shot_tokens(model: CausalLM) -> int:
+        """Most tokens a step's all-reduces ([tokens, hidden]) carry through the one-shot buffer; no bound at TP 1."""
+        if model.tp.size == 1:
+            return 1 << 30
+        item = next(model.parameters()).element_size()
+        return model.tp.one_shot.max_bytes // (model.cfg.hidden_size * item)
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -50,23 +71,31 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self._forward(size)
+                self.outputs[size] = self._forward(size)
             pool = graph.pool()
             self.graphs[size] = graph
 
     def _forward(self, size: int) -> torch.Tensor:
+        """Logits (one rank), or the final hidden states (tensor parallelism: logits after the replay)."""
         hidden = self.model(self.input_ids[:size], self.positions[:size], self.backend)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden) if self.model.tp.size == 1 else hidden
 
-    def run(self, input_ids: np.ndarray, seqs: list, sample_rows: np.ndarray) -> torch.Tensor | None:
-        """Logits of a decode step from its graph, or None if this step is not a decode step that fits."""
+    def bucket(self, seqs: list, sample_rows: np.ndarray) -> int | None:
+        """The graph that runs this step (the smallest bucket holding its batch), or None if it is not a decode step
+        that fits. A function of the step alone: under tensor parallelism every rank picks the same graph."""
         n = len(seqs)
         if not 0 < n <= self.max_seqs or len(sample_rows) != n or any(s.query_len != 1 for s in seqs):
             return None
-        size = next(b for b in self.buckets if b >= n)
+        return next(b for b in self.buckets if b >= n)
+
+    def replay(self, size: int, input_ids: np.ndarray, seqs: list) -> torch.Tensor | None:
+        """Logits of a decode step from graph ``size`` (None on tensor-parallel ranks other than 0)."""
+        n = len(seqs)
         self.input_ids[:n].copy_(torch.from_numpy(input_ids))
         self.positions[:n].copy_(torch.from_numpy(np.array([s.context_len for s in seqs], dtype=np.int64)))
         self.backend.begin_static_decode(seqs, size)
         self.graphs[size].replay()
         self.replays += 1
-        return self.logits[size][:n]
+        if self.model.tp.size > 1:
+            return self.model.compute_logits(self.outputs[size][:n])  # the hidden states (see _forward)
+        return self.outputs[size][:n]

@@ -10,7 +10,7 @@ import itertools
 import logging
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -176,7 +176,7 @@ class LLMEngine:
                                    config.long_prefill_token_threshold)
         if tp.size > 1:
             self.runner = self._start_workers(tp, dtype, kv_dtype, num_blocks, host_blocks)
-        elif not config.enforce_eager:
+        if not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, hf_config)
@@ -215,8 +215,24 @@ class LLMEngine:
                        host_blocks: int) -> ModelRunner:
         from hybridkv.engine.tp_workers import TPDriverRunner, TPWorkers, WorkerSpec
 
-        self.workers = TPWorkers(WorkerSpec(self.config, dtype, kv_dtype, num_blocks, host_blocks=host_blocks), tp)
+        from hybridkv.model.architectures.collectives import OneShotAllReduce
+
+        one_shot = not self.config.disable_custom_all_reduce and OneShotAllReduce.available_here()
+        if not one_shot and not self.config.disable_custom_all_reduce:
+            log.warning("all-reduces go through NCCL and decode runs eagerly: this process set up the one-shot "
+                        "all-reduce for an earlier tensor-parallel engine (once per process)")
+        spec = WorkerSpec(self.config, dtype, kv_dtype, num_blocks, self.max_model_len, one_shot,
+                          host_blocks=host_blocks)
+        self.workers = TPWorkers(spec, tp)
         return TPDriverRunner(self.model, self.kv, self.backend, self.workers, self.runner.copier)
+
+    def collective_rpc(self, fn: Callable, *args) -> list:
+        """``fn(runner, *args)`` on every tensor-parallel rank's ``ModelRunner`` (vLLM's name), e.g. to read each
+        GPU's peak memory or fill each rank's KV cache in a benchmark; the results by rank. ``fn`` and its result
+        must pickle under tensor parallelism (a module-level function)."""
+        if self.workers is None:
+            return [fn(self.runner, *args)]
+        return self.runner.call_on_ranks(fn, *args)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (a no-op without them); the engine cannot step afterwards."""

@@ -10,6 +10,7 @@ memory than a batch of sampled rows, and a step without such requests computes n
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +24,8 @@ from hybridkv.kv.host_tier import BlockCopy
 from hybridkv.model.architectures.parallel import fuse_columns
 from hybridkv.model.attention.base import PagedAttentionBackend, StepSequence
 from hybridkv.model.causal_lm import CausalLM
+
+log = logging.getLogger("hybridkv")
 
 
 @dataclass(slots=True)
@@ -67,12 +70,19 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.graphs = None  # DecodeGraphs when decode steps replay from CUDA graphs
 
+    @property
+    def can_capture(self) -> bool:
+        return self.backend.capabilities.cuda_graphs and self.model.supports_cuda_graphs
+
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
         """Replay decode steps from CUDA graphs from now on, where the backend and the model both can."""
-        if not (self.backend.capabilities.cuda_graphs and self.model.supports_cuda_graphs):
+        if not self.can_capture:
             return False
         from hybridkv.engine.cuda_graphs import DecodeGraphs  # CUDA only
 
+        if not DecodeGraphs.possible(self.model):
+            log.info("decode steps run eagerly: tensor-parallel CUDA graphs need the one-shot all-reduce")
+            return False
         self.graphs = DecodeGraphs(self.model, self.backend, max_num_seqs, max_model_len)
         return True
 
@@ -111,9 +121,9 @@ class ModelRunner:
         if step.block_ops:  # host tier: before anything reads a loaded page or overwrites a written-back one
             self.copier.run(step.block_ops)
         if self.graphs is not None and not len(step.score_rows):
-            logits = self.graphs.run(step.input_ids, step.seqs, step.sample_rows)
-            if logits is not None:
-                return StepOutput(logits)
+            bucket = self.graphs.bucket(step.seqs, step.sample_rows)
+            if bucket is not None:  # logits None on tensor-parallel ranks other than 0, as eager
+                return StepOutput(self.graphs.replay(bucket, step.input_ids, step.seqs))
         self.backend.begin_step(step.seqs)
         hidden = self.model(
             torch.from_numpy(step.input_ids).to(self.device),

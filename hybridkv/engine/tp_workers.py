@@ -60,6 +60,8 @@ class WorkerSpec:
     dtype: torch.dtype
     kv_dtype: str
     num_blocks: int
+    max_model_len: int  # the driver's, which sizes the decode graphs' block tables
+    one_shot: bool  # small all-reduces one-shot over peer memory (decided by the driver: see collectives.py)
     rank: int = 0
     port: int = 0  # of the driver's TCPStore, where ranks meet
     host_blocks: int = 0  # host tier pages per rank (each rank keeps its own heads' pages)
@@ -77,6 +79,16 @@ class WorkerSpec:
         return self.config.device
 
 
+@dataclass(slots=True)
+class RankCall:
+    """Sent to every worker in place of a step: run ``fn(its runner, *args)``, as rank 0 does at the same time,
+    and send the result back (vLLM's ``collective_rpc``). Capturing the decode CUDA graphs is one: it runs forwards, and so the collectives
+    inside them, on every rank together. ``fn`` must pickle (a module-level function or a class's method)."""
+
+    fn: Callable
+    args: tuple = ()
+
+
 def device_for_rank(device: str, rank: int) -> str:
     return f"cuda:{rank}" if device.startswith("cuda") else device
 
@@ -91,11 +103,14 @@ def _worker_main(spec: WorkerSpec, conn: Connection) -> None:
         if spec.device.startswith("cuda"):
             backend = "nccl"
             torch.cuda.set_device(device_for_rank(spec.device, spec.rank))
-        tp.connect(store, backend, spec.timeout_s)
+        tp.connect(store, backend, spec.timeout_s, spec.one_shot)
         runner = _build_runner(spec, tp)
         conn.send(("ready", None))
         while (step := conn.recv()) is not None:
-            runner.execute(step)
+            if isinstance(step, RankCall):
+                conn.send(("result", step.fn(runner, *step.args)))
+            else:
+                runner.execute(step)
         tp.leave()
     except EOFError:
         return  # the driver is gone: nothing left to serve
@@ -143,7 +158,7 @@ class TPWorkers:
         self._stop = weakref.finalize(self, _stop_workers, self.procs, self.conns, tp)
         try:
             self._expect("hello")  # every worker is up before rank 0 blocks in the group's rendezvous
-            tp.connect(store, "nccl" if spec.device.startswith("cuda") else "gloo", spec.timeout_s)
+            tp.connect(store, "nccl" if spec.device.startswith("cuda") else "gloo", spec.timeout_s, spec.one_shot)
             self._expect("ready")
         except TensorParallelError:
             raise
@@ -151,8 +166,8 @@ class TPWorkers:
             raise self.fail(f"starting the workers failed on rank 0: {e!r}") from e
 
     # ---- steps ------------------------------------------------------------------------------------
-    def run(self, step: StepInput, execute: Callable[[StepInput], torch.Tensor]) -> torch.Tensor:
-        """Send ``step`` to every worker and run rank 0's part with ``execute``; its logits come back."""
+    def run(self, step: StepInput | RankCall, execute: Callable[[StepInput], torch.Tensor]) -> torch.Tensor:
+        """Send ``step`` to every worker and run rank 0's part with ``execute``; what it returns comes back."""
         if self.failure is not None:
             raise TensorParallelError(f"this engine cannot step: its tensor-parallel workers are gone ({self.failure})")
         if not all(p.is_alive() for p in self.procs):
@@ -167,7 +182,19 @@ class TPWorkers:
                 raise  # KeyboardInterrupt and the like stay what they are
             raise error from e
 
-    def _expect(self, what: str) -> None:
+    def call(self, call: RankCall, runner: ModelRunner) -> list:
+        """``call`` on every rank (rank 0 with ``runner``); every rank's result, by rank."""
+        first = self.run(call, lambda c: c.fn(runner, *c.args))
+        try:
+            return [first, *self._expect("result")]
+        except TensorParallelError:
+            raise
+        except BaseException as e:
+            raise self.fail(f"collecting the ranks' results failed: {e!r}") from e
+
+    def _expect(self, what: str) -> list:
+        """Each worker's next message, which must be ``what``; their payloads by rank."""
+        payloads = []
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), 1):
             timeout = max(self.timeout_s, _START_TIMEOUT_S)
             if conn not in wait([conn, proc.sentinel], timeout):
@@ -180,6 +207,8 @@ class TPWorkers:
                 self.worker_errors[rank] = payload
             if kind != what:
                 raise self.fail(f"rank {rank} sent {kind!r}, not {what!r}")
+            payloads.append(payload)
+        return payloads
 
     # ---- failure and shutdown ---------------------------------------------------------------------
     @property
@@ -249,3 +278,14 @@ class TPDriverRunner(ModelRunner):
 
     def run(self, out) -> torch.Tensor:
         return self.workers.run(self.prepare(out), self.execute)
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
+        """Every rank captures the same batch buckets in the same order (their collectives pair up), then replays
+        the same bucket each step: each rank picks it from the same ``StepInput``."""
+        if not self.can_capture:
+            return False
+        return all(self.call_on_ranks(ModelRunner.capture_decode_graphs, max_num_seqs, max_model_len))
+
+    def call_on_ranks(self, fn: Callable, *args) -> list:
+        """``fn(runner, *args)`` on every rank; their results by rank."""
+        return self.workers.call(RankCall(fn, args), self)

@@ -79,7 +79,7 @@ def test_llm_takes_every_config_field_and_refuses_others_by_name():
 
 def test_a_workers_spec_carries_the_whole_config():
     config = EngineConfig(model="m", tensor_parallel_size=2, distributed_timeout_s=7.0, device="cpu", seed=9)
-    spec = pickle.loads(pickle.dumps(dataclasses.replace(WorkerSpec(config, None, "float32", 10), rank=1, port=5)))
+    spec = pickle.loads(pickle.dumps(dataclasses.replace(WorkerSpec(config, None, "float32", 10, 640, True), rank=1, port=5)))
     assert spec.config == config and (spec.rank, spec.port, spec.size, spec.timeout_s) == (1, 5, 2, 7.0)
 
 

@@ -132,18 +132,33 @@ def test_decode_from_cuda_graphs_is_token_exact_with_eager(tiny_model, name):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("name", ["llama4", "llama3"])
-def test_tensor_parallel_over_two_gpus_matches_one_gpu(tiny_model, name):
-    """TP=2 over NCCL (Triton kernels on each rank) generates what TP=1 generates, float32, greedy."""
+# one engine with the one-shot path per process (collectives.py): it comes first
+@pytest.mark.parametrize("name,custom_all_reduce", [("llama4", True), ("llama4", False), ("llama3", False)])
+def test_tensor_parallel_over_two_gpus_matches_one_gpu(tiny_model, name, custom_all_reduce):
+    """TP=2 over NCCL (Triton kernels on each rank) generates what TP=1 generates, float32, greedy: prefill eager,
+    decode replayed from CUDA graphs on both ranks with small all-reduces one-shot over peer memory (or, all
+    through NCCL, decode eager)."""
     model = tiny_model(name)
     prompts = [{"prompt_token_ids": p} for p in random_prompts([70, 23, 150, 5], seed=31)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     common = dict(model=str(model.path), device="cuda", dtype="float32", kv_cache_memory_bytes=64 << 20)
-    want = LLM(**common).generate(prompts, params, use_tqdm=False)
-    two = LLM(tensor_parallel_size=2, **common)
+    want = LLM(enforce_eager=True, **common).generate(prompts, params, use_tqdm=False)
+    two = LLM(tensor_parallel_size=2, disable_custom_all_reduce=not custom_all_reduce, **common)
     try:
+        assert (two.engine.model.tp.one_shot is not None) == (custom_all_reduce and two_gpus_see_each_other())
         for _ in range(2):  # the second round from the prefix cache
             got = two.generate(prompts, params, use_tqdm=False)
             assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+            lp_g = torch.tensor([lp for o in got for row in o.outputs[0].logprobs for _, lp in row])
+            lp_w = torch.tensor([lp for o in want for row in o.outputs[0].logprobs for _, lp in row])
+            torch.testing.assert_close(lp_g, lp_w, atol=1e-4, rtol=0)
+        if custom_all_reduce:  # the decode steps came from the graphs (without the one-shot path: eager)
+            assert two.engine.runner.graphs.replays >= 20
+        else:
+            assert two.engine.runner.graphs is None
     finally:
         two.shutdown()
+
+
+def two_gpus_see_each_other() -> bool:
+    return torch.cuda.can_device_access_peer(0, 1) and torch.cuda.can_device_access_peer(1, 0)

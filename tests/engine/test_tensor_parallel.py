@@ -251,3 +251,22 @@ def test_gemma3_dummy_weights_on_one_and_two_ranks(tmp_path, shut_down):
     two = LLM(model=str(tmp_path), load_format="dummy", seed=3, tensor_parallel_size=TP)
     shut_down(two)
     assert len(two.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids) == 6
+
+
+def rank_and_shard(runner, name: str) -> tuple[int, tuple[int, ...]]:
+    """Run on every rank by ``collective_rpc``: the rank and the shape of its shard of parameter ``name``."""
+    return runner.model.tp.rank, tuple(runner.model.get_parameter(name).shape)
+
+
+def test_collective_rpc_runs_on_every_rank_and_returns_their_results(tiny_model, shut_down):
+    path = tiny_model("llama3").path
+    one = LLM(**engine_args(path))
+    name = "layers.0.self_attn.q_proj.weight"
+    (rank, whole), = one.engine.collective_rpc(rank_and_shard, name)
+    llm = LLM(**engine_args(path), tensor_parallel_size=TP)
+    shut_down(llm)
+    got = llm.engine.collective_rpc(rank_and_shard, name)
+    assert got == [(r, (whole[0] // TP, whole[1])) for r in range(TP)]  # each rank's own half of the heads
+    assert rank == 0
+    # the engine still steps after a call, and the call left the workers in step with rank 0
+    assert generate(llm, random_prompts([10], seed=7), n=3)[0].outputs[0].token_ids
