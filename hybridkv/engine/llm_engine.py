@@ -214,7 +214,6 @@ class LLMEngine:
     def _start_workers(self, tp: TPGroup, dtype: torch.dtype, kv_dtype: str, num_blocks: int,
                        host_blocks: int) -> ModelRunner:
         from hybridkv.engine.tp_workers import TPDriverRunner, TPWorkers, WorkerSpec
-
         from hybridkv.model.architectures.collectives import OneShotAllReduce
 
         one_shot = not self.config.disable_custom_all_reduce and OneShotAllReduce.available_here()

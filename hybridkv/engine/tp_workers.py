@@ -82,8 +82,9 @@ class WorkerSpec:
 @dataclass(slots=True)
 class RankCall:
     """Sent to every worker in place of a step: run ``fn(its runner, *args)``, as rank 0 does at the same time,
-    and send the result back (vLLM's ``collective_rpc``). Capturing the decode CUDA graphs is one: it runs forwards, and so the collectives
-    inside them, on every rank together. ``fn`` must pickle (a module-level function or a class's method)."""
+    and send the result back (vLLM's ``collective_rpc``). Capturing the decode CUDA graphs is one: it runs
+    forwards, and so the collectives inside them, on every rank together. ``fn`` must pickle (a module-level
+    function or a class's method)."""
 
     fn: Callable
     args: tuple = ()
