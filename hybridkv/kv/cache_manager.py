@@ -361,6 +361,11 @@ class KVCacheManager:
             out[m.group.group_id] = m.block_ids(req_id)
         return out
 
+    def tables_version(self, req_id: str) -> int:
+        """Changes whenever any of the request's block tables does, and no other request's tables share it: the
+        version of the latest edit (versions are drawn from one counter and only grow)."""
+        return max(m.tables[req_id].version for m in self.managers)
+
     def has_blocks(self, req_id: str) -> bool:
         return req_id in self.managers[0].tables
 

@@ -1,0 +1,77 @@
+"""``KVCacheManager.tables_version``: one version names one request's block tables as they are, so a decode step can
+re-send only the tables whose version changed."""
+
+import random
+
+from kvutil import chunked, full, manager, req, sliding
+
+
+def snapshot(kv, rid):
+    return tuple(tuple(t.tolist()) for t in kv.block_tables(rid))
+
+
+class Watcher:
+    """Checks, after every operation, that equal versions mean equal tables of one request, and that a request
+    whose tables changed got a new version."""
+
+    def __init__(self, kv) -> None:
+        self.kv = kv
+        self.seen: dict[int, tuple[str, tuple]] = {}  # version -> (request, tables)
+        self.last: dict[str, tuple[int, tuple]] = {}  # request -> (version, tables)
+        self.changes = 0
+
+    def check(self, live) -> None:
+        for r in live:
+            if not self.kv.has_blocks(r.request_id):
+                continue
+            version, tables = self.kv.tables_version(r.request_id), snapshot(self.kv, r.request_id)
+            assert self.seen.setdefault(version, (r.request_id, tables)) == (r.request_id, tables)
+            before = self.last.get(r.request_id)
+            if before is not None and before[1] != tables:
+                assert before[0] != version
+                self.changes += 1
+            self.last[r.request_id] = (version, tables)
+
+
+def test_versions_follow_appends_drops_hits_preemption_and_frees():
+    kv = manager([full(), sliding(6), chunked(8)], 2, 40, max_step_tokens=6)
+    watch = Watcher(kv)
+    rnd = random.Random(0)
+    prefix = [rnd.randrange(50) for _ in range(9)]
+    waiting = [req(f"r{i}", prefix[: rnd.randint(3, 9)] + [rnd.randrange(50) for _ in range(rnd.randint(1, 8))])
+               for i in range(8)]
+    running, hits, preempted, finished = [], 0, 0, 0
+    for _ in range(400):
+        if waiting and (not running or rnd.random() < 0.3):
+            r = waiting.pop(0)
+            hit = kv.find_cache_hit(r)
+            n = min(len(r.all_token_ids) - hit.num_tokens, 6)
+            if kv.allocate_slots(r, n, hit):
+                hits += hit.num_tokens > 0
+                r.num_computed_tokens += hit.num_tokens + n
+                kv.on_tokens_computed(r)
+                running.append(r)
+            else:
+                waiting.insert(0, r)
+        elif running:
+            r = rnd.choice(running)
+            if r.num_computed_tokens == len(r.all_token_ids):
+                r.all_token_ids.append(rnd.randrange(50))  # decode: the sampled token
+            n = min(len(r.all_token_ids) - r.num_computed_tokens, 6)
+            if not kv.allocate_slots(r, n):
+                victim = running.pop()  # preempt the newest
+                kv.free(victim)
+                victim.num_computed_tokens = 0
+                waiting.insert(0, victim)
+                preempted += 1
+            else:
+                r.num_computed_tokens += n
+                kv.on_tokens_computed(r)
+                if len(r.all_token_ids) >= 30 and rnd.random() < 0.2:
+                    running.remove(r)
+                    kv.free(r)
+                    finished += 1
+                    r2 = req(r.request_id + "+", r.all_token_ids[:12])  # a later turn of the same prefix
+                    waiting.append(r2)
+        watch.check(running)
+    assert hits and preempted and finished and watch.changes > 100  # the scenario reached every case
