@@ -418,15 +418,12 @@ class LLMEngine:
         outputs = []
         for i, seq in enumerate(req.seqs):
             st = seq.state
-            cumulative = None
-            if st.logprobs is not None:
-                cumulative = sum(row[0][1] for row in st.logprobs if row)
             outputs.append(
                 CompletionOutput(
                     i,
                     st.text,
-                    list(st.token_ids),
-                    cumulative,
+                    list(st.token_ids),  # a copy: a stream reads it after later steps appended to the state's
+                    None if st.logprobs is None else st.cumulative_logprob,
                     st.logprobs,
                     st.finish_reason,
                     st.stop_reason,

@@ -99,6 +99,8 @@ class RequestOutputState:
     finish_reason: str | None = None  # "stop" | "length" | None
     stop_reason: int | str | None = None  # stop token id or stop string
     streamed_chars: int = 0
+    # the sampled tokens' logprobs summed as they come (with ``logprobs``): no pass over every row per step
+    cumulative_logprob: float = 0
 
     @classmethod
     def create(
@@ -125,7 +127,10 @@ class RequestOutputState:
             raise RuntimeError(f"sequence already finished ({self.finish_reason})")
         self.token_ids.append(token_id)
         if self.logprobs is not None:
-            self.logprobs.append(list(logprobs or ()))
+            row = list(logprobs or ())
+            self.logprobs.append(row)
+            if row:
+                self.cumulative_logprob += row[0][1]
         hidden = (_stop_token_hit(self, eos_token_ids)
                   and not self.params.include_stop_str_in_output)
         delta = "" if hidden else self.detokenizer.add_token(token_id)

@@ -191,6 +191,9 @@ def test_logprobs_recorded(tok):
     st = RequestOutputState.create(SamplingParams(logprobs=1), [], tok)
     st.append_token(1, [(1, -0.1), (1, -0.1)])
     assert st.logprobs == [[(1, -0.1), (1, -0.1)]]
+    st.append_token(2, [(2, -0.7), (1, -0.2)])
+    st.append_token(3, None)  # a row without logprobs adds nothing
+    assert st.cumulative_logprob == -0.1 + -0.7  # the sampled tokens' logprobs, in order
     st = RequestOutputState.create(SamplingParams(), [], tok)
     st.append_token(1, [(1, -0.1)])
     assert st.logprobs is None
