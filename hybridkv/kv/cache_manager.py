@@ -118,6 +118,7 @@ class KVCacheManager:
         self._num_full = sum(m.spec.keeps_every_token for m in self.managers)
         # Chained hashes of the last block before each known branch point (a bounded LRU set).
         self._branch_registry: OrderedDict[bytes, None] = OrderedDict()
+        self._dropped_at: dict[str, int] = {}  # per request with blocks: the computed count of its last drop
         self.stats = PrefixCacheStats()
         # Host tier (kv/host_tier.py): pages the pool evicts are written back to RAM and found again by lookups.
         self.host: HostTier | None = None
@@ -302,10 +303,12 @@ class KVCacheManager:
         chunk and preempting others (or itself) half-way. On success with a hit the caller adds
         ``hit.num_tokens`` to ``req.num_computed_tokens``.
         """
-        for m in self.managers:
-            m.drop_out_of_reach(req.request_id, req.num_computed_tokens)
-        if self.blocks_needed(req, num_new_tokens, hit) > self.pool.num_free_blocks:
+        self._drop_out_of_reach(req)
+        needed = self.blocks_needed(req, num_new_tokens, hit)
+        if needed > self.pool.num_free_blocks:
             return False
+        if hit is None and not needed and self.has_blocks(req.request_id):
+            return True  # every table holds the new tokens already (a decode step inside its last block)
         if full_sequence_must_fit and hit is not None:
             if self.blocks_for_all_tokens(req, hit) > self.pool.num_free_blocks:
                 return False
@@ -328,8 +331,19 @@ class KVCacheManager:
             self._update_hashes(req)
             for m in self.managers:
                 m.cache_full_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
+        self._drop_out_of_reach(req)
+
+    def _drop_out_of_reach(self, req: KVRequest) -> None:
+        """Every group frees what fell out of its reach, once per computed count: the drop depends on that count
+        alone (a table always covers the computed tokens), so the next step's ``allocate_slots`` of a running
+        request, which ``on_tokens_computed`` left at the same count, skips it."""
+        rid, computed = req.request_id, req.num_computed_tokens
+        if self._dropped_at.get(rid) == computed:
+            return
         for m in self.managers:
-            m.drop_out_of_reach(req.request_id, req.num_computed_tokens)
+            m.drop_out_of_reach(rid, computed)
+        if self.has_blocks(rid):
+            self._dropped_at[rid] = computed
 
     def free(self, req: KVRequest) -> None:
         """Give back every block of a finished, aborted or preempted request.
@@ -342,6 +356,7 @@ class KVCacheManager:
             for m in self.managers:
                 m.cache_full_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
         hashes = req.block_hashes if self.enable_prefix_caching else ()
+        self._dropped_at.pop(req.request_id, None)
         released = [m.release(req.request_id, req.num_computed_tokens, hashes) for m in self.managers]
         keep: list[KVBlock] = []
         low: list[KVBlock] = []

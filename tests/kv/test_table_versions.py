@@ -3,7 +3,7 @@ re-send only the tables whose version changed."""
 
 import random
 
-from kvutil import chunked, full, manager, req, sliding
+from kvutil import chunked, full, group_of, manager, req, sliding, table
 
 
 def snapshot(kv, rid):
@@ -75,3 +75,20 @@ def test_versions_follow_appends_drops_hits_preemption_and_frees():
                     waiting.append(r2)
         watch.check(running)
     assert hits and preempted and finished and watch.changes > 100  # the scenario reached every case
+
+
+def test_out_of_reach_blocks_drop_once_per_computed_count_and_again_after_a_free():
+    kv = manager([full(), sliding(4)], 2, 20, enable_prefix_caching=False)
+    sg = group_of(kv, "sliding")
+    for life in range(2):  # freed in between: the second life's tables drop again at the same count
+        r = req("r", range(9))
+        assert kv.allocate_slots(r, 9)
+        r.num_computed_tokens = 9  # computed, but nobody called on_tokens_computed: the next allocation drops
+        version = kv.tables_version("r")
+        assert kv.allocate_slots(r, 1)
+        assert table(kv, r, sg)[:3] == [0, 0, 0] and 0 not in table(kv, r, sg)[3:], life  # needed from token 6
+        assert kv.tables_version("r") != version
+        version = kv.tables_version("r")
+        assert kv.allocate_slots(r, 1) and kv.tables_version("r") == version  # nothing more to drop or add
+        kv.free(r)
+    assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks
