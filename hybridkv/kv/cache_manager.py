@@ -371,15 +371,22 @@ class KVCacheManager:
     # ---- views -------------------------------------------------------------------------------------
     def block_tables(self, req_id: str) -> list[np.ndarray]:
         """Per group (indexed by group id), the request's block ids; views, not copies."""
-        out: list[np.ndarray] = [_NO_BLOCKS] * self.num_groups
-        for m in self.managers:
-            out[m.group.group_id] = m.block_ids(req_id)
-        return out
+        return self.step_tables(req_id)[0]
 
     def tables_version(self, req_id: str) -> int:
         """Changes whenever any of the request's block tables does, and no other request's tables share it: the
         version of the latest edit (versions are drawn from one counter and only grow)."""
-        return max(m.tables[req_id].version for m in self.managers)
+        return self.step_tables(req_id)[1]
+
+    def step_tables(self, req_id: str) -> tuple[list[np.ndarray], int]:
+        """``block_tables`` and ``tables_version`` in one pass (a step asks for both, for every sequence)."""
+        out: list[np.ndarray] = [_NO_BLOCKS] * len(self.managers)
+        version = 0
+        for m in self.managers:
+            table = m.tables[req_id]
+            out[m.group.group_id] = table.ids
+            version = max(version, table.version)
+        return out, version
 
     def has_blocks(self, req_id: str) -> bool:
         return req_id in self.managers[0].tables

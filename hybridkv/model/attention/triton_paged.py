@@ -200,8 +200,10 @@ class _StaticDecode:
     host: torch.Tensor  # its pinned mirror (plain memory without CUDA)
     copied: torch.cuda.Event | None  # the last copies from ``host`` and ``mirror``: done before either is written
     tables: list[torch.Tensor]  # per group [max_seqs, max blocks] int32
-    mirror: list[torch.Tensor]  # per group: what ``tables`` holds, pinned; a row is its table, then zeros
-    mirror_np: list[np.ndarray]  # the same memory, for numpy
+    mirror: torch.Tensor  # [groups, max_seqs, max blocks]: what ``tables`` hold, pinned; a row: its table, zeros
+    mirror_np: np.ndarray  # the same memory, for numpy
+    host_np: np.ndarray  # ``host``'s memory, for numpy
+    order: np.ndarray  # [max_seqs] int32: 0, 1, 2, ...
     ends: list[np.ndarray]  # per group [max_seqs]: past this entry a row of ``mirror`` is all zeros
     versions: list[int]  # per row: the ``tables_version`` written there (0: none known)
     max_model_len: int
@@ -221,7 +223,7 @@ class _StaticDecode:
     def write_table(self, g: int, row: int, table: np.ndarray) -> None:
         """Row ``row`` of group ``g``'s device table becomes ``table`` followed by zeros; one copy of the span of
         entries that differ (a decode step that crossed into a new block: its last entry)."""
-        mirror, n = self.mirror_np[g][row], len(table)
+        mirror, n = self.mirror_np[g, row], len(table)
         lo, hi = n, 0
         diff = np.flatnonzero(mirror[:n] != table)
         if len(diff):
@@ -233,7 +235,7 @@ class _StaticDecode:
             lo, hi = min(lo, n), end
         self.ends[g][row] = n
         if lo < hi:
-            self.tables[g][row, lo:hi].copy_(self.mirror[g][row, lo:hi], non_blocking=True)
+            self.tables[g][row, lo:hi].copy_(self.mirror[g, row, lo:hi], non_blocking=True)
 
 
 class TritonPagedAttention:
@@ -378,11 +380,10 @@ class TritonPagedAttention:
         groups = len(self.layout.groups)
         rows = zeros(5 + 2 * groups, max_seqs)
         pinned = lambda *shape: torch.zeros(shape, dtype=torch.int32, pin_memory=rows.is_cuda)  # noqa: E731
-        mirror = [pinned(max_seqs, width) for _ in range(groups)]
+        host, mirror = pinned(*rows.shape), pinned(groups, max_seqs, width)
         self._static = _StaticDecode(
-            rows=rows, host=pinned(*rows.shape), copied=None,
-            tables=[zeros(max_seqs, width) for _ in range(groups)], mirror=mirror,
-            mirror_np=[m.numpy() for m in mirror],
+            rows=rows, host=host, copied=None, tables=[zeros(max_seqs, width) for _ in range(groups)],
+            mirror=mirror, mirror_np=mirror.numpy(), host_np=host.numpy(), order=np.arange(max_seqs, dtype=np.int32),
             ends=[np.zeros(max_seqs, dtype=np.int64) for _ in range(groups)], versions=[0] * max_seqs,
             max_model_len=max_model_len,
         )
@@ -393,11 +394,11 @@ class TritonPagedAttention:
         st, n, bs = self._static, len(seqs), self.block_size
         if st.copied is not None:
             st.copied.synchronize()  # the previous step's copies have read the mirrors
-        host = st.host.numpy()
+        host, groups = st.host_np, len(self.layout.groups)
         host[:, :padded] = 0
-        ctx = host[4, :padded]
-        ctx[:n] = [s.context_len for s in seqs]
-        host[0, :padded] = host[2, :padded] = np.arange(padded, dtype=np.int32)  # tile_seq, q_loc
+        ctx = host[4, :n]
+        ctx[:] = [s.context_len for s in seqs]
+        host[0, :padded] = host[2, :padded] = st.order[:padded]  # tile_seq, q_loc
         host[3, :n] = 1  # q_len
         for i, s in enumerate(seqs):
             version = s.tables_version
@@ -405,10 +406,9 @@ class TritonPagedAttention:
                 for g, group in enumerate(self.layout.groups):
                     st.write_table(g, i, s.block_tables[group.group_id])
                 st.versions[i] = version
-        rows, blocks = np.arange(n), ctx[:n] // bs
-        for g in range(len(self.layout.groups)):
-            host[5 + 2 * g, :n] = st.mirror_np[g][rows, blocks]  # = the tables' entries (just written)
-            host[6 + 2 * g, :n] = ctx[:n] % bs
+        # every group's slot block (the tables' entries, just written) and slot offset: rows 5, 7, ... and 6, 8, ...
+        host[5 : 5 + 2 * groups : 2, :n] = st.mirror_np[:, st.order[:n], ctx // bs]
+        host[6 : 6 + 2 * groups : 2, :n] = ctx % bs
         st.rows.copy_(st.host, non_blocking=True)
         if st.rows.is_cuda:
             st.copied = torch.cuda.Event()
