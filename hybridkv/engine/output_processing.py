@@ -148,7 +148,7 @@ class RequestOutputState:
         that would then be cut from ``text``.
         """
         end = len(self.text)
-        if not self.finished and not self.params.include_stop_str_in_output:
+        if self.params.stop and not self.finished and not self.params.include_stop_str_in_output:
             end -= max(self.params.max_stop_len - 1, 0)
         end = max(end, self.streamed_chars)
         delta = self.text[self.streamed_chars:end]
