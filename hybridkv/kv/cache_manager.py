@@ -119,6 +119,7 @@ class KVCacheManager:
         # Chained hashes of the last block before each known branch point (a bounded LRU set).
         self._branch_registry: OrderedDict[bytes, None] = OrderedDict()
         self._dropped_at: dict[str, int] = {}  # per request with blocks: the computed count of its last drop
+        self._published_at: dict[str, int] = {}  # per request with blocks: its full computed blocks last published
         self.stats = PrefixCacheStats()
         # Host tier (kv/host_tier.py): pages the pool evicts are written back to RAM and found again by lookups.
         self.host: HostTier | None = None
@@ -329,8 +330,12 @@ class KVCacheManager:
         """After a step: publish newly full computed blocks, then free what fell out of reach."""
         if self.enable_prefix_caching:
             self._update_hashes(req)
-            for m in self.managers:
-                m.cache_full_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
+            full = req.num_computed_tokens // self.block_size
+            # what a group publishes depends on this count alone (hashes and tables cover the computed tokens)
+            if self._published_at.get(req.request_id) != full:
+                for m in self.managers:
+                    m.cache_full_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
+                self._published_at[req.request_id] = full
         self._drop_out_of_reach(req)
 
     def _drop_out_of_reach(self, req: KVRequest) -> None:
@@ -357,6 +362,7 @@ class KVCacheManager:
                 m.cache_full_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
         hashes = req.block_hashes if self.enable_prefix_caching else ()
         self._dropped_at.pop(req.request_id, None)
+        self._published_at.pop(req.request_id, None)
         released = [m.release(req.request_id, req.num_computed_tokens, hashes) for m in self.managers]
         keep: list[KVBlock] = []
         low: list[KVBlock] = []

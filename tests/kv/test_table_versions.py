@@ -1,5 +1,6 @@
-"""``KVCacheManager.tables_version``: one version names one request's block tables as they are, so a decode step can
-re-send only the tables whose version changed."""
+"""The KV cache manager's per-step shortcuts: ``tables_version`` (one version names one request's block tables as they
+are, so a decode step re-sends only the tables whose version changed), and drops and publishes that run once per
+computed count yet again for a request freed and admitted anew."""
 
 import random
 
@@ -92,3 +93,16 @@ def test_out_of_reach_blocks_drop_once_per_computed_count_and_again_after_a_free
         assert kv.allocate_slots(r, 1) and kv.tables_version("r") == version  # nothing more to drop or add
         kv.free(r)
     assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks
+
+
+def test_full_blocks_publish_once_per_count_and_again_after_a_free():
+    kv = manager([full(), sliding(4)], 2, 20)
+    for life, tokens in enumerate([[1, 2, 3, 4, 5], [6, 7, 8, 9, 5]]):  # same id, other tokens: other blocks
+        r = req("r", tokens)
+        assert kv.allocate_slots(r, 4)
+        r.num_computed_tokens = 4
+        kv.on_tokens_computed(r)  # two full computed blocks: the count the first life ended at, too
+        kv.on_tokens_computed(r)  # nothing new
+        assert all(kv.pool.lookup((r.block_hashes[i], g.group_id)) is not None
+                   for i in range(2) for g in kv.layout.groups), life
+        kv.free(r)
