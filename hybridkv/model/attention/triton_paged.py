@@ -194,14 +194,14 @@ class _StaticDecode:
     more host time than the whole decode step's GPU work at batch 1. Block tables change only when a sequence
     gets a new block (or drops one out of its window), so a row is looked at only when its sequence's
     ``tables_version`` differs from the one written there, and only the entries that differ are copied, from a
-    pinned mirror of the device tables (``mirror``)."""
+    host mirror of the device tables (``mirror``; plain memory: it is as large as the tables, and a few entries
+    a step copy as fast from it)."""
 
     rows: torch.Tensor  # [5 + 2 * groups, max_seqs] int32 on the device
     host: torch.Tensor  # its pinned mirror (plain memory without CUDA)
-    copied: torch.cuda.Event | None  # the last copies from ``host`` and ``mirror``: done before either is written
+    copied: torch.cuda.Event | None  # the last copy from ``host``: done before ``host`` is written again
     tables: list[torch.Tensor]  # per group [max_seqs, max blocks] int32
-    mirror: torch.Tensor  # [groups, max_seqs, max blocks]: what ``tables`` hold, pinned; a row: its table, zeros
-    mirror_np: np.ndarray  # the same memory, for numpy
+    mirror: np.ndarray  # [groups, max_seqs, max blocks]: what ``tables`` hold; a row is its table, then zeros
     host_np: np.ndarray  # ``host``'s memory, for numpy
     order: np.ndarray  # [max_seqs] int32: 0, 1, 2, ...
     ends: list[np.ndarray]  # per group [max_seqs]: past this entry a row of ``mirror`` is all zeros
@@ -223,7 +223,7 @@ class _StaticDecode:
     def write_table(self, g: int, row: int, table: np.ndarray) -> None:
         """Row ``row`` of group ``g``'s device table becomes ``table`` followed by zeros; one copy of the span of
         entries that differ (a decode step that crossed into a new block: its last entry)."""
-        mirror, n = self.mirror_np[g, row], len(table)
+        mirror, n = self.mirror[g, row], len(table)
         lo, hi = n, 0
         diff = np.flatnonzero(mirror[:n] != table)
         if len(diff):
@@ -235,7 +235,8 @@ class _StaticDecode:
             lo, hi = min(lo, n), end
         self.ends[g][row] = n
         if lo < hi:
-            self.tables[g][row, lo:hi].copy_(self.mirror[g, row, lo:hi], non_blocking=True)
+            # from plain memory the copy is staged before it returns: the mirror may change right after
+            self.tables[g][row, lo:hi].copy_(torch.from_numpy(mirror[lo:hi]), non_blocking=True)
 
 
 class TritonPagedAttention:
@@ -379,11 +380,11 @@ class TritonPagedAttention:
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=self.device)  # noqa: E731
         groups = len(self.layout.groups)
         rows = zeros(5 + 2 * groups, max_seqs)
-        pinned = lambda *shape: torch.zeros(shape, dtype=torch.int32, pin_memory=rows.is_cuda)  # noqa: E731
-        host, mirror = pinned(*rows.shape), pinned(groups, max_seqs, width)
+        host = torch.zeros(rows.shape, dtype=torch.int32, pin_memory=rows.is_cuda)
         self._static = _StaticDecode(
             rows=rows, host=host, copied=None, tables=[zeros(max_seqs, width) for _ in range(groups)],
-            mirror=mirror, mirror_np=mirror.numpy(), host_np=host.numpy(), order=np.arange(max_seqs, dtype=np.int32),
+            mirror=np.zeros((groups, max_seqs, width), dtype=np.int32), host_np=host.numpy(),
+            order=np.arange(max_seqs, dtype=np.int32),
             ends=[np.zeros(max_seqs, dtype=np.int64) for _ in range(groups)], versions=[0] * max_seqs,
             max_model_len=max_model_len,
         )
@@ -393,7 +394,7 @@ class TritonPagedAttention:
         rows; a padding row computes nothing and its token's K/V go to the null block, which is never read."""
         st, n, bs = self._static, len(seqs), self.block_size
         if st.copied is not None:
-            st.copied.synchronize()  # the previous step's copies have read the mirrors
+            st.copied.synchronize()  # the previous step's copy has read ``host``
         host, groups = st.host_np, len(self.layout.groups)
         host[:, :padded] = 0
         ctx = host[4, :n]
@@ -407,7 +408,7 @@ class TritonPagedAttention:
                     st.write_table(g, i, s.block_tables[group.group_id])
                 st.versions[i] = version
         # every group's slot block (the tables' entries, just written) and slot offset: rows 5, 7, ... and 6, 8, ...
-        host[5 : 5 + 2 * groups : 2, :n] = st.mirror_np[:, st.order[:n], ctx // bs]
+        host[5 : 5 + 2 * groups : 2, :n] = st.mirror[:, st.order[:n], ctx // bs]
         host[6 : 6 + 2 * groups : 2, :n] = ctx % bs
         st.rows.copy_(st.host, non_blocking=True)
         if st.rows.is_cuda:
