@@ -57,10 +57,11 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
-        self._ids = list(prompt_ids)
         # Seed the window with the prompt's tail so the first output token is
-        # decoded in context (e.g. keeps its leading space).
-        self._prefix_offset = max(len(self._ids) - _CONTEXT_TOKENS, 0)
+        # decoded in context (e.g. keeps its leading space); no window reaches
+        # further back, so a long prompt is not copied.
+        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._skip_special = skip_special_tokens
 
