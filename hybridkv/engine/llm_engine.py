@@ -379,7 +379,7 @@ class LLMEngine:
         for req in touched:
             finished = req.finished
             if finished or req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
-                outputs.append(self._request_output(req))
+                outputs.append(self._request_output(req, finished))
             if finished:
                 del self._requests[req.request_id]
         return outputs
@@ -414,19 +414,16 @@ class LLMEngine:
             touched[req_id] = self._requests[req_id]
         return list(touched.values())
 
-    def _request_output(self, req: _Request) -> RequestOutput:
+    def _request_output(self, req: _Request, finished: bool) -> RequestOutput:
         outputs = []
         for i, seq in enumerate(req.seqs):
             st = seq.state
-            cumulative = None
-            if st.logprobs is not None:
-                cumulative = sum(row[0][1] for row in st.logprobs if row)
             outputs.append(
                 CompletionOutput(
                     i,
                     st.text,
-                    list(st.token_ids),
-                    cumulative,
+                    list(st.token_ids),  # a copy: a stream reads it after later steps appended to the state's
+                    None if st.logprobs is None else st.cumulative_logprob,
                     st.logprobs,
                     st.finish_reason,
                     st.stop_reason,
@@ -436,7 +433,7 @@ class LLMEngine:
         cached = min(s.num_cached_prompt_tokens for s in req.seqs)
         scores = req.seqs[0].prompt_scores
         prompt_logprobs = None if scores is None else scores.build()
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, req.finished, cached,
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, finished, cached,
                              prompt_logprobs)
 
 

@@ -100,7 +100,7 @@ class ModelRunner:
         for s in out.scheduled:
             start, end = s.context_len, s.context_len + s.num_new_tokens
             input_ids.extend(s.seq.all_token_ids[start:end])
-            seqs.append(StepSequence(start, s.num_new_tokens, self.kv.block_tables(s.seq.request_id)))
+            seqs.append(StepSequence(start, s.num_new_tokens, *self.kv.step_tables(s.seq.request_id)))
             scored = s.prompt_score_positions
             if scored:
                 score_rows.extend(range(offset + scored.start - start, offset + scored.stop - start))

@@ -57,10 +57,11 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
-        self._ids = list(prompt_ids)
         # Seed the window with the prompt's tail so the first output token is
-        # decoded in context (e.g. keeps its leading space).
-        self._prefix_offset = max(len(self._ids) - _CONTEXT_TOKENS, 0)
+        # decoded in context (e.g. keeps its leading space); no window reaches
+        # further back, so a long prompt is not copied.
+        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._skip_special = skip_special_tokens
 
@@ -99,6 +100,8 @@ class RequestOutputState:
     finish_reason: str | None = None  # "stop" | "length" | None
     stop_reason: int | str | None = None  # stop token id or stop string
     streamed_chars: int = 0
+    # the sampled tokens' logprobs summed as they come (with ``logprobs``): no pass over every row per step
+    cumulative_logprob: float = 0
 
     @classmethod
     def create(
@@ -125,7 +128,10 @@ class RequestOutputState:
             raise RuntimeError(f"sequence already finished ({self.finish_reason})")
         self.token_ids.append(token_id)
         if self.logprobs is not None:
-            self.logprobs.append(list(logprobs or ()))
+            row = list(logprobs or ())
+            self.logprobs.append(row)
+            if row:
+                self.cumulative_logprob += row[0][1]
         hidden = (_stop_token_hit(self, eos_token_ids)
                   and not self.params.include_stop_str_in_output)
         delta = "" if hidden else self.detokenizer.add_token(token_id)
@@ -143,7 +149,7 @@ class RequestOutputState:
         that would then be cut from ``text``.
         """
         end = len(self.text)
-        if not self.finished and not self.params.include_stop_str_in_output:
+        if self.params.stop and not self.finished and not self.params.include_stop_str_in_output:
             end -= max(self.params.max_stop_len - 1, 0)
         end = max(end, self.streamed_chars)
         delta = self.text[self.streamed_chars:end]

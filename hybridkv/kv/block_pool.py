@@ -19,6 +19,7 @@ Block 0 is the null block: never allocated, never freed, referenced by tables wh
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -95,6 +96,8 @@ class BlockPool:
         self._lru = _LinkedQueue()
         self._cached: dict[BlockHashKey, KVBlock] = {}
         self.num_evictions = 0
+        # numbers every edit of every block table drawing from this pool (``managers.BlockTable.version``)
+        self.table_versions = itertools.count(1)
         self.in_use_by_group: dict[int, int] = {}
         # Host tier hook (kv/host_tier.py): sees each cached block about to be reused, while its queue and page
         # still say what it holds, so it can copy the page out first.

@@ -118,6 +118,8 @@ class KVCacheManager:
         self._num_full = sum(m.spec.keeps_every_token for m in self.managers)
         # Chained hashes of the last block before each known branch point (a bounded LRU set).
         self._branch_registry: OrderedDict[bytes, None] = OrderedDict()
+        self._dropped_at: dict[str, int] = {}  # per request with blocks: the computed count of its last drop
+        self._published_at: dict[str, int] = {}  # per request with blocks: its full computed blocks last published
         self.stats = PrefixCacheStats()
         # Host tier (kv/host_tier.py): pages the pool evicts are written back to RAM and found again by lookups.
         self.host: HostTier | None = None
@@ -302,10 +304,12 @@ class KVCacheManager:
         chunk and preempting others (or itself) half-way. On success with a hit the caller adds
         ``hit.num_tokens`` to ``req.num_computed_tokens``.
         """
-        for m in self.managers:
-            m.drop_out_of_reach(req.request_id, req.num_computed_tokens)
-        if self.blocks_needed(req, num_new_tokens, hit) > self.pool.num_free_blocks:
+        self._drop_out_of_reach(req)
+        needed = self.blocks_needed(req, num_new_tokens, hit)
+        if needed > self.pool.num_free_blocks:
             return False
+        if hit is None and not needed and self.has_blocks(req.request_id):
+            return True  # every table holds the new tokens already (a decode step inside its last block)
         if full_sequence_must_fit and hit is not None:
             if self.blocks_for_all_tokens(req, hit) > self.pool.num_free_blocks:
                 return False
@@ -326,10 +330,25 @@ class KVCacheManager:
         """After a step: publish newly full computed blocks, then free what fell out of reach."""
         if self.enable_prefix_caching:
             self._update_hashes(req)
-            for m in self.managers:
-                m.cache_full_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
+            full = req.num_computed_tokens // self.block_size
+            # what a group publishes depends on this count alone (hashes and tables cover the computed tokens)
+            if self._published_at.get(req.request_id) != full:
+                for m in self.managers:
+                    m.cache_full_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
+                self._published_at[req.request_id] = full
+        self._drop_out_of_reach(req)
+
+    def _drop_out_of_reach(self, req: KVRequest) -> None:
+        """Every group frees what fell out of its reach, once per computed count: the drop depends on that count
+        alone (a table always covers the computed tokens), so the next step's ``allocate_slots`` of a running
+        request, which ``on_tokens_computed`` left at the same count, skips it."""
+        rid, computed = req.request_id, req.num_computed_tokens
+        if self._dropped_at.get(rid) == computed:
+            return
         for m in self.managers:
-            m.drop_out_of_reach(req.request_id, req.num_computed_tokens)
+            m.drop_out_of_reach(rid, computed)
+        if self.has_blocks(rid):
+            self._dropped_at[rid] = computed
 
     def free(self, req: KVRequest) -> None:
         """Give back every block of a finished, aborted or preempted request.
@@ -342,6 +361,8 @@ class KVCacheManager:
             for m in self.managers:
                 m.cache_full_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
         hashes = req.block_hashes if self.enable_prefix_caching else ()
+        self._dropped_at.pop(req.request_id, None)
+        self._published_at.pop(req.request_id, None)
         released = [m.release(req.request_id, req.num_computed_tokens, hashes) for m in self.managers]
         keep: list[KVBlock] = []
         low: list[KVBlock] = []
@@ -356,10 +377,22 @@ class KVCacheManager:
     # ---- views -------------------------------------------------------------------------------------
     def block_tables(self, req_id: str) -> list[np.ndarray]:
         """Per group (indexed by group id), the request's block ids; views, not copies."""
-        out: list[np.ndarray] = [_NO_BLOCKS] * self.num_groups
+        return self.step_tables(req_id)[0]
+
+    def tables_version(self, req_id: str) -> int:
+        """Changes whenever any of the request's block tables does, and no other request's tables share it: the
+        version of the latest edit (versions are drawn from one counter and only grow)."""
+        return self.step_tables(req_id)[1]
+
+    def step_tables(self, req_id: str) -> tuple[list[np.ndarray], int]:
+        """``block_tables`` and ``tables_version`` in one pass (a step asks for both, for every sequence)."""
+        out: list[np.ndarray] = [_NO_BLOCKS] * len(self.managers)
+        version = 0
         for m in self.managers:
-            out[m.group.group_id] = m.block_ids(req_id)
-        return out
+            table = m.tables[req_id]
+            out[m.group.group_id] = table.ids
+            version = max(version, table.version)
+        return out, version
 
     def has_blocks(self, req_id: str) -> bool:
         return req_id in self.managers[0].tables

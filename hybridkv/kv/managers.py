@@ -34,7 +34,7 @@ evict-first, so the next request with the same system prompt resumes at token 12
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Callable, ClassVar, Sequence
+from typing import Callable, ClassVar, Iterator, Sequence
 
 import numpy as np
 
@@ -47,13 +47,19 @@ Lookup = Callable[[BlockHashKey], KVBlock | None]  # cached block by (hash, grou
 
 
 class BlockTable:
-    """Growable int32 array of block ids; ``ids`` is a view the attention backend can read without copying."""
+    """Growable int32 array of block ids; ``ids`` is a view the attention backend can read without copying.
 
-    __slots__ = ("_buf", "_len")
+    ``version`` is drawn from ``versions`` (a counter every table of one pool shares) when the table is made and at
+    each edit, so one version names one table's content: a decode step's metadata re-sends a table only when it
+    changed (``KVCacheManager.tables_version``)."""
 
-    def __init__(self, capacity: int = 16) -> None:
+    __slots__ = ("_buf", "_len", "_versions", "version")
+
+    def __init__(self, versions: Iterator[int], capacity: int = 16) -> None:
         self._buf = np.zeros(max(16, capacity), dtype=np.int32)
         self._len = 0
+        self._versions = versions
+        self.version = next(versions)
 
     def __len__(self) -> int:
         return self._len
@@ -73,9 +79,11 @@ class BlockTable:
             self._buf = grown
         self._buf[self._len : n] = block_ids
         self._len = n
+        self.version = next(self._versions)
 
     def set_null(self, start: int, end: int) -> None:
         self._buf[start:end] = NULL_BLOCK_ID
+        self.version = next(self._versions)
 
 
 class SingleTypeManager:
@@ -168,7 +176,7 @@ class SingleTypeManager:
     def add_hit_blocks(self, req_id: str, hit_blocks: Sequence[KVBlock]) -> None:
         assert req_id not in self.tables, f"request {req_id} already has blocks"
         self.pool.touch(hit_blocks, self.group.group_id)
-        table = BlockTable(len(hit_blocks))
+        table = BlockTable(self.pool.table_versions, len(hit_blocks))
         table.extend([b.block_id for b in hit_blocks])
         self.tables[req_id] = table
         dropped = 0
@@ -181,7 +189,7 @@ class SingleTypeManager:
         """Grow the table to hold ``num_tokens`` tokens."""
         table = self.tables.get(req_id)
         if table is None:
-            table = self.tables[req_id] = BlockTable()
+            table = self.tables[req_id] = BlockTable(self.pool.table_versions)
             self._num_dropped[req_id] = self._num_cached[req_id] = 0
         n = cdiv(num_tokens, self.block_size) - len(table)
         if n > 0:

@@ -65,6 +65,15 @@ def test_leading_space_kept_with_prompt_context(tok):
     assert [d.add_token(t) for t in tok.ids("▁Hello", "▁world")] == ["Hello", " world"]
 
 
+def test_a_long_prompt_is_not_copied_and_its_tail_gives_the_context(tok):
+    prompt = tok.ids(*["▁Hello", "▁world", "!"] * 40)
+    out = tok.ids("▁end", ("é",), "▁a", "b")
+    d = IncrementalDetokenizer(tok, prompt)
+    deltas = [d.add_token(t) for t in out]
+    assert "".join(deltas) == tok.decode(prompt + out)[len(tok.decode(prompt)):] == " endé ab"
+    assert len(d._ids) == 5 + len(out)  # the prompt's last 5 tokens, not all 120
+
+
 def test_multibyte_characters_held_back_until_complete(tok):
     ids = tok.ids("▁Hello", ("é🙂中",), "!")
     d = IncrementalDetokenizer(tok, [])
@@ -191,6 +200,9 @@ def test_logprobs_recorded(tok):
     st = RequestOutputState.create(SamplingParams(logprobs=1), [], tok)
     st.append_token(1, [(1, -0.1), (1, -0.1)])
     assert st.logprobs == [[(1, -0.1), (1, -0.1)]]
+    st.append_token(2, [(2, -0.7), (1, -0.2)])
+    st.append_token(3, None)  # a row without logprobs adds nothing
+    assert st.cumulative_logprob == -0.1 + -0.7  # the sampled tokens' logprobs, in order
     st = RequestOutputState.create(SamplingParams(), [], tok)
     st.append_token(1, [(1, -0.1)])
     assert st.logprobs is None

@@ -278,3 +278,16 @@ def test_logprobs_are_raw_log_softmax():
     assert [v for _, v in row0[1:]] == pytest.approx(top_vals.tolist(), abs=1e-6)
     assert out.logprobs[2] == [(out.token_ids[2], pytest.approx(ref[2].max().item(), abs=1e-6))]
     assert all(math.isfinite(v) for _, v in row0)
+
+
+def test_greedy_rows_take_the_argmax_only_when_nothing_moves_it():
+    # every row's argmax is token 0; each greedy row but the first has something that moves it to token 1
+    logits = torch.tensor([[2.0, 1.9, -1.0]]).repeat(5, 1)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logit_bias={1: 1.0}),
+              SamplingParams(temperature=0.0, presence_penalty=1.0), SamplingParams(temperature=0.0, min_tokens=1),
+              SamplingParams(temperature=0.0, logprobs=1)]
+    out = run(Sampler(), logits, params, out=[[], [], [0], [], []], eos=[0])
+    assert out.token_ids == [0, 1, 1, 1, 0]
+    assert out.logprobs[0] == [] and out.logprobs[4][0][0] == 0  # the logprobs row still gets its logprobs
+    alone = run(Sampler(), logits[:1], params[:1])  # the argmax alone: same token, no logprobs
+    assert alone.token_ids == [0] and alone.logprobs is None

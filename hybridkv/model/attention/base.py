@@ -30,6 +30,9 @@ class StepSequence:
     context_len: int  # tokens already in the cache
     query_len: int  # tokens computed this step (their K/V are written now)
     block_tables: list[np.ndarray]  # per layer group
+    # ``KVCacheManager.tables_version``: equal versions, equal tables (a decode step re-sends only changed ones);
+    # 0: unknown, the tables are sent whole
+    tables_version: int = 0
 
 
 @dataclass(frozen=True, slots=True)

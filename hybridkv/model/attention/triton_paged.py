@@ -192,14 +192,23 @@ class _StaticDecode:
     """The buffers a captured decode step reads. The per-sequence vectors are rows of one device tensor
     (``rows``), written each step by one copy from a pinned mirror (``host``): 5 + 2 x groups small copies cost
     more host time than the whole decode step's GPU work at batch 1. Block tables change only when a sequence
-    gets a new block, so they are copied only when they differ from the last ones written (``written``)."""
+    gets a new block (or drops one out of its window), so a row is looked at only when its sequence's
+    ``tables_version`` differs from the one written there, and only the entries that differ are copied, from a
+    host mirror of the device tables (``mirror``; plain memory: it is as large as the tables, and a few entries
+    a step copy as fast from it)."""
 
     rows: torch.Tensor  # [5 + 2 * groups, max_seqs] int32 on the device
     host: torch.Tensor  # its pinned mirror (plain memory without CUDA)
     copied: torch.cuda.Event | None  # the last copy from ``host``: done before ``host`` is written again
     tables: list[torch.Tensor]  # per group [max_seqs, max blocks] int32
-    written: list[np.ndarray | None]  # per group: the table last copied into ``tables``
+    mirror: np.ndarray  # [groups, max_seqs, max blocks]: what ``tables`` hold; a row is its table, then zeros
+    host_np: np.ndarray  # ``host``'s memory, for numpy
+    order: np.ndarray  # [max_seqs] int32: 0, 1, 2, ...
+    ends: list[np.ndarray]  # per group [max_seqs]: past this entry a row of ``mirror`` is all zeros
+    versions: list[int]  # per row: the ``tables_version`` written there (0: none known)
     max_model_len: int
+    # per padded batch size: the step state every replay of its graph reads (views of the buffers above)
+    steps: dict[int, TritonStepState] = field(default_factory=dict)
 
     @property
     def seq(self) -> list[torch.Tensor]:  # tile_seq, tile_q0, q_loc, q_len, ctx_len: [max_seqs]
@@ -210,6 +219,24 @@ class _StaticDecode:
 
     def slot_offset(self, g: int) -> torch.Tensor:
         return self.rows[6 + 2 * g]
+
+    def write_table(self, g: int, row: int, table: np.ndarray) -> None:
+        """Row ``row`` of group ``g``'s device table becomes ``table`` followed by zeros; one copy of the span of
+        entries that differ (a decode step that crossed into a new block: its last entry)."""
+        mirror, n = self.mirror[g, row], len(table)
+        lo, hi = n, 0
+        diff = np.flatnonzero(mirror[:n] != table)
+        if len(diff):
+            lo, hi = int(diff[0]), int(diff[-1]) + 1
+            mirror[lo:hi] = table[lo:hi]
+        end = int(self.ends[g][row])
+        if end > n:  # the row held a longer table
+            mirror[n:end] = 0
+            lo, hi = min(lo, n), end
+        self.ends[g][row] = n
+        if lo < hi:
+            # from plain memory the copy is staged before it returns: the mirror may change right after
+            self.tables[g][row, lo:hi].copy_(torch.from_numpy(mirror[lo:hi]), non_blocking=True)
 
 
 class TritonPagedAttention:
@@ -353,10 +380,12 @@ class TritonPagedAttention:
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=self.device)  # noqa: E731
         groups = len(self.layout.groups)
         rows = zeros(5 + 2 * groups, max_seqs)
-        cuda = rows.is_cuda
+        host = torch.zeros(rows.shape, dtype=torch.int32, pin_memory=rows.is_cuda)
         self._static = _StaticDecode(
-            rows=rows, host=torch.zeros(rows.shape, dtype=torch.int32, pin_memory=cuda), copied=None,
-            tables=[zeros(max_seqs, width) for _ in range(groups)], written=[None] * groups,
+            rows=rows, host=host, copied=None, tables=[zeros(max_seqs, width) for _ in range(groups)],
+            mirror=np.zeros((groups, max_seqs, width), dtype=np.int32), host_np=host.numpy(),
+            order=np.arange(max_seqs, dtype=np.int32),
+            ends=[np.zeros(max_seqs, dtype=np.int64) for _ in range(groups)], versions=[0] * max_seqs,
             max_model_len=max_model_len,
         )
 
@@ -365,30 +394,31 @@ class TritonPagedAttention:
         rows; a padding row computes nothing and its token's K/V go to the null block, which is never read."""
         st, n, bs = self._static, len(seqs), self.block_size
         if st.copied is not None:
-            st.copied.synchronize()  # the previous step's copy has read the mirror
-        host = st.host.numpy()
+            st.copied.synchronize()  # the previous step's copy has read ``host``
+        host, groups = st.host_np, len(self.layout.groups)
         host[:, :padded] = 0
-        ctx = host[4, :padded]
-        ctx[:n] = [s.context_len for s in seqs]
-        host[0, :padded] = host[2, :padded] = np.arange(padded, dtype=np.int32)  # tile_seq, q_loc
+        ctx = host[4, :n]
+        ctx[:] = [s.context_len for s in seqs]
+        host[0, :padded] = host[2, :padded] = st.order[:padded]  # tile_seq, q_loc
         host[3, :n] = 1  # q_len
-        for g, group in enumerate(self.layout.groups):
-            tables = [s.block_tables[group.group_id] for s in seqs]
-            width = max((len(t) for t in tables), default=0)
-            if width:
-                table = np.zeros((n, width), dtype=np.int32)
-                for i, t in enumerate(tables):
-                    table[i, : len(t)] = t
-                last = st.written[g]
-                if last is None or last.shape != table.shape or not np.array_equal(last, table):
-                    st.tables[g][:n, :width].copy_(torch.from_numpy(table))
-                    st.written[g] = table
-            host[5 + 2 * g, :n] = [t[c // bs] for t, c in zip(tables, ctx[:n])]
-            host[6 + 2 * g, :n] = ctx[:n] % bs
+        for i, s in enumerate(seqs):
+            version = s.tables_version
+            if version == 0 or version != st.versions[i]:
+                for g, group in enumerate(self.layout.groups):
+                    st.write_table(g, i, s.block_tables[group.group_id])
+                st.versions[i] = version
+        # every group's slot block (the tables' entries, just written) and slot offset: rows 5, 7, ... and 6, 8, ...
+        host[5 : 5 + 2 * groups : 2, :n] = st.mirror[:, st.order[:n], ctx // bs]
+        host[6 : 6 + 2 * groups : 2, :n] = ctx % bs
         st.rows.copy_(st.host, non_blocking=True)
         if st.rows.is_cuda:
             st.copied = torch.cuda.Event()
             st.copied.record()
+        self.step_state = st.steps.get(padded) or self._static_step(padded)
+
+    def _static_step(self, padded: int) -> TritonStepState:
+        """The step state of a decode graph of ``padded`` rows: views of the static buffers, built once."""
+        st = self._static
         self.step_state = TritonStepState(self.decode, self.decode.rows // self.group, padded,
                                           [buf[:padded] for buf in st.seq])
         for g, group in enumerate(self.layout.groups):
@@ -399,6 +429,8 @@ class TritonPagedAttention:
             splits = self._num_splits(reach, group.spec.num_kv_heads)
             self.step_state.groups.append(_GroupMeta(st.tables[g][:padded], st.slot_block(g)[:padded],
                                                      st.slot_offset(g)[:padded], splits))
+        st.steps[padded] = self.step_state
+        return self.step_state
 
     def _num_splits(self, longest_reach: int, kv_heads: int) -> int:
         """Split the KV range only when too few programs would run otherwise (decode of few long sequences)."""

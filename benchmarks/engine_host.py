@@ -1,0 +1,178 @@
+"""Host time of one decode step through the whole engine, phase by phase, on the CPU (no GPU needed).
+
+The model is Llama-4-Scout's layer pattern at toy width (4 layers: 3 chunked of 8,192 tokens and 1 full, so the
+KV layout has Scout's 4 layer groups; hidden 64, vocabulary 512), so its forward is small and what is left is the
+host's work around it: the part of a GPU decode step during which the GPU waits. Each batch of ``--batches`` starts
+that many greedy requests at ``--context`` tokens each (their KV "exists": slots are allocated, not computed, as
+``benchmarks/gpu/decode.py`` does), then times ``--steps`` decode steps. Per step, in microseconds:
+
+- schedule: ``Scheduler.schedule`` and ``on_step_done`` (block allocation, prefix-cache hashing of full blocks);
+- prepare: ``ModelRunner.prepare`` (the step's token ids and per-sequence block tables);
+- execute: ``ModelRunner.execute`` minus the model's forward and LM head and minus the CPU attention backend's
+  metadata (``TorchPagedAttention.begin_step``, a CPU-only cost shown apart as ``cpu attn meta``);
+- static decode meta: ``TritonPagedAttention.begin_static_decode`` of the same step on a CPU-built Triton backend:
+  what a CUDA-graph replay (``DecodeGraphs.run``) does on the host instead of ``begin_step``;
+- sample: the ``Sampler`` call;
+- output: everything else of ``LLMEngine.step`` (appending tokens, stop checks, detokenising, request outputs).
+
+``host`` is schedule + prepare + execute + static decode meta + sample + output: the GPU path's host time per step.
+Each number is the mean over the timed steps, the least of ``--rounds`` rounds (a shared machine only adds time).
+
+    python benchmarks/engine_host.py [--batches 1,8,32] [--context 16384] [--steps 64] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from hybridkv.bench.tables import markdown_table
+from hybridkv.engine.llm_engine import EngineConfig, LLMEngine
+from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.engine.sequence import SequenceStatus
+from hybridkv.model.architectures.llama import LlamaForCausalLM
+from hybridkv.model.architectures.llama_config import ModelConfig
+from hybridkv.model.loading.checkpoint import LoadedModel
+from hybridkv.model.loading.tokenizer import word_tokenizer
+
+CONFIG = Path(__file__).resolve().parent.parent / "tests" / "data" / "scout-text-config.json"
+VOCAB = 512
+BLOCK = 16
+PHASES = ["schedule", "prepare", "execute", "static decode meta", "sample", "output"]
+
+
+def tiny_scout() -> dict:
+    cfg = json.loads(CONFIG.read_text())
+    cfg.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=16, intermediate_size=32,
+               intermediate_size_mlp=64, num_hidden_layers=4, num_local_experts=2, moe_layers=[],
+               no_rope_layers=[1, 1, 1, 0], vocab_size=VOCAB, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    return cfg
+
+
+def build_engine(max_seqs: int, max_model_len: int) -> LLMEngine:
+    cfg = tiny_scout()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(ModelConfig.from_hf(cfg), dtype=torch.float32).eval()
+    loaded = LoadedModel("tiny-scout", model, word_tokenizer(VOCAB), cfg)
+    config = EngineConfig(device="cpu", block_size=BLOCK, max_num_seqs=max_seqs, max_model_len=max_model_len,
+                          kv_cache_memory_bytes=max_seqs * (max_model_len + 64) * 4 * 2 * 16 * 4, cpu_threads=1)
+    return LLMEngine(config, loaded)
+
+
+def static_backend(engine: LLMEngine, max_seqs: int):
+    """The Triton backend's decode buffers over the engine's layout, on the CPU (metadata only, nothing launched)."""
+    from hybridkv.model.attention.triton_paged import TritonPagedAttention
+
+    backend = TritonPagedAttention(engine.layout, 2, "float32", engine.model.cfg.num_heads, device="cpu")
+    backend.enable_static_decode(max_seqs, engine.max_model_len)
+    return backend
+
+
+class PhaseClock:
+    """Wraps the engine's methods on its instances with timers; ``totals`` holds seconds per phase."""
+
+    def __init__(self, engine: LLMEngine, triton) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self.triton = triton
+        sched, runner = engine.scheduler, engine.runner
+        self._wrap(sched, "schedule", "schedule")
+        self._wrap(sched, "on_step_done", "schedule")
+        self._wrap(runner, "prepare", "prepare", after=self._static_meta)
+        self._wrap(runner, "execute", "execute")
+        self._wrap(engine.model, "forward", "forward")
+        self._wrap(engine.model, "compute_logits", "forward")
+        self._wrap(engine.backend, "begin_step", "cpu attn meta")
+        sampler = engine.sampler
+        engine.sampler = self._timed(sampler, "sample")
+
+    def _timed(self, fn, phase: str, after=None):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.totals[phase] += time.perf_counter() - start
+            if after is not None:
+                after(out)
+            return out
+
+        return run
+
+    def _wrap(self, obj, name: str, phase: str, after=None) -> None:
+        setattr(obj, name, self._timed(getattr(obj, name), phase, after))
+
+    def _static_meta(self, step) -> None:
+        seqs = step.seqs
+        if seqs and all(s.query_len == 1 for s in seqs):
+            padded = 1 << (len(seqs) - 1).bit_length()
+            start = time.perf_counter()
+            self.triton.begin_static_decode(seqs, padded)
+            self.totals["static decode meta"] += time.perf_counter() - start
+
+
+def start_decoding(engine: LLMEngine, batch: int, context: int, steps: int) -> None:
+    """``batch`` greedy requests with ``context`` tokens of KV allocated (not computed), then their first steps."""
+    g = torch.Generator().manual_seed(batch)
+    for b in range(batch):
+        ids = torch.randint(3, VOCAB, (context,), generator=g).tolist()
+        engine.add_request(f"r{batch}-{b}", ids, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
+    seqs = [engine.scheduler.waiting.popleft() for _ in range(batch)]
+    for seq in seqs:
+        assert engine.kv.allocate_slots(seq, context - 1), "KV cache too small"
+        seq.num_computed_tokens = context - 1
+        engine.kv.on_tokens_computed(seq)
+        seq.status = SequenceStatus.RUNNING
+        engine.scheduler.running.append(seq)
+    engine.step()  # the last prompt token of each
+    engine.step()
+
+
+def measure(engine: LLMEngine, clock: PhaseClock, batch: int, context: int, steps: int, rounds: int) -> dict:
+    """Per phase, its least mean over ``rounds`` rounds (``host``: the sum of those)."""
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        start_decoding(engine, batch, context, steps + 4)
+        clock.totals.clear()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - t0
+        per = {k: v / steps * 1e6 for k, v in clock.totals.items()}
+        while engine.has_unfinished_requests():
+            engine.step()
+        per["step"] = wall / steps * 1e6
+        inner = sum(per.get(k, 0.0) for k in ("schedule", "prepare", "execute", "sample", "static decode meta"))
+        per["output"] = per["step"] - inner
+        per["execute"] = per.get("execute", 0.0) - per.get("forward", 0.0) - per.get("cpu attn meta", 0.0)
+        for k, v in per.items():
+            best[k] = min(best.get(k, v), v)
+    best["host"] = sum(best.get(k, 0.0) for k in PHASES)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--context", type=int, default=16384)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",") if b]
+    max_model_len = args.context + args.steps + 16
+    engine = build_engine(max(batches), max_model_len)
+    clock = PhaseClock(engine, static_backend(engine, max(batches)))
+    rows = []
+    for batch in batches:
+        per = measure(engine, clock, batch, args.context, args.steps, args.rounds)
+        rows.append([f"{batch}", *(f"{per.get(k, 0.0):,.0f}" for k in PHASES), f"{per['host']:,.0f}",
+                     f"{per.get('forward', 0.0):,.0f}", f"{per.get('cpu attn meta', 0.0):,.0f}"])
+    print(f"Decode step host time, µs per step, context {args.context:,} tokens, block {BLOCK}, "
+          f"{args.steps} steps (least of {args.rounds} rounds); tiny Llama-4 layout (4 layer groups), CPU")
+    print(markdown_table(["batch", *PHASES, "host", "forward", "cpu attn meta"], rows))
+
+
+if __name__ == "__main__":
+    main()
