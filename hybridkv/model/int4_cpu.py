@@ -76,34 +76,79 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class Int4Columns:
-    """A ``FusedColumns`` group (q/k/v, gate/up) some of whose linears were packed: each runs its own GEMM (the
-    4-bit ones through the int4 kernel), with ``FusedColumns``' call signature."""
+class Int4Rows(nn.Module):
+    """Output features ``lo:hi`` of a packed layer: one linear of a ``FusedColumns`` group packed as a whole (its
+    name stays, for whoever reads it; the group's forward runs the whole layer once)."""
 
-    def __init__(self, linears: list[nn.Module]) -> None:
+    def __init__(self, whole: Int4Linear, lo: int, hi: int) -> None:
+        super().__init__()
+        self.whole, self.lo, self.hi = whole, lo, hi
+        self.in_features, self.out_features = whole.in_features, hi - lo
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.whole(x)[..., self.lo : self.hi]
+
+
+class Int4Columns:
+    """A ``FusedColumns`` group (q/k/v, gate/up) with ``FusedColumns``' call signature. Every linear packed: one
+    4-bit GEMM over their rows together (a decode step's kernel calls cost ~10 us each beyond their bytes);
+    some packed: each linear runs its own GEMM."""
+
+    def __init__(self, linears: list[nn.Module], whole: Int4Linear | None = None) -> None:
         self.linears = linears
+        self.whole = whole
+        self.sizes = [linear.out_features for linear in linears]
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.whole is not None:
+            return self.whole(x).split(self.sizes, dim=-1)
         return tuple(linear(x) for linear in self.linears)
 
 
 def pack_int4_linears(model: nn.Module) -> int:
     """Replace every plain (single-rank) linear layer whose weight lies on a Q4_1 grid by an ``Int4Linear``, and
     every ``FusedColumns`` group holding one by an ``Int4Columns`` (before or after ``fuse_columns``: the float
-    weights are let go either way); returns how many linears were packed. CPU only."""
-    replaced: dict[int, Int4Linear] = {}
+    weights are let go either way); a group whose linears are all on a grid is packed as one layer. Returns how
+    many linears were packed. CPU only."""
+    grids: dict[int, tuple[nn.Module, str, nn.Linear, tuple]] = {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and _single_rank(child):
                 grid = grid_of(child.weight)
                 if grid is not None:
-                    replaced[id(child)] = Int4Linear(*grid, child.bias)
-                    setattr(parent, name, replaced[id(child)])
-    for module in model.modules():
-        for attr, group in list(vars(module).items()):
-            if isinstance(group, FusedColumns) and any(id(linear) in replaced for linear in group.linears):
-                setattr(module, attr, Int4Columns([replaced.get(id(l), l) for l in group.linears]))
-    return len(replaced)
+                    grids[id(child)] = (parent, name, child, grid)
+    count = len(grids)
+    groups = [(module, attr, group) for module in model.modules() for attr, group in list(vars(module).items())
+              if isinstance(group, FusedColumns)]
+    for module, attr, group in groups:
+        if all(id(linear) in grids for linear in group.linears) and _same_bias(group.linears):
+            setattr(module, attr, _pack_whole([grids.pop(id(linear)) for linear in group.linears]))
+    replaced = {}
+    for parent, name, child, grid in grids.values():
+        replaced[id(child)] = Int4Linear(*grid, child.bias)
+        setattr(parent, name, replaced[id(child)])
+    for module, attr, group in groups:
+        if isinstance(group, FusedColumns) and any(id(linear) in replaced for linear in group.linears):
+            setattr(module, attr, Int4Columns([replaced.get(id(l), l) for l in group.linears]))
+    return count
+
+
+def _pack_whole(members: list[tuple[nn.Module, str, nn.Linear, tuple]]) -> Int4Columns:
+    """One ``Int4Linear`` over the rows of a group's linears (on their grids, in order); each linear's name on its
+    parent becomes an ``Int4Rows`` of it."""
+    q, scale, zero = (torch.cat([grid[i] for *_, grid in members]) for i in range(3))
+    biases = [linear.bias for _, _, linear, _ in members]
+    whole = Int4Linear(q, scale, zero, None if biases[0] is None else torch.cat(biases))
+    parts, lo = [], 0
+    for parent, name, linear, _ in members:
+        parts.append(Int4Rows(whole, lo, lo + linear.out_features))
+        setattr(parent, name, parts[-1])
+        lo += linear.out_features
+    return Int4Columns(parts, whole)
+
+
+def _same_bias(linears: tuple[nn.Linear, ...]) -> bool:
+    return len({linear.bias is None for linear in linears}) == 1
 
 
 def _single_rank(linear: nn.Linear) -> bool:

@@ -12,7 +12,7 @@ from torch import nn
 from hybridkv.model.architectures.llama import MLP
 from hybridkv.model.architectures.parallel import TPGroup, fuse_columns
 from hybridkv.model.int4_cpu import (
-    GROUP, Int4Columns, Int4Linear, grid_of, int4_kernel_available, pack_int4_linears,
+    GROUP, Int4Columns, Int4Linear, Int4Rows, grid_of, int4_kernel_available, pack_int4_linears,
 )
 
 pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="torch has no CPU int4 kernel")
@@ -77,10 +77,31 @@ def test_a_fused_gate_up_group_runs_its_packed_linears(fused_first):
     assert pack_int4_linears(mlp) == 3
     fuse_columns(mlp)  # what ModelRunner does after the engine packed: a packed group is left alone
     assert isinstance(mlp.gate_up, Int4Columns)
-    assert all(isinstance(linear, Int4Linear) for linear in mlp.gate_up.linears)
+    assert mlp.gate_up.whole.out_features == 12 * GROUP  # gate and up: one 4-bit GEMM
+    assert isinstance(mlp.gate_proj, Int4Rows) and isinstance(mlp.down_proj, Int4Linear)
     assert not any(isinstance(p, nn.Parameter) and p.dim() == 2 for p in mlp.parameters())  # float weights gone
     got = mlp(x)
     assert (got - want).abs().max() <= 3e-2 * want.abs().max()
+    # each linear's name still computes its own rows
+    torch.testing.assert_close(mlp.up_proj(x), mlp.gate_up(x)[1], rtol=0, atol=0)
+
+
+def test_a_group_with_a_float_linear_runs_each_linear_alone():
+    """q/k/v where only q is on a grid: q is packed alone, k and v stay float, and the group still splits right."""
+    from hybridkv.model.architectures.parallel import FusedColumns
+
+    model = nn.Module()
+    model.q, model.k = nn.Linear(4 * GROUP, 64, bias=False), nn.Linear(4 * GROUP, 32, bias=False)
+    with torch.no_grad():
+        model.q.weight.copy_(q4_1((64, 4 * GROUP), seed=20))
+    model.qk = FusedColumns(model.q, model.k)
+    x = torch.randn(2, 4 * GROUP)
+    want_k = model.k(x)
+    assert pack_int4_linears(model) == 1
+    assert model.qk.whole is None and isinstance(model.qk.linears[0], Int4Linear) and model.qk.linears[1] is model.k
+    q, k = model.qk(x)
+    assert q.shape == (2, 64)
+    torch.testing.assert_close(k, want_k, rtol=0, atol=0)
 
 
 def test_packed_layer_survives_a_move_to_another_dtype():
