@@ -12,7 +12,7 @@ from torch import nn
 from hybridkv.model.architectures.llama import MLP
 from hybridkv.model.architectures.parallel import TPGroup, fuse_columns
 from hybridkv.model.int4_cpu import (
-    GROUP, Int4Columns, Int4Linear, Int4Rows, grid_of, int4_kernel_available, pack_int4_linears,
+    DENSE_ROWS, GROUP, Int4Columns, Int4Linear, Int4Rows, grid_of, int4_kernel_available, pack_int4_linears,
 )
 
 pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="torch has no CPU int4 kernel")
@@ -51,6 +51,19 @@ def test_the_packed_layer_matches_the_float_layer_within_bf16_rounding(rows):
     # bf16 activations and scales: ~2^-8 relative per product, averaged over the dot product
     assert (got - want).abs().max() <= 2e-2 * want.abs().max()
     assert (got - want).abs().max() > 0  # really the 4-bit kernel, not the float weight
+
+
+def test_a_prefill_runs_the_weight_the_kernel_reads_in_bf16():
+    """From ``DENSE_ROWS`` rows on, the layer runs its bf16 weight: the kernel's own weight (read back through it with
+    an identity input), and the same outputs as the kernel row by row within bf16 rounding."""
+    w = q4_1((96, 6 * GROUP), seed=5)
+    layer = Int4Linear(*grid_of(w), None)
+    eye = torch.eye(6 * GROUP, dtype=torch.bfloat16)
+    kernel_weight = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, layer.packed, GROUP, layer.scales_zeros).t()
+    torch.testing.assert_close(layer.dense, kernel_weight, rtol=2**-8, atol=0)
+    x = torch.randn(DENSE_ROWS, 6 * GROUP)
+    one_by_one = torch.cat([layer(row[None]) for row in x])
+    torch.testing.assert_close(layer(x), one_by_one, rtol=2e-2, atol=2e-2 * one_by_one.abs().max().item())
 
 
 def test_pack_replaces_only_the_layers_on_a_grid():
