@@ -127,37 +127,39 @@ def pack_int4_linears(model: nn.Module) -> int:
     every ``FusedColumns`` group holding one by an ``Int4Columns`` (before or after ``fuse_columns``: the float
     weights are let go either way); a group whose linears are all on a grid is packed as one layer. Returns how
     many linears were packed. CPU only."""
-    grids: dict[int, tuple[nn.Module, str, nn.Linear, tuple]] = {}
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and _single_rank(child):
-                grid = grid_of(child.weight)
-                if grid is not None:
-                    grids[id(child)] = (parent, name, child, grid)
-    count = len(grids)
+    places = {id(child): (parent, name, child) for parent in model.modules()
+              for name, child in parent.named_children() if isinstance(child, nn.Linear) and _single_rank(child)}
     groups = [(module, attr, group) for module in model.modules() for attr, group in list(vars(module).items())
               if isinstance(group, FusedColumns)]
-    for module, attr, group in groups:
-        if all(id(linear) in grids for linear in group.linears) and _same_bias(group.linears):
-            setattr(module, attr, _pack_whole([grids.pop(id(linear)) for linear in group.linears]))
+    count = 0
+    for module, attr, group in groups:  # one group at a time: a single layer's grids held at once
+        if not all(id(linear) in places for linear in group.linears) or not _same_bias(group.linears):
+            continue
+        grids = [grid_of(linear.weight) for linear in group.linears]
+        if all(grid is not None for grid in grids):
+            members = [places.pop(id(linear)) for linear in group.linears]
+            setattr(module, attr, _pack_whole(members, grids))
+            count += len(members)
     replaced = {}
-    for parent, name, child, grid in grids.values():
-        replaced[id(child)] = Int4Linear(*grid, child.bias)
-        setattr(parent, name, replaced[id(child)])
+    for parent, name, child in places.values():
+        grid = grid_of(child.weight)
+        if grid is not None:
+            replaced[id(child)] = Int4Linear(*grid, child.bias)
+            setattr(parent, name, replaced[id(child)])
     for module, attr, group in groups:
         if isinstance(group, FusedColumns) and any(id(linear) in replaced for linear in group.linears):
             setattr(module, attr, Int4Columns([replaced.get(id(l), l) for l in group.linears]))
-    return count
+    return count + len(replaced)
 
 
-def _pack_whole(members: list[tuple[nn.Module, str, nn.Linear, tuple]]) -> Int4Columns:
-    """One ``Int4Linear`` over the rows of a group's linears (on their grids, in order); each linear's name on its
+def _pack_whole(members: list[tuple[nn.Module, str, nn.Linear]], grids: list[tuple]) -> Int4Columns:
+    """One ``Int4Linear`` over the rows of a group's linears (their ``grids``, in order); each linear's name on its
     parent becomes an ``Int4Rows`` of it."""
-    q, scale, zero = (torch.cat([grid[i] for *_, grid in members]) for i in range(3))
-    biases = [linear.bias for _, _, linear, _ in members]
+    q, scale, zero = (torch.cat([grid[i] for grid in grids]) for i in range(3))
+    biases = [linear.bias for *_, linear in members]
     whole = Int4Linear(q, scale, zero, None if biases[0] is None else torch.cat(biases))
     parts, lo = [], 0
-    for parent, name, linear, _ in members:
+    for parent, name, linear in members:
         parts.append(Int4Rows(whole, lo, lo + linear.out_features))
         setattr(parent, name, parts[-1])
         lo += linear.out_features
