@@ -11,7 +11,11 @@ dequantised float weight itself (a group's smallest value is ``m``: Q4_1 gives i
 quantised here. What changes: activations and each group's scale and zero are rounded to bf16 (8-bit mantissa);
 ``benchmarks/cpu.py`` prints how far the logits move against the float32 model. The output head (the tied
 Q8_0 embedding in SmolLM2) stays float32: a bf16 head rounds the logits themselves to 8 bits of mantissa, which
-turned near-ties into ties and changed greedy tokens.
+turned near-ties into ties and changed greedy tokens (greedy rows get an exact int8 screen instead:
+``int8_head_cpu.py``).
+
+A prefill is compute-bound, not bandwidth-bound, and the int4 kernel is slow there: from ``DENSE_ROWS`` rows a
+layer runs a bf16 copy of the weight it holds (each value rounded once more, to bf16) through oneDNN's bf16 GEMM.
 
 Example, one group of 4 (not 32) for brevity: weights [0.5, 0.1, 0.3, 0.1] -> m = 0.1, d = (0.5 - 0.1) / 15,
 q = [15, 0, 7.5 -> not on the grid] -> left dense; [0.5, 0.1, 0.1 + 7 d, 0.1] -> q = [15, 0, 7, 0] -> packed.
