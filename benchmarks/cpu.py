@@ -16,6 +16,7 @@ may be shared: each number is the best of ``--repeats`` runs, and the load avera
 
     python benchmarks/cpu.py                     # the whole table (~10 min on 2 cores)
     python benchmarks/cpu.py --quick             # 256- and 1K-token prompts, 32 decode tokens
+    python benchmarks/cpu.py --prompts 8000      # decode and the 8K-token prompt only
     python benchmarks/cpu.py --error             # how far the 4-bit default moves logits and greedy tokens
 """
 
@@ -188,7 +189,8 @@ def available(engine: str) -> bool:
 def table(args: argparse.Namespace) -> str:
     from hybridkv.bench.tables import markdown_table
 
-    prompts = (256, 1024) if args.quick else (1000, 8000)
+    prompts = [int(n) for n in args.prompts.split(",") if n] if args.prompts is not None else (
+        (256, 1024) if args.quick else (1000, 8000))
     head = ["2 CPU cores" if os.cpu_count() == 2 else f"{os.cpu_count()} CPUs", "decode 1 stream", "decode 4 streams"]
     head += [f"{n:,}-token prompt: first token / peak RSS growth" for n in prompts]
     rows = []
@@ -209,16 +211,42 @@ def table(args: argparse.Namespace) -> str:
 
 
 def logit_error() -> str:
-    """Greedy tokens and chosen-token logprobs of the 4-bit default against float32, on a few chat prompts."""
+    """Greedy tokens and chosen-token logprobs of the 4-bit default against float32, on a few chat prompts; and the
+    default's int8 output head (greedy rows without logprobs) against its float32 head."""
     from hybridkv import LLM, SamplingParams
 
     convs = [[{"role": "user", "content": q}] for q in (
         "What is the capital of France?", "Name three primary colours.", "Write a haiku about the sea.",
         "Explain photosynthesis in two sentences.", "List five prime numbers.")]
-    params = SamplingParams(temperature=0, max_tokens=64, logprobs=1)
-    runs = {}
+    params = SamplingParams(temperature=0, max_tokens=64, logprobs=1)  # logprobs: the float32 head
+    runs, llms = {}, {}
     for q in ("none", "auto"):
-        runs[q] = LLM(quantization=q, enable_prefix_caching=False).chat(convs, params, use_tqdm=False)
+        llms[q] = LLM(quantization=q, enable_prefix_caching=False)
+        runs[q] = llms[q].chat(convs, params, use_tqdm=False)
+    return _quantised_layers_error(runs) + "\n" + _int8_head_error(llms["auto"], convs, runs["auto"])
+
+
+def _int8_head_error(llm, convs: list, float_head_runs: list) -> str:
+    from hybridkv import SamplingParams
+
+    head = llm.engine.model.embed_tokens
+    screen, rescored = head.argmax_head, []
+
+    def counting(hidden, weight):
+        rescored.extend(screen.rescored(hidden).tolist())
+        return screen(hidden, weight)
+
+    head.argmax_head = counting
+    outs = llm.chat(convs, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
+    head.argmax_head = screen
+    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outs, float_head_runs))
+    return (f"int8 output head (greedy rows without logprobs) vs the float32 head, same 4-bit layers: {same} of "
+            f"{len(convs)} replies identical token for token; tokens re-scored in float32 a step: mean "
+            f"{sum(rescored) / len(rescored):.1f}, max {max(rescored)} of {screen.q.shape[0]:,}")
+
+
+def _quantised_layers_error(runs: dict) -> str:
+    """Both runs ask logprobs: both use the float32 head."""
     same, total, worst = 0, 0, 0.0
     for a, b in zip(runs["none"], runs["auto"]):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
@@ -227,7 +255,7 @@ def logit_error() -> str:
         total += len(ta)
         for i in range(agree):
             worst = max(worst, abs(a.outputs[0].logprobs[i][0][1] - b.outputs[0].logprobs[i][0][1]))
-    return (f"4-bit default vs float32, {len(convs)} chat prompts x 64 greedy tokens: {same} of {total} tokens "
+    return (f"4-bit layers vs float32, {len(runs['none'])} chat prompts x 64 greedy tokens: {same} of {total} tokens "
             f"identical before the first divergence; largest |logprob difference| of a chosen token there: {worst:.4f}")
 
 
@@ -239,6 +267,7 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--prompts", help="prompt lengths to time, comma-separated (default 1000,8000; '': none)")
     p.add_argument("--error", action="store_true")
     p.add_argument("--worker", nargs=3, metavar=("ENGINE", "TASK", "ARG"), help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -34,6 +34,7 @@ from hybridkv.model.architectures.parallel import TPGroup
 from hybridkv.model.attention.factory import paged_attention_capabilities
 from hybridkv.model.dtypes import dtype_name, torch_dtype
 from hybridkv.model.int4_cpu import int4_kernel_available, pack_int4_linears
+from hybridkv.model.int8_head_cpu import Int8ArgmaxHead, int8_kernel_available
 from hybridkv.model.loading.checkpoint import LoadedModel, load_checkpoint
 from hybridkv.model.loading.tokenizer import Tokenizer
 
@@ -464,15 +465,20 @@ def _load_rank0(config: EngineConfig, dtype: torch.dtype, tp: TPGroup) -> Loaded
 
 
 def _keep_4bit_weights(model: torch.nn.Module, config: EngineConfig, tp: TPGroup) -> int:
-    """``quantization`` auto on CPU: a GGUF's Q4_1 linear layers packed 4-bit (``model/int4_cpu.py``); returns how
-    many were packed (0: the model runs in its dtype)."""
+    """``quantization`` auto on CPU: a GGUF's Q4_1 linear layers packed 4-bit (``model/int4_cpu.py``), and the
+    output head given an int8 copy for greedy rows (``model/int8_head_cpu.py``); returns how many linears were
+    packed (0: the model runs in its dtype, its head float32 for every row)."""
     if config.quantization not in ("auto", "none"):
         raise ValueError(f"unknown quantization {config.quantization!r}; choose auto or none")
     if config.quantization == "none" or config.device != "cpu" or tp.size > 1 or not int4_kernel_available():
         return 0
     packed = pack_int4_linears(model)
     if packed:
-        log.info("%d linear layers kept 4-bit (Q4_1 weights, bf16 activations); quantization=none: float32", packed)
+        head = model.embed_tokens if model.lm_head is None else model.lm_head
+        if int8_kernel_available():
+            head.argmax_head = Int8ArgmaxHead.of(head.weight)
+        log.info("%d linear layers kept 4-bit (Q4_1 weights, bf16 activations), greedy tokens screened by an int8 "
+                 "head; quantization=none: float32", packed)
     return packed
 
 

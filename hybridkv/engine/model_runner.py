@@ -41,6 +41,8 @@ class StepInput:
     score_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     score_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     score_top_k: int = 0
+    # every sampled row takes the plain argmax of its logits (``SamplingParams.argmax_only``)
+    argmax_only: bool = False
 
     def positions(self) -> np.ndarray:
         return np.concatenate([np.arange(s.context_len, s.context_len + s.query_len) for s in self.seqs])
@@ -96,7 +98,7 @@ class ModelRunner:
 
     def prepare(self, out: SchedulerOutput) -> StepInput:
         input_ids, seqs, last, score_rows, score_ids = [], [], [], [], []
-        offset, top_k = 0, 0
+        offset, top_k, argmax_only = 0, 0, True
         for s in out.scheduled:
             start, end = s.context_len, s.context_len + s.num_new_tokens
             input_ids.extend(s.seq.all_token_ids[start:end])
@@ -109,9 +111,10 @@ class ModelRunner:
             offset += s.num_new_tokens
             if s.samples:
                 last.append(offset - 1)
+                argmax_only = argmax_only and s.seq.state.params.argmax_only
         return StepInput(
             np.array(input_ids, dtype=np.int64), seqs, np.array(last, dtype=np.int64), self.kv.take_block_ops(),
-            np.array(score_rows, dtype=np.int64), np.array(score_ids, dtype=np.int64), top_k,
+            np.array(score_rows, dtype=np.int64), np.array(score_ids, dtype=np.int64), top_k, argmax_only,
         )
 
     @torch.inference_mode()
@@ -133,8 +136,8 @@ class ModelRunner:
         scores = self._score(hidden, step) if len(step.score_rows) else None
         if not len(step.sample_rows):
             return StepOutput(hidden.new_empty((0, 0), dtype=torch.float32), scores)
-        return StepOutput(self.model.compute_logits(hidden[torch.from_numpy(step.sample_rows).to(self.device)]),
-                          scores)
+        rows = hidden[torch.from_numpy(step.sample_rows).to(self.device)]
+        return StepOutput(self.model.compute_logits(rows, step.argmax_only), scores)
 
     def _score(self, hidden: torch.Tensor, step: StepInput) -> TokenScores | None:
         """Every rank takes part in each LM-head call (under TP it gathers the vocabulary slices to rank 0)."""

@@ -134,6 +134,14 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     @property
+    def argmax_only(self) -> bool:
+        """The token is the raw logits' argmax and nothing else of them is read (no logprobs, nothing that edits
+        logits): the model may compute only the argmax exactly (``model/int8_head_cpu.py``)."""
+        return (self.greedy and self.logprobs is None and not self.logit_bias and self.presence_penalty == 0
+                and self.frequency_penalty == 0 and self.repetition_penalty == 1 and self.min_tokens == 0
+                and self.structured_outputs is None)
+
+    @property
     def max_stop_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
 

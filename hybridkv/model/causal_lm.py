@@ -40,8 +40,9 @@ class CausalLM(Protocol):
         """Final-normed hidden states [T, hidden] for flattened tokens ``input_ids`` [T] at ``positions`` [T]."""
         ...
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """float32 logits [N, vocab] for the picked hidden rows; None on tensor-parallel ranks other than 0."""
+    def compute_logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor | None:
+        """float32 logits [N, vocab] for the picked hidden rows; None on tensor-parallel ranks other than 0.
+        ``argmax_only``: only each row's argmax is read, and only it must be exact."""
         ...
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:

@@ -11,7 +11,11 @@ dequantised float weight itself (a group's smallest value is ``m``: Q4_1 gives i
 quantised here. What changes: activations and each group's scale and zero are rounded to bf16 (8-bit mantissa);
 ``benchmarks/cpu.py`` prints how far the logits move against the float32 model. The output head (the tied
 Q8_0 embedding in SmolLM2) stays float32: a bf16 head rounds the logits themselves to 8 bits of mantissa, which
-turned near-ties into ties and changed greedy tokens.
+turned near-ties into ties and changed greedy tokens (greedy rows get an exact int8 screen instead:
+``int8_head_cpu.py``).
+
+A prefill is compute-bound, not bandwidth-bound, and the int4 kernel is slow there: from ``DENSE_ROWS`` rows a
+layer runs a bf16 copy of the weight it holds (each value rounded once more, to bf16) through oneDNN's bf16 GEMM.
 
 Example, one group of 4 (not 32) for brevity: weights [0.5, 0.1, 0.3, 0.1] -> m = 0.1, d = (0.5 - 0.1) / 15,
 q = [15, 0, 7.5 -> not on the grid] -> left dense; [0.5, 0.1, 0.1 + 7 d, 0.1] -> q = [15, 0, 7, 0] -> packed.
@@ -20,11 +24,15 @@ q = [15, 0, 7.5 -> not on the grid] -> left dense; [0.5, 0.1, 0.1 + 7 d, 0.1] ->
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.model.architectures.parallel import FusedColumns
 
 GROUP = 32  # Q4_1's block of weights sharing a scale and a minimum
+# From this many rows on (a prefill chunk), a layer runs its bf16 copy through oneDNN's bf16 GEMM: 256 rows of a
+# SmolLM2 layer take 8.8 ms there and 22.7 ms in the int4 kernel, whose speed is in reading fewer bytes (decode).
+DENSE_ROWS = 64
 # A value is on its group's grid when it is within this fraction of the group's step of a grid point (the step
 # and minimum are fp16 in the file and float32 here: rounding leaves ~1e-4 of a step, off-grid values ~0.5).
 _GRID_TOLERANCE = 1e-2
@@ -60,6 +68,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         # [K/GROUP, N, 2] as the kernel reads them
         self.register_buffer("scales_zeros", torch.stack((scale.t(), zero.t()), dim=-1).bfloat16().contiguous())
+        # the weight the kernel reads, in bf16: a prefill's (2 bytes a weight beside the 4 bits' half byte)
+        self.register_buffer("dense", _expand(q, self.scales_zeros))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def _apply(self, fn, recurse: bool = True):
@@ -67,43 +77,101 @@ class Int4Linear(nn.Module):
         # same loaded model moves it to its dtype again)
         super()._apply(fn, recurse)
         self.scales_zeros = self.scales_zeros.to(torch.bfloat16)
+        self.dense = self.dense.to(torch.bfloat16)
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
+        if flat.shape[0] >= DENSE_ROWS:
+            y = F.linear(flat, self.dense)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
-class Int4Columns:
-    """A ``FusedColumns`` group (q/k/v, gate/up) some of whose linears were packed: each runs its own GEMM (the
-    4-bit ones through the int4 kernel), with ``FusedColumns``' call signature."""
+def _expand(q: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """bf16 [N, K] of ``(q - 8) * scale + zero`` with the kernel's bf16 scales and zeros, each value rounded once."""
+    n, k = q.shape
+    scale, zero = (scales_zeros[..., i].t().float()[..., None] for i in (0, 1))
+    return ((q.view(n, k // GROUP, GROUP).float() - 8) * scale + zero).view(n, k).bfloat16()
 
-    def __init__(self, linears: list[nn.Module]) -> None:
+
+class Int4Rows(nn.Module):
+    """Output features ``lo:hi`` of a packed layer: one linear of a ``FusedColumns`` group packed as a whole (its
+    name stays, for whoever reads it; the group's forward runs the whole layer once)."""
+
+    def __init__(self, whole: Int4Linear, lo: int, hi: int) -> None:
+        super().__init__()
+        self.whole, self.lo, self.hi = whole, lo, hi
+        self.in_features, self.out_features = whole.in_features, hi - lo
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.whole(x)[..., self.lo : self.hi]
+
+
+class Int4Columns:
+    """A ``FusedColumns`` group (q/k/v, gate/up) with ``FusedColumns``' call signature. Every linear packed: one
+    4-bit GEMM over their rows together (a decode step's kernel calls cost ~10 us each beyond their bytes);
+    some packed: each linear runs its own GEMM."""
+
+    def __init__(self, linears: list[nn.Module], whole: Int4Linear | None = None) -> None:
         self.linears = linears
+        self.whole = whole
+        self.sizes = [linear.out_features for linear in linears]
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.whole is not None:
+            return self.whole(x).split(self.sizes, dim=-1)
         return tuple(linear(x) for linear in self.linears)
 
 
 def pack_int4_linears(model: nn.Module) -> int:
     """Replace every plain (single-rank) linear layer whose weight lies on a Q4_1 grid by an ``Int4Linear``, and
     every ``FusedColumns`` group holding one by an ``Int4Columns`` (before or after ``fuse_columns``: the float
-    weights are let go either way); returns how many linears were packed. CPU only."""
-    replaced: dict[int, Int4Linear] = {}
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and _single_rank(child):
-                grid = grid_of(child.weight)
-                if grid is not None:
-                    replaced[id(child)] = Int4Linear(*grid, child.bias)
-                    setattr(parent, name, replaced[id(child)])
-    for module in model.modules():
-        for attr, group in list(vars(module).items()):
-            if isinstance(group, FusedColumns) and any(id(linear) in replaced for linear in group.linears):
-                setattr(module, attr, Int4Columns([replaced.get(id(l), l) for l in group.linears]))
-    return len(replaced)
+    weights are let go either way); a group whose linears are all on a grid is packed as one layer. Returns how
+    many linears were packed. CPU only."""
+    places = {id(child): (parent, name, child) for parent in model.modules()
+              for name, child in parent.named_children() if isinstance(child, nn.Linear) and _single_rank(child)}
+    groups = [(module, attr, group) for module in model.modules() for attr, group in list(vars(module).items())
+              if isinstance(group, FusedColumns)]
+    count = 0
+    for module, attr, group in groups:  # one group at a time: a single layer's grids held at once
+        if not all(id(linear) in places for linear in group.linears) or not _same_bias(group.linears):
+            continue
+        grids = [grid_of(linear.weight) for linear in group.linears]
+        if all(grid is not None for grid in grids):
+            members = [places.pop(id(linear)) for linear in group.linears]
+            setattr(module, attr, _pack_whole(members, grids))
+            count += len(members)
+    replaced = {}
+    for parent, name, child in places.values():
+        grid = grid_of(child.weight)
+        if grid is not None:
+            replaced[id(child)] = Int4Linear(*grid, child.bias)
+            setattr(parent, name, replaced[id(child)])
+    for module, attr, group in groups:
+        if isinstance(group, FusedColumns) and any(id(linear) in replaced for linear in group.linears):
+            setattr(module, attr, Int4Columns([replaced.get(id(l), l) for l in group.linears]))
+    return count + len(replaced)
+
+
+def _pack_whole(members: list[tuple[nn.Module, str, nn.Linear]], grids: list[tuple]) -> Int4Columns:
+    """One ``Int4Linear`` over the rows of a group's linears (their ``grids``, in order); each linear's name on its
+    parent becomes an ``Int4Rows`` of it."""
+    q, scale, zero = (torch.cat([grid[i] for grid in grids]) for i in range(3))
+    biases = [linear.bias for *_, linear in members]
+    whole = Int4Linear(q, scale, zero, None if biases[0] is None else torch.cat(biases))
+    parts, lo = [], 0
+    for parent, name, linear in members:
+        parts.append(Int4Rows(whole, lo, lo + linear.out_features))
+        setattr(parent, name, parts[-1])
+        lo += linear.out_features
+    return Int4Columns(parts, whole)
+
+
+def _same_bias(linears: tuple[nn.Linear, ...]) -> bool:
+    return len({linear.bias is None for linear in linears}) == 1
 
 
 def _single_rank(linear: nn.Linear) -> bool:

@@ -20,6 +20,10 @@ CONVERSATIONS = [
     [{"role": "system", "content": "You are a terse assistant."},
      {"role": "user", "content": "Name three primary colours."}],
     [{"role": "user", "content": "Write a haiku about the sea."}],
+    # over 64 prompt tokens: the 4-bit default prefills it through its bf16 weight copies (``int4_cpu.DENSE_ROWS``)
+    [{"role": "user", "content": "Here is a note from my garden diary. This spring the tomatoes came up early, the "
+      "beans were slow, and the roses by the fence had aphids until the ladybirds arrived in May. The pear tree "
+      "flowered well but a late frost took most of the blossom. Summarise the note in one sentence."}],
 ]
 N_NEW = 24
 
@@ -44,10 +48,12 @@ def test_chat_greedy_matches_transformers_token_for_token(llm, hf_model):
 
 
 def test_the_default_keeps_q4_weights_4bit_and_its_greedy_tokens_still_match(hf_model):
-    """``LLM()`` on CPU: the 210 Q4_1 projections stay 4-bit, with bf16 activations (the Q8_0 embedding / output head
-    stays float32); on these conversations greedy decoding is still token for token transformers' float32."""
+    """``LLM()`` on CPU: the 210 Q4_1 projections stay 4-bit, with bf16 activations, and greedy rows' tokens come from
+    the int8 head re-scored in float32 (the Q8_0 embedding stays float32); on these conversations greedy decoding is
+    still token for token transformers' float32."""
     default = LLM(block_size=16)
     assert default.engine.int4_linears == 210
+    assert default.engine.model.embed_tokens.argmax_head is not None
     check_greedy_against_transformers(default, hf_model)
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from hybridkv.model.architectures.llama import MLP
 from hybridkv.model.architectures.parallel import TPGroup, fuse_columns
 from hybridkv.model.int4_cpu import (
-    GROUP, Int4Columns, Int4Linear, grid_of, int4_kernel_available, pack_int4_linears,
+    DENSE_ROWS, GROUP, Int4Columns, Int4Linear, Int4Rows, grid_of, int4_kernel_available, pack_int4_linears,
 )
 
 pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="torch has no CPU int4 kernel")
@@ -53,6 +53,19 @@ def test_the_packed_layer_matches_the_float_layer_within_bf16_rounding(rows):
     assert (got - want).abs().max() > 0  # really the 4-bit kernel, not the float weight
 
 
+def test_a_prefill_runs_the_weight_the_kernel_reads_in_bf16():
+    """From ``DENSE_ROWS`` rows on, the layer runs its bf16 weight: the kernel's own weight (read back through it with
+    an identity input), and the same outputs as the kernel row by row within bf16 rounding."""
+    w = q4_1((96, 6 * GROUP), seed=5)
+    layer = Int4Linear(*grid_of(w), None)
+    eye = torch.eye(6 * GROUP, dtype=torch.bfloat16)
+    kernel_weight = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, layer.packed, GROUP, layer.scales_zeros).t()
+    torch.testing.assert_close(layer.dense, kernel_weight, rtol=2**-8, atol=0)
+    x = torch.randn(DENSE_ROWS, 6 * GROUP)
+    one_by_one = torch.cat([layer(row[None]) for row in x])
+    torch.testing.assert_close(layer(x), one_by_one, rtol=2e-2, atol=2e-2 * one_by_one.abs().max().item())
+
+
 def test_pack_replaces_only_the_layers_on_a_grid():
     model = nn.Sequential(nn.Linear(4 * GROUP, 32), nn.Linear(32, 4 * GROUP, bias=False))
     with torch.no_grad():
@@ -77,10 +90,31 @@ def test_a_fused_gate_up_group_runs_its_packed_linears(fused_first):
     assert pack_int4_linears(mlp) == 3
     fuse_columns(mlp)  # what ModelRunner does after the engine packed: a packed group is left alone
     assert isinstance(mlp.gate_up, Int4Columns)
-    assert all(isinstance(linear, Int4Linear) for linear in mlp.gate_up.linears)
+    assert mlp.gate_up.whole.out_features == 12 * GROUP  # gate and up: one 4-bit GEMM
+    assert isinstance(mlp.gate_proj, Int4Rows) and isinstance(mlp.down_proj, Int4Linear)
     assert not any(isinstance(p, nn.Parameter) and p.dim() == 2 for p in mlp.parameters())  # float weights gone
     got = mlp(x)
     assert (got - want).abs().max() <= 3e-2 * want.abs().max()
+    # each linear's name still computes its own rows
+    torch.testing.assert_close(mlp.up_proj(x), mlp.gate_up(x)[1], rtol=0, atol=0)
+
+
+def test_a_group_with_a_float_linear_runs_each_linear_alone():
+    """q/k/v where only q is on a grid: q is packed alone, k and v stay float, and the group still splits right."""
+    from hybridkv.model.architectures.parallel import FusedColumns
+
+    model = nn.Module()
+    model.q, model.k = nn.Linear(4 * GROUP, 64, bias=False), nn.Linear(4 * GROUP, 32, bias=False)
+    with torch.no_grad():
+        model.q.weight.copy_(q4_1((64, 4 * GROUP), seed=20))
+    model.qk = FusedColumns(model.q, model.k)
+    x = torch.randn(2, 4 * GROUP)
+    want_k = model.k(x)
+    assert pack_int4_linears(model) == 1
+    assert model.qk.whole is None and isinstance(model.qk.linears[0], Int4Linear) and model.qk.linears[1] is model.k
+    q, k = model.qk(x)
+    assert q.shape == (2, 64)
+    torch.testing.assert_close(k, want_k, rtol=0, atol=0)
 
 
 def test_packed_layer_survives_a_move_to_another_dtype():

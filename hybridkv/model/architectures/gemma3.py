@@ -253,11 +253,13 @@ class Gemma3ForCausalLM(nn.Module):
             self._constants = (inv_freqs, scale)
         return self._constants
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def compute_logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor | None:
         """float32 logits [N, vocab] for the hidden rows the caller picked (e.g. each sequence's last token).
 
-        Under TP each rank computes its vocabulary slice; rank 0 gets them all, the other ranks None."""
-        logits = vocab_parallel_logits(hidden, self.embed_tokens, self.lm_head, self.tp, self.cfg.vocab_size)
+        Under TP each rank computes its vocabulary slice; rank 0 gets them all, the other ranks None. ``argmax_only``:
+        the caller reads only each row's argmax (``vocab_parallel_logits``)."""
+        logits = vocab_parallel_logits(hidden, self.embed_tokens, self.lm_head, self.tp, self.cfg.vocab_size,
+                                       argmax_only)
         if logits is None:
             return None
         cap = self.cfg.final_logit_softcapping

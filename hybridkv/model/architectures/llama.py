@@ -381,8 +381,10 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, tables, attn)
         return self.norm.add_forward(x, residual)[0] if residual is not None else self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def compute_logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor | None:
         """float32 logits [N, vocab] for the hidden rows the caller picked (e.g. each sequence's last token).
 
-        Under TP each rank computes its vocabulary slice; rank 0 gets them all, the other ranks None."""
-        return vocab_parallel_logits(hidden, self.embed_tokens, self.lm_head, self.tp, self.cfg.vocab_size)
+        Under TP each rank computes its vocabulary slice; rank 0 gets them all, the other ranks None. ``argmax_only``:
+        the caller reads only each row's argmax (``vocab_parallel_logits``)."""
+        return vocab_parallel_logits(hidden, self.embed_tokens, self.lm_head, self.tp, self.cfg.vocab_size,
+                                     argmax_only)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.model.architectures.collectives import OneShotAllReduce
+
+if TYPE_CHECKING:
+    from hybridkv.model.int8_head_cpu import Int8ArgmaxHead
 
 
 @dataclass(slots=True)
@@ -216,6 +219,8 @@ class VocabParallelEmbedding(nn.Embedding):
         rows = -(-vocab_size // tp.size)
         self.vocab_start = tp.rank * rows
         super().__init__(rows, hidden, dtype=dtype)
+        # as an output head on CPU: an int8 copy that finds a row's argmax exactly (``model/int8_head_cpu.py``)
+        self.argmax_head: Int8ArgmaxHead | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -236,10 +241,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     as a linear layer and gathers the ranks' logits)."""
 
 
-def vocab_parallel_logits(hidden: torch.Tensor, embed: torch.nn.Module, lm_head: torch.nn.Module | None,
-                          tp: TPGroup, vocab_size: int) -> torch.Tensor | None:
+def vocab_parallel_logits(hidden: torch.Tensor, embed: VocabParallelEmbedding, lm_head: ParallelLMHead | None,
+                          tp: TPGroup, vocab_size: int, argmax_only: bool = False) -> torch.Tensor | None:
     """float32 logits [N, vocab] of ``hidden`` through the output head (``lm_head``, or the tied ``embed``): under
-    TP each rank computes its vocabulary slice, rank 0 gets them all (the padding cut off), the others None."""
-    weight = embed.weight if lm_head is None else lm_head.weight
+    TP each rank computes its vocabulary slice, rank 0 gets them all (the padding cut off), the others None.
+
+    ``argmax_only``: the caller reads only each row's argmax; a head with an ``argmax_head`` then returns logits
+    exact where they could be the largest and within its bound elsewhere."""
+    head = embed if lm_head is None else lm_head
+    if argmax_only and head.argmax_head is not None:
+        return head.argmax_head(hidden, head.weight)
+    weight = head.weight
     logits = tp.gather_last_dim(F.linear(hidden, weight).float())
     return logits if logits is None or tp.size == 1 else logits[:, :vocab_size]

@@ -1,0 +1,49 @@
+"""The int8 output head of CPU greedy decoding: its bound holds, every token that could be the argmax is re-scored
+in float32, so the argmax is the float32 head's, near-ties included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridkv.model.int8_head_cpu import Int8ArgmaxHead, int8_kernel_available
+
+pytestmark = pytest.mark.skipif(not int8_kernel_available(), reason="torch has no CPU int8 kernel")
+
+
+def head_and_rows(vocab: int, hidden: int, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(vocab, hidden, generator=g) * 0.05, torch.randn(rows, hidden, generator=g) * 4
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_bound_holds_and_the_logits_are_exact_where_they_could_be_the_largest(rows):
+    w, h = head_and_rows(3000, 128, rows, seed=0)
+    head = Int8ArgmaxHead.of(w)
+    exact = F.linear(h, w)
+    scores, bound = head.screen(h)
+    assert (scores - exact).abs().le(bound).all()
+    assert (scores - exact).abs().max() > 0  # really the int8 kernel
+    got = head(h, w)
+    assert torch.equal(got.argmax(1), exact.argmax(1))
+    rescored = head.rescored(h)
+    assert (rescored >= 1).all() and rescored.max() < 3000 // 10  # the screen leaves few tokens to float32
+    assert ((got != scores).sum(1) <= rescored.sum()).all()  # only those (of any row) changed
+    top = exact.argmax(1)
+    torch.testing.assert_close(got.gather(1, top[:, None]), exact.gather(1, top[:, None]), rtol=1e-6, atol=1e-6)
+    assert (got - exact).abs().le(bound).all()  # elsewhere: within the bound
+
+
+def test_a_near_tie_that_int8_cannot_see_is_decided_by_the_float_weight():
+    """Rows 0 and 1 differ by 1e-5 in one weight: the same int8 row and the same score, but row 1 is larger."""
+    w, h = head_and_rows(500, 64, 1, seed=1)
+    h = h.abs()
+    w[0] = 0.3
+    w[1] = w[0]
+    w[1, 5] += 1e-5
+    head = Int8ArgmaxHead.of(w)
+    scores, _ = head.screen(h)
+    assert scores[0, 0] == scores[0, 1] and scores.argmax() == 0  # int8 alone picks row 0
+    assert F.linear(h, w).argmax() == 1
+    assert head(h, w).argmax() == 1
