@@ -111,7 +111,7 @@ class ModelRunner:
             offset += s.num_new_tokens
             if s.samples:
                 last.append(offset - 1)
-                argmax_only = argmax_only and s.seq.state.params.argmax_only
+                argmax_only = argmax_only and s.seq.state.params.argmax_only(s.seq.num_output_tokens)
         return StepInput(
             np.array(input_ids, dtype=np.int64), seqs, np.array(last, dtype=np.int64), self.kv.take_block_ops(),
             np.array(score_rows, dtype=np.int64), np.array(score_ids, dtype=np.int64), top_k, argmax_only,

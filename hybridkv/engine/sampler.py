@@ -83,7 +83,7 @@ class Sampler:
         """
         batch = logits.shape[0]
         assert len(params) == len(prompt_ids) == len(output_ids) == len(generators) == batch
-        if token_bitmask is None and all(map(_argmax_only, params, output_ids)):
+        if token_bitmask is None and all(p.argmax_only(len(ids)) for p, ids in zip(params, output_ids)):
             # the common greedy step: nothing below would move a row's maximum, so one argmax and one copy to the
             # host, and no float32 copy of the logits
             return SamplerOutput(logits.argmax(dim=-1).tolist(), None)
@@ -148,13 +148,6 @@ class Sampler:
                 q[i].exponential_(generator=gen)
         # exponential_ can return exactly 0; 0/0 would be NaN, which argmax prefers.
         return q.clamp_min_(torch.finfo(torch.float32).tiny)
-
-
-def _argmax_only(p: SamplingParams, output_ids: Sequence[int]) -> bool:
-    """Whether a row's token is its logits' argmax as they are: greedy, no logprobs, no logit bias, no penalties,
-    and past ``min_tokens`` (``Sampler.__call__``'s steps would leave its maximum where it is)."""
-    return (p.greedy and p.logprobs is None and not p.logit_bias and p.repetition_penalty == 1.0
-            and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0 and len(output_ids) >= p.min_tokens)
 
 
 def _raw_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor | None:

@@ -133,13 +133,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
-    @property
-    def argmax_only(self) -> bool:
-        """The token is the raw logits' argmax and nothing else of them is read (no logprobs, nothing that edits
-        logits): the model may compute only the argmax exactly (``model/int8_head_cpu.py``)."""
+    def argmax_only(self, num_output_tokens: int) -> bool:
+        """The next token is the raw logits' argmax and nothing else of them is read: greedy, no logprobs, nothing
+        that edits logits (bias, penalties, a grammar, ``min_tokens`` not yet reached). Then the sampler takes one
+        argmax, and the model may compute only the argmax exactly (``model/int8_head_cpu.py``)."""
         return (self.greedy and self.logprobs is None and not self.logit_bias and self.presence_penalty == 0
-                and self.frequency_penalty == 0 and self.repetition_penalty == 1 and self.min_tokens == 0
-                and self.structured_outputs is None)
+                and self.frequency_penalty == 0 and self.repetition_penalty == 1
+                and num_output_tokens >= self.min_tokens and self.structured_outputs is None)
 
     @property
     def max_stop_len(self) -> int:

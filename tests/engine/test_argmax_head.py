@@ -15,7 +15,12 @@ from hybridkv.model.int8_head_cpu import Int8ArgmaxHead, int8_kernel_available
     ({"presence_penalty": 0.5}, False), ({"logit_bias": {5: 1.0}}, False), ({"min_tokens": 2}, False),
 ])
 def test_argmax_only_is_greedy_with_nothing_else_reading_the_logits(extra, plain):
-    assert SamplingParams(**{"temperature": 0, **extra}).argmax_only is plain
+    assert SamplingParams(**{"temperature": 0, **extra}).argmax_only(0) is plain
+
+
+def test_min_tokens_stops_editing_the_logits_once_reached():
+    params = SamplingParams(temperature=0, min_tokens=2)
+    assert [params.argmax_only(n) for n in range(4)] == [False, False, True, True]
 
 
 @pytest.mark.skipif(not int8_kernel_available(), reason="torch has no CPU int8 kernel")
