@@ -11,7 +11,7 @@ that many greedy requests at ``--context`` tokens each (their KV "exists": slots
 - execute: ``ModelRunner.execute`` minus the model's forward and LM head and minus the CPU attention backend's
   metadata (``TorchPagedAttention.begin_step``, a CPU-only cost shown apart as ``cpu attn meta``);
 - static decode meta: ``TritonPagedAttention.begin_static_decode`` of the same step on a CPU-built Triton backend:
-  what a CUDA-graph replay (``DecodeGraphs.run``) does on the host instead of ``begin_step``;
+  what a CUDA-graph replay (``DecodeGraphs.replay``) does on the host instead of ``begin_step``;
 - sample: the ``Sampler`` call;
 - output: everything else of ``LLMEngine.step`` (appending tokens, stop checks, detokenising, request outputs).
 
