@@ -29,9 +29,10 @@ ONE_SHOT_MAX_BYTES = 1 << 20
 class OneShotAllReduce:
     """Sum over the group's ranks of a CUDA tensor of at most ``max_bytes``, into a new tensor."""
 
-    # Process-wide, as torch's symmetric-memory state is: on torch 2.11 a second rendezvous in one process (a
-    # second tensor-parallel engine after the first shut down, whatever its group's name) waited forever. So a
-    # process sets the path up once; the driver asks ``available_here`` and tells its new workers the answer.
+    # Process-wide, as torch's symmetric-memory state is: on torch 2.11 a rendezvous in a process whose earlier
+    # group was destroyed (a second tensor-parallel engine after the first shut down, whatever its group's name)
+    # waited forever; a second buffer within one live group is fine (benchmarks/gpu/all_reduce.py makes one). So
+    # an engine's driver sets the path up once per process, and tells its new workers the answer.
     set_up_in_this_process = False
 
     @classmethod
@@ -40,9 +41,9 @@ class OneShotAllReduce:
 
     def __init__(self, device: torch.device, store: dist.Store, name: str, max_bytes: int = ONE_SHOT_MAX_BYTES) -> None:
         """Collective: every rank of the default group calls it with the same ``name``, unique to this group in
-        the process. Symmetric memory keeps each group name's store for the life of the process, and torch names
-        every default group "0": a second engine in one process would find the first one's (closed) store under
-        "0" and wait on it forever. So the group is registered under its own name too, over its own store."""
+        the process. Symmetric memory keeps each group name's store for the life of the process and torch names
+        every default group "0", so the group is registered under its own name, over its own store (that alone
+        did not make a second engine in one process work: see ``set_up_in_this_process``)."""
         import torch.distributed._symmetric_memory as symm_mem
         from torch._C._distributed_c10d import _register_process_group, _SymmetricMemory
 
