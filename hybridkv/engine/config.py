@@ -67,6 +67,10 @@ class EngineConfig:
     disable_custom_all_reduce: bool = knob(
         False, "GPU tensor parallelism: every all-reduce through NCCL (default: small ones, as in decode steps, "
                "one-shot over peer GPU memory)")
+    # SGLang overlaps two micro-batches' communication the same way ("two-batch overlap"), for expert parallelism
+    prefill_overlap_tokens: int = knob(
+        4096, "tensor parallelism: a step of at least this many tokens runs in two halves, each half's all-reduces "
+              "travelling while the other half computes (0: off)")
     # the CLI names it in GiB (--kv-offload-gib, see args.py), like vLLM's --kv-offloading-size
     kv_offload_bytes: int = knob(0, "host-memory tier of the prefix cache, bytes per rank (0: off); see kv/host_tier.py",
                                  cli=False)
@@ -85,4 +89,6 @@ def resolve_step_budget(config: EngineConfig, device: str) -> EngineConfig:
         raise ValueError(f"max_num_batched_tokens must be >= 1, got {step}")
     if cap < 0:
         raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: no cap), got {cap}")
+    if config.prefill_overlap_tokens < 0:
+        raise ValueError(f"prefill_overlap_tokens must be >= 0 (0: off), got {config.prefill_overlap_tokens}")
     return replace(config, max_num_batched_tokens=step, long_prefill_token_threshold=cap)

@@ -171,7 +171,8 @@ class LLMEngine:
             host_blocks=host_blocks,
         )
         runtime = build_runtime(self.model, self.layout, num_blocks, kv_dtype, config.attention_backend,
-                                config.device, self.kv, host_blocks, config.fp8_attention_compute)
+                                config.device, self.kv, host_blocks, config.fp8_attention_compute,
+                                config.prefill_overlap_tokens)
         self.backend, self.runner = runtime.backend, runtime.runner
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold)
@@ -224,7 +225,8 @@ class LLMEngine:
         spec = WorkerSpec(self.config, dtype, kv_dtype, num_blocks, self.max_model_len, one_shot,
                           host_blocks=host_blocks)
         self.workers = TPWorkers(spec, tp)
-        return TPDriverRunner(self.model, self.kv, self.backend, self.workers, self.runner.copier)
+        return TPDriverRunner(self.model, self.kv, self.backend, self.workers, self.runner.copier,
+                              self.config.prefill_overlap_tokens)
 
     def collective_rpc(self, fn: Callable, *args) -> list:
         """``fn(runner, *args)`` on every tensor-parallel rank's ``ModelRunner`` (vLLM's name), e.g. to read each

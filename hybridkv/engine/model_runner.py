@@ -22,7 +22,7 @@ from hybridkv.engine.scheduler import SchedulerOutput
 from hybridkv.kv.cache_manager import KVCacheManager
 from hybridkv.kv.host_tier import BlockCopy
 from hybridkv.model.architectures.parallel import fuse_columns
-from hybridkv.model.attention.base import PagedAttentionBackend, StepSequence
+from hybridkv.model.attention.base import PagedAttentionBackend, StepHalf, StepSequence, split_step
 from hybridkv.model.causal_lm import CausalLM
 
 log = logging.getLogger("hybridkv")
@@ -62,13 +62,16 @@ class StepOutput:
 class ModelRunner:
     def __init__(
         self, model: CausalLM, kv: KVCacheManager | None, backend: PagedAttentionBackend,
-        copier: BlockCopier | None = None,
+        copier: BlockCopier | None = None, halves_from_tokens: int = 0,
     ) -> None:
+        """``halves_from_tokens``: tensor-parallel steps of at least this many tokens run in two halves (0: none;
+        ``EngineConfig.prefill_overlap_tokens``)."""
         fuse_columns(model)  # q/k/v and gate/up as one GEMM each: fewer launches, wider GEMMs
         self.model = model
         self.kv = kv  # None on worker ranks: they only execute
         self.backend = backend
         self.copier = copier  # this rank's host pages (None without a host tier)
+        self.halves_from_tokens = halves_from_tokens if model.tp.size > 1 and model.supports_step_halves else 0
         self.device = next(model.parameters()).device
         self.graphs = None  # DecodeGraphs when decode steps replay from CUDA graphs
 
@@ -123,21 +126,40 @@ class ModelRunner:
         than 0)."""
         if step.block_ops:  # host tier: before anything reads a loaded page or overwrites a written-back one
             self.copier.run(step.block_ops)
-        if self.graphs is not None and not len(step.score_rows):
-            bucket = self.graphs.bucket(step.seqs, step.sample_rows)
-            if bucket is not None:  # logits None on tensor-parallel ranks other than 0, as eager
-                return StepOutput(self.graphs.replay(bucket, step.input_ids, step.seqs))
-        self.backend.begin_step(step.seqs)
-        hidden = self.model(
-            torch.from_numpy(step.input_ids).to(self.device),
-            torch.from_numpy(step.positions()).to(self.device),
-            self.backend,
-        )
+        bucket = self.graph_bucket(step)
+        if bucket is not None:  # logits None on tensor-parallel ranks other than 0, as eager
+            return StepOutput(self.graphs.replay(bucket, step.input_ids, step.seqs))
+        input_ids = torch.from_numpy(step.input_ids).to(self.device)
+        positions = torch.from_numpy(step.positions()).to(self.device)
+        halves = self._begin_step(step)
+        if halves:
+            hidden = self.model(input_ids, positions, self.backend, halves=halves)
+        else:
+            hidden = self.model(input_ids, positions, self.backend)
         scores = self._score(hidden, step) if len(step.score_rows) else None
         if not len(step.sample_rows):
             return StepOutput(hidden.new_empty((0, 0), dtype=torch.float32), scores)
         rows = hidden[torch.from_numpy(step.sample_rows).to(self.device)]
         return StepOutput(self.model.compute_logits(rows, step.argmax_only), scores)
+
+    def graph_bucket(self, step: StepInput) -> int | None:
+        """The decode graph that replays ``step``, or None: it runs eagerly."""
+        if self.graphs is None or len(step.score_rows):
+            return None
+        return self.graphs.bucket(step.seqs, step.sample_rows)
+
+    def _begin_step(self, step: StepInput) -> list[StepHalf] | None:
+        """The step's attention metadata; a tensor-parallel step of ``halves_from_tokens`` or more gets it for each
+        half of its token rows, and is run in those halves (see ``StepHalf``)."""
+        n = len(step.input_ids)
+        if not self.halves_from_tokens or n < self.halves_from_tokens:
+            self.backend.begin_step(step.seqs)
+            return None
+        halves = []
+        for rows, seqs in zip((slice(0, n // 2), slice(n // 2, n)), split_step(step.seqs, n // 2)):
+            self.backend.begin_step(seqs)
+            halves.append(StepHalf(rows, self.backend.step_state))
+        return halves
 
     def _score(self, hidden: torch.Tensor, step: StepInput) -> TokenScores | None:
         """Every rank takes part in each LM-head call (under TP it gathers the vocabulary slices to rank 0)."""

@@ -33,12 +33,12 @@ def rank_layout(hf_config: dict[str, Any], tensor_parallel_size: int, kv_dtype: 
 
 def build_runtime(
     model: CausalLM, layout: KVLayout, num_blocks: int, kv_dtype: str, attention_backend: str, device: str,
-    kv: KVCacheManager | None = None, host_blocks: int = 0, fp8_compute: bool = False,
+    kv: KVCacheManager | None = None, host_blocks: int = 0, fp8_compute: bool = False, halves_from_tokens: int = 0,
 ) -> RankRuntime:
     """``kv``: the block tables' owner (rank 0); None on worker ranks, which only execute. ``host_blocks``: pages
     of this rank's host-memory tier (0: none), copied to and from the cache by the runner. ``fp8_compute``: FP8
-    prefill dots over an FP8 cache (the Triton backend)."""
+    prefill dots over an FP8 cache (the Triton backend). ``halves_from_tokens``: see ``ModelRunner``."""
     heads = model.cfg.num_heads // model.tp.size
     backend = make_paged_attention(attention_backend, layout, num_blocks, kv_dtype, heads, device, fp8_compute)
     copier = BlockCopier(backend.cache.buffer, host_blocks) if host_blocks else None
-    return RankRuntime(layout, backend, ModelRunner(model, kv, backend, copier))
+    return RankRuntime(layout, backend, ModelRunner(model, kv, backend, copier, halves_from_tokens))

@@ -129,7 +129,8 @@ def _build_runner(spec: WorkerSpec, tp: TPGroup) -> ModelRunner:
     # the same layout and block count as the driver's, so its block tables address this rank's cache
     layout = rank_layout(loaded.hf_config, tp.size, spec.kv_dtype, c.block_size)
     return build_runtime(model, layout, spec.num_blocks, spec.kv_dtype, c.attention_backend, device,
-                         host_blocks=spec.host_blocks, fp8_compute=c.fp8_attention_compute).runner
+                         host_blocks=spec.host_blocks, fp8_compute=c.fp8_attention_compute,
+                         halves_from_tokens=c.prefill_overlap_tokens).runner
 
 
 class TPWorkers:
@@ -167,15 +168,17 @@ class TPWorkers:
             raise self.fail(f"starting the workers failed on rank 0: {e!r}") from e
 
     # ---- steps ------------------------------------------------------------------------------------
-    def run(self, step: StepInput | RankCall, execute: Callable[[StepInput], torch.Tensor]) -> torch.Tensor:
-        """Send ``step`` to every worker and run rank 0's part with ``execute``; what it returns comes back."""
+    def run(self, step: StepInput | RankCall, execute: Callable[[StepInput], torch.Tensor],
+            sent: StepInput | None = None) -> torch.Tensor:
+        """Send ``step`` (or its lighter twin ``sent``) to every worker and run rank 0's part with ``execute``;
+        what it returns comes back."""
         if self.failure is not None:
             raise TensorParallelError(f"this engine cannot step: its tensor-parallel workers are gone ({self.failure})")
         if not all(p.is_alive() for p in self.procs):
             raise self.fail("")
         try:
             for conn in self.conns:
-                conn.send(step)
+                conn.send(step if sent is None else sent)
             return execute(step)
         except BaseException as e:  # the workers may be waiting in a collective rank 0 will never join
             error = self.fail(f"rank 0 failed: {e!r}")
@@ -273,19 +276,38 @@ class TPDriverRunner(ModelRunner):
     """Rank 0's runner: each step it prepares goes to every worker, then runs here."""
 
     def __init__(self, model: torch.nn.Module, kv, backend: PagedAttentionBackend, workers: TPWorkers,
-                 copier: BlockCopier | None = None) -> None:
-        super().__init__(model, kv, backend, copier)
+                 copier: BlockCopier | None = None, halves_from_tokens: int = 0) -> None:
+        super().__init__(model, kv, backend, copier, halves_from_tokens)
         self.workers = workers
+        self.sent_versions: list[int] = []  # per decode-graph row, the ``tables_version`` the workers hold
 
     def run(self, out) -> torch.Tensor:
-        return self.workers.run(self.prepare(out), self.execute)
+        step = self.prepare(out)
+        return self.workers.run(step, self.execute, self._for_workers(step))
+
+    def _for_workers(self, step: StepInput) -> StepInput:
+        """``step`` as the workers get it: a graph step carries a row's block tables only when their version is new
+        to the workers, whose decode buffers keep the rest (``begin_static_decode`` writes a row's tables only when
+        its version changed, on every rank alike). At 5M of context one sequence's tables are ~1 MB of pickle a
+        step; through a pipe that was a 3 ms round trip on a loaded 2-core machine, 0.5 ms at 1M."""
+        if self.graph_bucket(step) is None:
+            return step
+        seqs = []
+        for row, s in enumerate(step.seqs):
+            known = s.tables_version != 0 and s.tables_version == self.sent_versions[row]
+            self.sent_versions[row] = s.tables_version
+            seqs.append(replace(s, block_tables=[]) if known else s)
+        return replace(step, seqs=seqs)
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
         """Every rank captures the same batch buckets in the same order (their collectives pair up), then replays
         the same bucket each step: each rank picks it from the same ``StepInput``."""
         if not self.can_capture:
             return False
-        return all(self.call_on_ranks(ModelRunner.capture_decode_graphs, max_num_seqs, max_model_len))
+        captured = all(self.call_on_ranks(ModelRunner.capture_decode_graphs, max_num_seqs, max_model_len))
+        if captured:
+            self.sent_versions = [0] * self.graphs.max_seqs
+        return captured
 
     def call_on_ranks(self, fn: Callable, *args) -> list:
         """``fn(runner, *args)`` on every rank; their results by rank."""

@@ -30,6 +30,9 @@ class CausalLM(Protocol):
     lm_head: torch.nn.Module | None  # None: tied to the input embedding (a checkpoint's copy is not loaded)
     # the forward holds no host sync and no host-to-device copy in the steady state, so a CUDA graph can hold it
     supports_cuda_graphs: bool
+    # ``forward`` also takes ``halves`` (``attention.base.StepHalf``): a tensor-parallel step's tokens in two halves,
+    # one's all-reduces overlapping the other's compute
+    supports_step_halves: bool
 
     @property
     def max_graph_tokens(self) -> int:

@@ -136,14 +136,16 @@ def test_decode_from_cuda_graphs_is_token_exact_with_eager(tiny_model, name):
 @pytest.mark.parametrize("name,custom_all_reduce", [("llama4", True), ("llama4", False), ("llama3", False)])
 def test_tensor_parallel_over_two_gpus_matches_one_gpu(tiny_model, name, custom_all_reduce):
     """TP=2 over NCCL (Triton kernels on each rank) generates what TP=1 generates, float32, greedy: prefill eager,
-    decode replayed from CUDA graphs on both ranks with small all-reduces one-shot over peer memory (or, all
-    through NCCL, decode eager)."""
+    decode replayed from CUDA graphs on both ranks with small all-reduces one-shot over peer memory, the workers
+    sent only the block tables they lack (or, all through NCCL, decode eager and prefill steps of 32+ tokens in
+    two halves whose NCCL all-reduces overlap the other half's kernels)."""
     model = tiny_model(name)
     prompts = [{"prompt_token_ids": p} for p in random_prompts([70, 23, 150, 5], seed=31)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     common = dict(model=str(model.path), device="cuda", dtype="float32", kv_cache_memory_bytes=64 << 20)
     want = LLM(enforce_eager=True, **common).generate(prompts, params, use_tqdm=False)
-    two = LLM(tensor_parallel_size=2, disable_custom_all_reduce=not custom_all_reduce, **common)
+    two = LLM(tensor_parallel_size=2, disable_custom_all_reduce=not custom_all_reduce,
+              prefill_overlap_tokens=0 if custom_all_reduce else 32, **common)
     try:
         assert (two.engine.model.tp.one_shot is not None) == (custom_all_reduce and two_gpus_see_each_other())
         for _ in range(2):  # the second round from the prefix cache

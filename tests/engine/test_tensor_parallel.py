@@ -68,6 +68,34 @@ def tp2_matches_tp1(path, shut_down) -> tuple[LLM, LLM, list]:
 
 
 @pytest.mark.parametrize("name", ["llama4", "llama3"])
+def test_steps_in_two_halves_are_token_exact_with_tp1(tiny_model, shut_down, monkeypatch, name):
+    """prefill_overlap_tokens=5: every prefill step of 5+ tokens runs its layers in two halves, each half's
+    all-reduces deferred (gloo's async works here) while the other half computes; the cut crosses sequences
+    mid-chunk, whose second piece attends to the first piece's K/V written by the same layer."""
+    from hybridkv.engine.model_runner import ModelRunner
+
+    path = tiny_model(name).path
+    prompts = parity_prompts()
+    one = LLM(**engine_args(path))
+    expected = [o.outputs[0].token_ids for o in generate(one, prompts)]
+    halved = []
+    begin = ModelRunner._begin_step
+
+    def spy(runner, step):
+        halves = begin(runner, step)
+        halved.append(halves is not None)
+        return halves
+
+    monkeypatch.setattr(ModelRunner, "_begin_step", spy)
+    llm = LLM(**engine_args(path), tensor_parallel_size=TP, prefill_overlap_tokens=5)
+    shut_down(llm)
+    assert [o.outputs[0].token_ids for o in generate(llm, prompts)] == expected
+    assert sum(halved) >= 8 and not all(halved)  # prefill steps ran in halves, 1-token decode steps whole
+    with pytest.raises(ValueError, match="prefill_overlap_tokens must be >= 0"):
+        LLM(**engine_args(path), prefill_overlap_tokens=-1)
+
+
+@pytest.mark.parametrize("name", ["llama4", "llama3"])
 def test_tp2_is_token_exact_with_tp1_through_chunked_prefill_and_prefix_cache(tiny_model, shut_down, name):
     path = tiny_model(name).path
     one, llm, outs = tp2_matches_tp1(path, shut_down)
@@ -270,3 +298,34 @@ def test_collective_rpc_runs_on_every_rank_and_returns_their_results(tiny_model,
     assert rank == 0
     # the engine still steps after a call, and the call left the workers in step with rank 0
     assert generate(llm, random_prompts([10], seed=7), n=3)[0].outputs[0].token_ids
+
+
+def test_graph_steps_send_workers_only_the_block_tables_they_lack():
+    """A decode step that replays a graph reaches the workers without the block tables of rows whose
+    ``tables_version`` they already hold (their decode buffers keep them); new versions, version 0 (unknown) and
+    eager steps carry them whole."""
+    import numpy as np
+
+    from hybridkv.engine.cuda_graphs import DecodeGraphs
+    from hybridkv.engine.model_runner import StepInput
+    from hybridkv.engine.tp_workers import TPDriverRunner
+    from hybridkv.model.attention.base import StepSequence
+
+    graphs = DecodeGraphs.__new__(DecodeGraphs)  # its bucket choice alone: no GPU here
+    graphs.buckets, graphs.max_seqs = [1, 2, 4], 4
+    runner = TPDriverRunner.__new__(TPDriverRunner)
+    runner.graphs, runner.sent_versions = graphs, [0] * 4
+    tables = [np.arange(8, dtype=np.int32)]
+
+    def sent(versions, query_len=1):
+        seqs = [StepSequence(100, query_len, tables, v) for v in versions]
+        step = StepInput(np.zeros(len(seqs) * query_len, dtype=np.int64), seqs,
+                         np.arange(len(seqs), dtype=np.int64))
+        return [len(s.block_tables) for s in runner._for_workers(step).seqs]
+
+    assert sent([5, 7]) == [1, 1]  # new to the workers
+    assert sent([5, 7]) == [0, 0]  # held: stripped
+    assert sent([5, 8, 9]) == [0, 1, 1]  # row 1 got a new block; row 2 is new
+    assert sent([7, 8, 9]) == [1, 0, 0]  # another sequence in row 0
+    assert sent([0, 8]) == [1, 0]  # version 0: always sent
+    assert sent([0, 8], query_len=2) == [1, 1]  # a prefill step runs eagerly: every table goes

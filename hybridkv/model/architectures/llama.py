@@ -25,13 +25,13 @@ tuning (per token) need nothing from other ranks.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.model.attention.base import AttentionBackend
+from hybridkv.model.attention.base import AttentionBackend, StepHalf
 from hybridkv.model.architectures.llama_config import ModelConfig, RopeConfig
 from hybridkv.model.architectures.parallel import (
     ColumnParallelLinear,
@@ -138,6 +138,26 @@ class PositionTables:
     cos: torch.Tensor
     sin: torch.Tensor
     temperature: torch.Tensor | None
+
+    def rows(self, rows: slice) -> PositionTables:
+        temperature = None if self.temperature is None else self.temperature[rows]
+        return PositionTables(self.cos[rows], self.sin[rows], temperature)
+
+
+@dataclass(slots=True)
+class _HalfRun:
+    """A step half's way through the layers (``LlamaForCausalLM._layers_in_halves``): its hidden rows, its residual
+    stream, its position tables, and the all-reduces of its last block, still travelling."""
+
+    x: torch.Tensor
+    residual: torch.Tensor | None
+    tables: PositionTables
+    pending: list = field(default_factory=list)
+
+    def wait(self) -> None:
+        for work in self.pending:
+            work.wait()
+        self.pending = []
 
 
 class Attention(nn.Module):
@@ -334,11 +354,22 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): the residual add of each sublayer is done
         by the next norm, fused with it (``residual`` None: the first layer, ``x`` is the embedding)."""
+        return self.mlp_block(*self.attention_block(x, residual, tables, attn), tables, attn)
+
+    # The layer's two blocks, each ending in its one all-reduce under tensor parallelism.
+    def attention_block(
+        self, x: torch.Tensor, residual: torch.Tensor | None, tables: PositionTables, attn: AttentionBackend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
-        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, tables, attn), residual)
+        return self.self_attn(h, tables, attn), residual
+
+    def mlp_block(
+        self, x: torch.Tensor, residual: torch.Tensor, tables: PositionTables, attn: AttentionBackend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.post_attention_layernorm.add_forward(x, residual)
         return self.mlp(h), residual
 
 
@@ -365,9 +396,14 @@ class LlamaForCausalLM(nn.Module):
         return min((fused_moe_max_pairs() // m.top_k for m in moe), default=1 << 30)
 
     supports_cuda_graphs = True
+    supports_step_halves = True
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        """Final-normed hidden states [T, hidden] for flattened tokens ``input_ids`` [T] at ``positions`` [T]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                halves: list[StepHalf] | None = None) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] for flattened tokens ``input_ids`` [T] at ``positions`` [T].
+
+        ``halves`` (tensor parallelism, a paged ``attn``): the step's rows in two halves, each with its attention
+        state, run block by block in turn so that one half's all-reduce travels while the other half computes."""
         if self._inv_freq is None or self._inv_freq.device != positions.device:
             # once per device: no host-to-device copy in the steady state (and none inside a CUDA graph)
             self._inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.head_dim).to(positions.device)
@@ -377,9 +413,28 @@ class LlamaForCausalLM(nn.Module):
             temperature = temperature_scales(positions, cfg.floor_scale, cfg.attn_scale)
         tables = PositionTables(*rope_cos_sin(self._inv_freq, positions), temperature)
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, tables, attn)
+        if halves:
+            x, residual = self._layers_in_halves(x, tables, attn, halves)
+        else:
+            for layer in self.layers:
+                x, residual = layer(x, residual, tables, attn)
         return self.norm.add_forward(x, residual)[0] if residual is not None else self.norm(x)
+
+    def _layers_in_halves(self, x: torch.Tensor, tables: PositionTables, attn, halves: list[StepHalf]):
+        """Every layer's blocks, half A then half B, each block's all-reduce deferred: A's is waited for only when
+        A's next block starts, by which time B's block has computed beside it. E.g. attention(A), attention(B)
+        while A's sum travels, MLP(A) while B's does, ... Returns (x, residual) of the whole step."""
+        runs = [_HalfRun(x[h.rows], None, tables.rows(h.rows)) for h in halves]
+        for layer in self.layers:
+            for block in (layer.attention_block, layer.mlp_block):
+                for half, run in zip(halves, runs):
+                    run.wait()
+                    attn.step_state = half.state
+                    with self.tp.deferring() as run.pending:
+                        run.x, run.residual = block(run.x, run.residual, run.tables, attn)
+        for run in runs:
+            run.wait()
+        return torch.cat([run.x for run in runs]), torch.cat([run.residual for run in runs])
 
     def compute_logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor | None:
         """float32 logits [N, vocab] for the hidden rows the caller picked (e.g. each sequence's last token).

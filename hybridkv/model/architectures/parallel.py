@@ -15,6 +15,8 @@ full tensor or a lazy safetensors slice, so a rank reads only its part from disk
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -38,6 +40,8 @@ class TPGroup:
     size: int = 1
     # small CUDA all-reduces (decode steps) over peer buffers instead of NCCL; set up by ``connect``
     one_shot: OneShotAllReduce | None = field(default=None, repr=False, compare=False)
+    # while ``deferring``: the NCCL/gloo all-reduces launched since, to wait for before their results are read
+    deferred: list[dist.Work] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -82,8 +86,22 @@ class TPGroup:
             return x
         if self.one_shot is not None and self.one_shot.fits(x):
             return self.one_shot(x)
+        if self.deferred is not None:
+            self.deferred.append(dist.all_reduce(x, async_op=True))
+            return x
         dist.all_reduce(x)
         return x
+
+    @contextmanager
+    def deferring(self) -> Iterator[list[dist.Work]]:
+        """Inside, NCCL/gloo all-reduces are launched without waiting: ``x`` holds the sum only once every work
+        in the yielded list has been waited for (on CUDA ``wait()`` orders the current stream after it, the host
+        goes on). So a caller computes something else while the sum travels (``llama.py``'s prefill halves)."""
+        self.deferred = works = []
+        try:
+            yield works
+        finally:
+            self.deferred = None
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         """Concatenate every rank's ``x`` along the last dim on rank 0; other ranks get None.
@@ -195,13 +213,9 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        y = F.linear(x, self.weight)
-        if self.reduce:
-            y = self.tp.all_reduce(y)
-        # the bias is added once: after the sum, or by rank 0 alone when the caller sums
-        if self.bias is not None and (self.reduce or self.tp.rank == 0):
-            y = y + self.bias
-        return y
+        # the bias joins the sum once, from rank 0 (also right while the sum is deferred: nothing follows it here)
+        y = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        return self.tp.all_reduce(y) if self.reduce else y
 
     def load_shard(self, name: str, source: Any) -> torch.Tensor:
         if name == "bias":

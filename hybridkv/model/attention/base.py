@@ -16,8 +16,8 @@ what it can do (``BackendCapabilities``) instead of the engine finding out by it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -33,6 +33,33 @@ class StepSequence:
     # ``KVCacheManager.tables_version``: equal versions, equal tables (a decode step re-sends only changed ones);
     # 0: unknown, the tables are sent whole
     tables_version: int = 0
+
+
+@dataclass(slots=True)
+class StepHalf:
+    """One of the two halves a tensor-parallel prefill step runs in, so that one half's all-reduces travel while
+    the other half computes (``LlamaForCausalLM.forward``): its rows of the step's tokens and the backend's step
+    state for its sequences."""
+
+    rows: slice
+    state: Any
+
+
+def split_step(seqs: list[StepSequence], cut: int) -> tuple[list[StepSequence], list[StepSequence]]:
+    """The step's sequences as two steps: its first ``cut`` token rows, and the rest. A sequence the cut crosses
+    is in both, its second piece continuing where its first ends: layer by layer the first half writes its K/V
+    before the second half's attention reads them.
+
+    E.g. (context 0, 10 new) and (context 5, 6 new), cut 8: [(0, 8)] and [(8, 2), (5, 6)]."""
+    first, second, row = [], [], 0
+    for s in seqs:
+        take = min(max(cut - row, 0), s.query_len)
+        if take:
+            first.append(replace(s, query_len=take))
+        if take < s.query_len:
+            second.append(replace(s, context_len=s.context_len + take, query_len=s.query_len - take))
+        row += s.query_len
+    return first, second
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +85,10 @@ class PagedAttentionBackend(AttentionBackend, Protocol):
 
     block_size: int
     capabilities: BackendCapabilities
+
+    # what ``begin_step`` built, which every layer of the step reads. A step run in two halves (``StepHalf``) builds
+    # both halves' states and sets the one each layer call is for.
+    step_state: Any
 
     def begin_step(self, seqs: list[StepSequence]) -> None:
         """Build the step's metadata (write slots, what each sequence reads) once, before the forward."""

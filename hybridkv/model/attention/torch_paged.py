@@ -101,6 +101,15 @@ class TorchPagedAttention:
                 )
             )
 
+    @property
+    def step_state(self) -> tuple:
+        """What ``begin_step`` built (see ``PagedAttentionBackend.step_state``)."""
+        return self._step, self._seq_query_lens, self._seq_context_lens
+
+    @step_state.setter
+    def step_state(self, state: tuple) -> None:
+        self._step, self._seq_query_lens, self._seq_context_lens = state
+
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         layer = self.cache.layers[layer_id]
         cache, spec, step = layer.view, layer.spec, self._step[layer.group_id]
