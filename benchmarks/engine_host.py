@@ -109,7 +109,7 @@ class PhaseClock:
         if seqs and all(s.query_len == 1 for s in seqs):
             padded = 1 << (len(seqs) - 1).bit_length()
             start = time.perf_counter()
-            self.triton.begin_static_decode(seqs, padded)
+            self.triton.begin_static_decode(seqs, padded, step.input_ids)
             self.totals["static decode meta"] += time.perf_counter() - start
 
 

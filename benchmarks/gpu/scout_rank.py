@@ -138,6 +138,49 @@ def gpu_timeline(run) -> tuple[float, float, float]:
     return comm / 1000, busy / 1000, (reach - spans[0][0] - busy) / 1000
 
 
+def host_phases(engine: LLMEngine, steps: int) -> str:
+    """Rank 0's host time a step by phase over ``steps`` decode steps, ms (no sync inside a step: "sample" holds
+    the wait for the GPU). Each phase's method is wrapped on its instance for the measurement, then unwrapped."""
+    from collections import defaultdict
+
+    spent: dict[str, float] = defaultdict(float)
+    wrapped = []
+
+    def timed(obj, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter() - start
+
+        setattr(obj, name, wrapper)
+        wrapped.append((obj, name))
+
+    runner = engine.runner
+    timed(engine, "schedule", "schedule")
+    timed(runner, "prepare", "prepare")
+    timed(runner.graphs, "replay", "replay")
+    timed(runner.backend, "begin_static_decode", "of which metadata")
+    for graph in runner.graphs.graphs.values():
+        timed(graph, "replay", "of which graph launch")
+    timed(engine, "_sample", "sample")
+    for conn in getattr(engine.workers, "conns", []):
+        timed(conn, "send", "send")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    total = time.perf_counter() - start
+    for obj, name in wrapped:
+        delattr(obj, name)
+    parts = ", ".join(f"{label} {1000 * t / steps:.3f}" for label, t in spent.items())
+    return f"step {1000 * total / steps:.3f}: {parts}"
+
+
 def set_prefill_halves(runner, tokens: int) -> None:
     """Steps of ``tokens`` or more run in two overlapped halves on this rank (0: none); ``collective_rpc`` sets
     every rank alike."""
@@ -169,8 +212,13 @@ def tensor_parallel_rows(size: int, n: int, contexts: list[int]) -> list[list[st
 
 
 def engine_rows(engine: LLMEngine, label: str, vocab: int, n: int, contexts: list[int], out: dict) -> list[list[str]]:
-    """Prefill of ``n`` tokens and the decode step after it; decode steps at ``contexts`` over random KV (CUDA
-    graphs), with the time in collectives; peak memory per GPU. Times go into ``out`` too."""
+    """Prefill of ``n`` tokens and the decode step after it; one STEP_TOKENS-token prefill step over 524,288 cached
+    tokens (tensor parallelism: its layers whole and in two halves); decode steps at ``contexts`` over random KV
+    (CUDA graphs) with rank 0's host time by phase; peak memory per GPU. Times go into ``out`` too.
+
+    Then, tensor-parallel engines only, profiles: the time in collectives of the prefill step and of decode steps.
+    Profiles come last: once torch's profiler has run in a process, every later CUDA launch there costs more host
+    time (a decode graph's launch went from 0.04 to 0.6 ms), so a number timed after one would read high."""
     rows = []
     decode_after_prefill_ms(engine, 20000, vocab, steps=2)  # compiles the kernels; not reported
     if n:
@@ -180,36 +228,51 @@ def engine_rows(engine: LLMEngine, label: str, vocab: int, n: int, contexts: lis
         rows.append(["bfloat16", f"{label}: decode step after it (graphs)", f"{ms:.2f} ms", ""])
         print(rows[-2], rows[-1], flush=True)
     engine.collective_rpc(fill_random_cache)
-    if engine.workers is not None and STEP_TOKENS + (1 << 19) <= engine.max_model_len:
-        rows += overlap_rows(engine, label, vocab, out)
-    for ctx in contexts:
-        if ctx > engine.max_model_len:
-            rows.append(["bfloat16", f"{label}: decode step @ {ctx:,}", "does not fit", ""])
-            continue
+    step_fits = STEP_TOKENS + (1 << 19) <= engine.max_model_len
+    if step_fits:
+        rows += prefill_step_rows(engine, label, vocab)
+    fitting = [ctx for ctx in contexts if ctx <= engine.max_model_len]
+    rows += [["bfloat16", f"{label}: decode step @ {ctx:,}", "does not fit", ""] for ctx in contexts
+             if ctx not in fitting]
+    for ctx in fitting:
         ms = out[ctx] = decode_ms(engine, ctx, vocab, drain=False)
-        comm, busy, idle = gpu_timeline(lambda: median_step_ms(engine, 5, drain=True))
-        note = f"GPU busy {busy / 5:.2f} ms a step (collectives {comm / 5:.2f}), waiting {idle / 5:.2f}"
-        out.setdefault("decode_comm", {})[ctx] = comm / 5
-        rows.append(["bfloat16", f"{label}: decode step @ {ctx:,} (random KV, graphs)", f"{ms:.2f} ms", note])
-        print(rows[-1], flush=True)
+        rows.append(["bfloat16", f"{label}: decode step @ {ctx:,} (random KV, graphs)", f"{ms:.2f} ms", ""])
+        rows.append(["bfloat16", f"{label}: decode step @ {ctx:,}, rank 0's host by phase, ms", "",
+                     host_phases(engine, 5)])
+        print(rows[-2], rows[-1], flush=True)
+        while engine.has_unfinished_requests():
+            engine.step()
     peaks = engine.collective_rpc(peak_gib)
     rows.append(["bfloat16", f"{label}: peak GPU memory per rank", " / ".join(f"{p:.1f}" for p in peaks) + " GiB", ""])
+    if engine.workers is None:
+        return rows
+    if step_fits:
+        engine.collective_rpc(set_prefill_halves, 0)
+        comm, busy, _ = gpu_timeline(lambda: step_seconds(engine, 1 << 19, vocab))
+        out["prefill_comm_share"] = comm / busy
+        rows.append(["bfloat16", f"{label}: prefill step over 524,288, layers whole: collectives (profiled)",
+                     f"{comm:.1f} of {busy:.1f} ms busy", f"{100 * comm / busy:.1f}%"])
+    for ctx in fitting:
+        decode_ms(engine, ctx, vocab, steps=1, drain=False)
+        comm, busy, idle = gpu_timeline(lambda: median_step_ms(engine, 5, drain=False))
+        while engine.has_unfinished_requests():
+            engine.step()
+        out.setdefault("decode_comm", {})[ctx] = comm / 5
+        rows.append(["bfloat16", f"{label}: decode step @ {ctx:,}: GPU a step (profiled)",
+                     f"busy {busy / 5:.2f} ms", f"collectives {comm / 5:.2f} ms; waiting {idle / 5:.2f} ms"])
     return rows
 
 
-def overlap_rows(engine: LLMEngine, label: str, vocab: int, out: dict) -> list[list[str]]:
-    """A STEP_TOKENS-token prefill step over 524,288 cached tokens, its layers whole (all-reduces waited for) and in
-    two overlapped halves (the engine's setting, ``prefill_overlap_tokens``): best wall time of 2 each, and the
-    share of kernel time in collectives of the whole-layers step (the TP 8 model's input)."""
+def prefill_step_rows(engine: LLMEngine, label: str, vocab: int) -> list[list[str]]:
+    """A STEP_TOKENS-token prefill step over 524,288 cached tokens, best wall time of 2; under tensor parallelism
+    with its layers whole (all-reduces waited for) and in two overlapped halves (``prefill_overlap_tokens``)."""
     rows, halves = [], engine.config.prefill_overlap_tokens
-    for tokens, how in ((0, "layers whole"), (halves, "two halves")):
+    ways = [(halves, "")] if engine.workers is None else [(0, ", layers whole"), (halves, ", two halves")]
+    for tokens, how in ways:
         engine.collective_rpc(set_prefill_halves, tokens)
         best = min(step_seconds(engine, 1 << 19, vocab) for _ in range(2))
-        comm, busy, _ = gpu_timeline(lambda: step_seconds(engine, 1 << 19, vocab))
-        if not tokens:
-            out["prefill_comm_share"] = comm / busy
-        rows.append(["bfloat16", f"{label}: {STEP_TOKENS:,}-token prefill step over 524,288, {how}",
-                     f"{1000 * best:.1f} ms", f"collectives {comm:.1f} ms of {busy:.1f} ms busy"])
+        rows.append(["bfloat16", f"{label}: {STEP_TOKENS:,}-token prefill step over 524,288{how}",
+                     f"{1000 * best:.1f} ms", ""])
         print(rows[-1], flush=True)
     return rows
 
@@ -314,7 +377,7 @@ def fill_buffer(buf: torch.Tensor) -> None:
 def decode_ms(engine: LLMEngine, context: int, vocab: int, steps: int = 8, drain: bool = True) -> float:
     """Decode latency with ``context`` tokens already in a cache filled with random values."""
     engine.add_request(f"decode-{context}", prompt(context, vocab, 7), SamplingParams(
-        temperature=0, max_tokens=steps + 2 + (0 if drain else 5), ignore_eos=True))
+        temperature=0, max_tokens=steps + 2 + (0 if drain else 10), ignore_eos=True))
     seq = engine.scheduler.waiting.popleft()
     # slots for all but the last prompt token, a piece at a time so chunked layers drop what left their chunk; the
     # KV of these tokens "exists" as the random values filled in before, it is not computed

@@ -10,8 +10,9 @@ Under tensor parallelism every rank captures the same buckets in the same order 
 step. The graphs hold the all-reduces only through the one-shot path (``collectives.py``), never NCCL: torch's
 ``destroy_process_group`` hangs once NCCL work was captured in a graph (pytorch#115388), and NCCL documents
 deadlocks between graphs of several communicators. So the buckets stop where a step's messages outgrow the
-one-shot buffer, the graphs end at the final hidden states and the vocabulary slices' logits are computed and
-gathered after the replay, eagerly; without the one-shot path (``disable_custom_all_reduce``, or GPUs that cannot
+one-shot buffer, and a graph ends at the logits only where the vocabulary slices' logits fit it too (Scout/4 over
+2 GPUs: up to 4 rows); larger graphs end at the final hidden states, the logits computed and gathered after the
+replay, eagerly. Without the one-shot path (``disable_custom_all_reduce``, or GPUs that cannot
 reach each other's memory) decode stays eager.
 """
 
@@ -22,6 +23,7 @@ import logging
 import numpy as np
 import torch
 
+from hybridkv.model.architectures.parallel import vocab_rows_per_rank
 from hybridkv.model.attention.triton_paged import TritonPagedAttention
 from hybridkv.model.causal_lm import CausalLM
 
@@ -39,12 +41,11 @@ class DecodeGraphs:
         most = max(1, min(max_num_seqs, by_tables, model.max_graph_tokens, self.one_shot_tokens(model)))
         self.buckets = sorted({min(1 << i, most) for i in range(most.bit_length() + 1)})
         self.max_seqs = self.buckets[-1]
-        device = backend.device
         backend.enable_static_decode(self.max_seqs, max_model_len)
-        self.input_ids = torch.zeros(self.max_seqs, dtype=torch.long, device=device)
-        self.positions = torch.zeros(self.max_seqs, dtype=torch.long, device=device)
+        # int32, in the backend's metadata rows: one pinned copy a step carries them with the metadata
+        self.input_ids, self.positions = backend.static_inputs()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # logits (TP 1) or final hidden states
+        self.outputs: dict[int, torch.Tensor | None] = {}  # logits or final hidden states (``_forward``)
         self.replays = 0
         self._capture()
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
@@ -75,10 +76,17 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[size] = graph
 
-    def _forward(self, size: int) -> torch.Tensor:
-        """Logits (one rank), or the final hidden states (tensor parallelism: logits after the replay)."""
+    def logits_in_graph(self, size: int) -> bool:
+        """The graph of ``size`` rows ends at the logits (one rank; or its vocabulary slices gathered one-shot),
+        else at the final hidden states, the logits computed and gathered after the replay."""
+        tp = self.model.tp
+        return tp.size == 1 or tp.gathers_one_shot(size, vocab_rows_per_rank(self.model.cfg.vocab_size, tp.size),
+                                                   torch.float32)
+
+    def _forward(self, size: int) -> torch.Tensor | None:
+        """Logits (None on tensor-parallel ranks other than 0), or the final hidden states (``logits_in_graph``)."""
         hidden = self.model(self.input_ids[:size], self.positions[:size], self.backend)
-        return self.model.compute_logits(hidden) if self.model.tp.size == 1 else hidden
+        return self.model.compute_logits(hidden) if self.logits_in_graph(size) else hidden
 
     def bucket(self, seqs: list, sample_rows: np.ndarray) -> int | None:
         """The graph that runs this step (the smallest bucket holding its batch), or None if it is not a decode step
@@ -91,11 +99,10 @@ class DecodeGraphs:
     def replay(self, size: int, input_ids: np.ndarray, seqs: list) -> torch.Tensor | None:
         """Logits of a decode step from graph ``size`` (None on tensor-parallel ranks other than 0)."""
         n = len(seqs)
-        self.input_ids[:n].copy_(torch.from_numpy(input_ids))
-        self.positions[:n].copy_(torch.from_numpy(np.array([s.context_len for s in seqs], dtype=np.int64)))
-        self.backend.begin_static_decode(seqs, size)
+        self.backend.begin_static_decode(seqs, size, input_ids)
         self.graphs[size].replay()
         self.replays += 1
-        if self.model.tp.size > 1:
-            return self.model.compute_logits(self.outputs[size][:n])  # the hidden states (see _forward)
-        return self.outputs[size][:n]
+        out = self.outputs[size]
+        if not self.logits_in_graph(size):
+            return self.model.compute_logits(out[:n])  # the hidden states (see _forward)
+        return None if out is None else out[:n]

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import time
 import traceback
 import weakref
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Callable
 
 import torch
@@ -41,6 +43,7 @@ from hybridkv.model.attention.base import PagedAttentionBackend
 from hybridkv.model.loading.checkpoint import load_checkpoint
 
 _HOST = "127.0.0.1"
+_SPIN_S = 0.05  # a GPU worker polls its pipe this long after a step: decode steps come every few milliseconds
 _GRACE_S = 2.0  # how long a failing step waits for a dying worker to be reaped, so the error can name it
 # Start-up (importing torch, loading a shard) takes as long as it takes; a worker that dies meanwhile is seen at
 # once through its process sentinel, so this bound only catches one that hangs.
@@ -107,7 +110,8 @@ def _worker_main(spec: WorkerSpec, conn: Connection) -> None:
         tp.connect(store, backend, spec.timeout_s, spec.one_shot)
         runner = _build_runner(spec, tp)
         conn.send(("ready", None))
-        while (step := conn.recv()) is not None:
+        spin_s = _SPIN_S if spec.device.startswith("cuda") else 0.0
+        while (step := _receive(conn, spin_s)) is not None:
             if isinstance(step, RankCall):
                 conn.send(("result", step.fn(runner, *step.args)))
             else:
@@ -119,6 +123,17 @@ def _worker_main(spec: WorkerSpec, conn: Connection) -> None:
         with contextlib.suppress(OSError):
             conn.send(("error", traceback.format_exc()))
         raise SystemExit(1)
+
+
+def _receive(conn: Connection, spin_s: float):
+    """The next message, polled for up to ``spin_s`` before sleeping on the pipe: rank 0's decode graph waits at
+    its first all-reduce for this rank to launch its own, and a process woken from sleep starts tens of
+    microseconds later (vLLM's workers poll their message queue too). A GPU rank burns a core while steps come;
+    idle, it sleeps."""
+    deadline = time.perf_counter() + spin_s
+    while spin_s and not conn.poll() and time.perf_counter() < deadline:
+        pass
+    return conn.recv()
 
 
 def _build_runner(spec: WorkerSpec, tp: TPGroup) -> ModelRunner:
@@ -177,8 +192,9 @@ class TPWorkers:
         if not all(p.is_alive() for p in self.procs):
             raise self.fail("")
         try:
+            message = ForkingPickler.dumps(step if sent is None else sent)  # pickled once for every worker
             for conn in self.conns:
-                conn.send(step if sent is None else sent)
+                conn.send_bytes(message)
             return execute(step)
         except BaseException as e:  # the workers may be waiting in a collective rank 0 will never join
             error = self.fail(f"rank 0 failed: {e!r}")

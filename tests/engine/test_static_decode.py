@@ -10,6 +10,7 @@ import pytest
 from tiny_models import random_prompts
 
 from hybridkv.engine.llm_engine import EngineConfig, LLMEngine
+from hybridkv.engine.model_runner import StepInput
 from hybridkv.engine.sampling_params import SamplingParams
 
 pytest.importorskip("triton")
@@ -18,10 +19,11 @@ from hybridkv.model.attention.triton_paged import TritonPagedAttention, _StaticD
 MAX_SEQS = 4
 
 
-def expected_rows(backend, seqs, padded):
-    """The metadata rows of a decode step, built from scratch."""
+def expected_rows(backend, seqs, padded, token_ids):
+    """The metadata rows of a decode step, built from scratch (the last one: the step's token ids)."""
     bs, groups = backend.block_size, backend.layout.groups
-    rows = np.zeros((5 + 2 * len(groups), MAX_SEQS), dtype=np.int32)
+    rows = np.zeros((6 + 2 * len(groups), MAX_SEQS), dtype=np.int32)
+    rows[-1, : len(seqs)] = token_ids
     rows[0, :padded] = rows[2, :padded] = np.arange(padded)
     rows[3, : len(seqs)] = 1
     for i, s in enumerate(seqs):
@@ -32,9 +34,16 @@ def expected_rows(backend, seqs, padded):
     return rows
 
 
-def check_static(backend, seqs, padded):
+def step_positions(seqs) -> list[int]:
+    return StepInput(np.zeros(len(seqs), dtype=np.int64), seqs, np.zeros(0, dtype=np.int64)).positions().tolist()
+
+
+def check_static(backend, seqs, padded, token_ids):
     st = backend._static
-    assert np.array_equal(st.rows.numpy()[:, :padded], expected_rows(backend, seqs, padded)[:, :padded])
+    assert np.array_equal(st.rows.numpy()[:, :padded], expected_rows(backend, seqs, padded, token_ids)[:, :padded])
+    ids, positions = backend.static_inputs()  # what a captured forward reads
+    assert ids[: len(seqs)].tolist() == list(token_ids)
+    assert positions[: len(seqs)].tolist() == step_positions(seqs)
     for g, group in enumerate(backend.layout.groups):
         for i, s in enumerate(seqs):
             table = s.block_tables[group.group_id]
@@ -66,8 +75,8 @@ def test_static_decode_buffers_match_a_rebuild_through_preemption_hits_and_finis
         step = prepare(out)
         if step.seqs and all(s.query_len == 1 for s in step.seqs):
             padded = 1 << (len(step.seqs) - 1).bit_length()
-            backend.begin_static_decode(step.seqs, padded)
-            check_static(backend, step.seqs, padded)
+            backend.begin_static_decode(step.seqs, padded, step.input_ids)
+            check_static(backend, step.seqs, padded, step.input_ids)
             checked.append(len(step.seqs))
         return step
 

@@ -1,5 +1,5 @@
-"""The one-shot all-reduce over peer GPU memory sums what NCCL sums, eagerly and replayed from a CUDA graph, on
-two GPUs (two processes, joined as the engine joins its ranks). Skips without two GPUs that reach each other."""
+"""The one-shot all-reduce over peer GPU memory sums what NCCL sums, and the logits gather built on it gathers
+what NCCL's all-gather does, eagerly and replayed from a CUDA graph, on two GPUs (two processes, joined as the engine joins its ranks). Skips without two GPUs that reach each other."""
 
 from __future__ import annotations
 
@@ -45,6 +45,27 @@ def rank_main(rank: int, port: int, failures) -> None:
                     assert torch.equal(out, expect), (dtype, shape, scale)
         big = torch.ones(1 << 20, device="cuda")  # 4 MiB: past the one-shot limit, NCCL's in place
         assert not tp.one_shot.fits(big) and tp.all_reduce(big) is big and bool((big == 2).all())
+        # the logits gather: rank 0 gets every rank's columns, side by side, exactly; one-shot (in a graph) up to
+        # the buffer, NCCL's all-gather beyond
+        for rows, cols in ((1, 1000), (2, 300), (3, 50000)):
+            x = torch.randn(rows, cols, device="cuda", generator=torch.Generator(device="cuda").manual_seed(rank))
+            parts = [torch.empty_like(x) for _ in range(2)]
+            dist.all_gather(parts, x)
+            want = torch.cat(parts, dim=-1)
+            assert tp.gathers_one_shot(rows, cols, x.dtype) == (rows * cols * 2 * 4 <= tp.one_shot.max_bytes)
+            got = tp.gather_last_dim(x)
+            static = x.clone()
+            graph = torch.cuda.CUDAGraph()
+            if tp.gathers_one_shot(rows, cols, x.dtype):
+                with torch.cuda.graph(graph):
+                    replayed = tp.gather_last_dim(static)
+                graph.replay()
+            else:
+                replayed = tp.gather_last_dim(static)
+            if rank == 0:
+                assert torch.equal(got, want) and torch.equal(replayed, want), (rows, cols)
+            else:
+                assert got is None and replayed is None
     except BaseException as e:
         failures.put(f"rank {rank}: {e!r}")
         raise

@@ -64,8 +64,11 @@ class OneShotAllReduce:
         return all(torch.cuda.can_device_access_peer(a, b) for a in range(size) for b in range(size) if a != b)
 
     def fits(self, x: torch.Tensor) -> bool:
-        small = x.numel() * x.element_size() <= self.max_bytes
-        return small and x.is_cuda and x.dtype in (torch.bfloat16, torch.float32)  # the dtypes torch's kernel sums
+        return x.is_cuda and self.takes(x.numel() * x.element_size(), x.dtype)
+
+    def takes(self, nbytes: int, dtype: torch.dtype) -> bool:
+        """A message of ``nbytes`` of ``dtype`` fits the buffer, in a dtype torch's kernel sums."""
+        return nbytes <= self.max_bytes and dtype in (torch.bfloat16, torch.float32)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1)

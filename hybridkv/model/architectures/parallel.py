@@ -52,7 +52,15 @@ class TPGroup:
         ``timeout_s`` raises, so a hung rank cannot hang the others forever. On GPUs that reach each other's
         memory, small all-reduces then take the one-shot path unless ``custom_all_reduce`` is off."""
         timeout = timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.size, timeout=timeout)
+        options = None
+        if backend == "nccl":
+            # A prefill half's all-reduce runs beside the other half's kernels (``deferring``). At the same
+            # priority the GPU hands SMs freed by a compute kernel to that kernel's queued blocks first, so the
+            # all-reduce mostly waited for the compute it was meant to overlap.
+            options = dist.ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = True
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.size, timeout=timeout,
+                                pg_options=options)
         if backend == "nccl" and custom_all_reduce:
             device = torch.device("cuda", torch.cuda.current_device())
             if OneShotAllReduce.usable(device, self.size):
@@ -103,6 +111,12 @@ class TPGroup:
         finally:
             self.deferred = None
 
+    def gathers_one_shot(self, rows: int, cols: int, dtype: torch.dtype) -> bool:
+        """``gather_last_dim`` of a [rows, cols] tensor goes through the one-shot buffer, not NCCL."""
+        if self.one_shot is None:
+            return False
+        return self.one_shot.takes(rows * self.size * cols * dtype.itemsize, dtype)
+
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         """Concatenate every rank's ``x`` along the last dim on rank 0; other ranks get None.
 
@@ -110,6 +124,12 @@ class TPGroup:
         holds the collective (the logits slices are small: rows x vocab / ranks)."""
         if self.size == 1:
             return x
+        if self.gathers_one_shot(x.shape[0], x.shape[-1], x.dtype):
+            # a sum where each entry has one non-zero term (exact), through the peer buffers: a CUDA graph holds it
+            parts = x.new_zeros((x.shape[0], self.size, x.shape[-1]))
+            parts[:, self.rank] = x
+            gathered = self.one_shot(parts.view(x.shape[0], -1))
+            return gathered if self.rank == 0 else None
         x = x.contiguous()
         parts = x.new_empty((self.size * x.shape[0], *x.shape[1:]))  # rank r's rows at r * rows (gloo's layout)
         # torch 2.13 renamed it; the GPU image's 2.11 has only the old name
@@ -224,13 +244,18 @@ class RowParallelLinear(nn.Linear):
         return source[:, self.tp.rank * n : (self.tp.rank + 1) * n]
 
 
+def vocab_rows_per_rank(vocab_size: int, size: int) -> int:
+    """Each rank's share of the vocabulary, the last one padded with zero rows to it."""
+    return -(-vocab_size // size)
+
+
 class VocabParallelEmbedding(nn.Embedding):
     """Vocabulary rows split over ranks, padded to equal parts; lookups outside a rank's rows give zeros there
     and the all-reduce fills them in from the rank that has them (a sum with one non-zero term: exact)."""
 
     def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype | None, tp: TPGroup) -> None:
         self.tp, self.vocab_size = tp, vocab_size
-        rows = -(-vocab_size // tp.size)
+        rows = vocab_rows_per_rank(vocab_size, tp.size)
         self.vocab_start = tp.rank * rows
         super().__init__(rows, hidden, dtype=dtype)
         # as an output head on CPU: an int8 copy that finds a row's argmax exactly (``model/int8_head_cpu.py``)

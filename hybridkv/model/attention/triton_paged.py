@@ -197,7 +197,7 @@ class _StaticDecode:
     host mirror of the device tables (``mirror``; plain memory: it is as large as the tables, and a few entries
     a step copy as fast from it)."""
 
-    rows: torch.Tensor  # [5 + 2 * groups, max_seqs] int32 on the device
+    rows: torch.Tensor  # [6 + 2 * groups, max_seqs] int32 on the device (the last row: the step's token ids)
     host: torch.Tensor  # its pinned mirror (plain memory without CUDA)
     copied: torch.cuda.Event | None  # the last copy from ``host``: done before ``host`` is written again
     tables: list[torch.Tensor]  # per group [max_seqs, max blocks] int32
@@ -213,6 +213,10 @@ class _StaticDecode:
     @property
     def seq(self) -> list[torch.Tensor]:  # tile_seq, tile_q0, q_loc, q_len, ctx_len: [max_seqs]
         return list(self.rows[:5])
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        return self.rows[-1]
 
     def slot_block(self, g: int) -> torch.Tensor:
         return self.rows[5 + 2 * g]
@@ -379,7 +383,7 @@ class TritonPagedAttention:
         width = -(-max_model_len // self.block_size)
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=self.device)  # noqa: E731
         groups = len(self.layout.groups)
-        rows = zeros(5 + 2 * groups, max_seqs)
+        rows = zeros(6 + 2 * groups, max_seqs)
         host = torch.zeros(rows.shape, dtype=torch.int32, pin_memory=rows.is_cuda)
         self._static = _StaticDecode(
             rows=rows, host=host, copied=None, tables=[zeros(max_seqs, width) for _ in range(groups)],
@@ -389,9 +393,17 @@ class TritonPagedAttention:
             max_model_len=max_model_len,
         )
 
-    def begin_static_decode(self, seqs: list[StepSequence], padded: int) -> None:
+    def static_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token ids, positions) [max_seqs] int32 of the static decode step, on the device: a captured forward
+        reads them there, and ``begin_static_decode`` fills them in its one copy (a decode token's position is
+        its sequence's context length)."""
+        st = self._static
+        return st.token_ids, st.seq[4]
+
+    def begin_static_decode(self, seqs: list[StepSequence], padded: int, token_ids: np.ndarray | None = None) -> None:
         """Decode metadata (one new token per sequence) written into the static buffers, padded to ``padded``
-        rows; a padding row computes nothing and its token's K/V go to the null block, which is never read."""
+        rows, with the sequences' new ``token_ids`` (``static_inputs``); a padding row computes nothing and its
+        token's K/V go to the null block, which is never read."""
         st, n, bs = self._static, len(seqs), self.block_size
         if st.copied is not None:
             st.copied.synchronize()  # the previous step's copy has read ``host``
@@ -401,6 +413,8 @@ class TritonPagedAttention:
         ctx[:] = [s.context_len for s in seqs]
         host[0, :padded] = host[2, :padded] = st.order[:padded]  # tile_seq, q_loc
         host[3, :n] = 1  # q_len
+        if token_ids is not None:
+            host[-1, :n] = token_ids
         for i, s in enumerate(seqs):
             version = s.tables_version
             if version == 0 or version != st.versions[i]:
