@@ -152,7 +152,7 @@ class ModelRunner:
         """The step's attention metadata; a tensor-parallel step of ``halves_from_tokens`` or more gets it for each
         half of its token rows, and is run in those halves (see ``StepHalf``)."""
         n = len(step.input_ids)
-        if not self.halves_from_tokens or n < self.halves_from_tokens:
+        if not self.halves_from_tokens or n < max(2, self.halves_from_tokens):  # each half needs a token
             self.backend.begin_step(step.seqs)
             return None
         halves = []
