@@ -125,6 +125,10 @@ class Int4Columns:
             return self.whole(x).split(self.sizes, dim=-1)
         return tuple(linear(x) for linear in self.linears)
 
+    def joint(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The linears' outputs side by side, or None when they are not packed as one (``FusedColumns.joint``)."""
+        return None if self.whole is None else self.whole(x)
+
 
 def pack_int4_linears(model: nn.Module) -> int:
     """Replace every plain (single-rank) linear layer whose weight lies on a Q4_1 grid by an ``Int4Linear``, and

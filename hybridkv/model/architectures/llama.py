@@ -58,6 +58,9 @@ class RMSNorm(nn.Module):
             from hybridkv.kernels.rms_norm import rms_norm  # triton is only needed on GPU
 
             return rms_norm(x, self.eps, self.weight)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # the same arithmetic as below (float32 statistics, then the weight) in one call: fewer small ops
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return unit_rms(x, self.eps) * self.weight
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,8 +116,19 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch
 
 def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Llama-2/3 layout: dim i pairs with dim i + D/2."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    return rope_rolled(x, *rope_halves_tables(cos, sin))
+
+
+def rope_halves_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_halves``' tables [T, 1, D]: cos twice, and -sin then sin (what multiplies the rolled x)."""
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+
+def rope_rolled(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``rope_halves`` with its full-width tables: ``x * cos + roll(x, D/2) * signed_sin``, i.e. ``x1 cos - x2 sin``
+    and ``x2 cos + x1 sin``, bit for bit (``a + b * -s`` is ``a - b * s``); four ops over any number of heads."""
+    xf = x.float()
+    return (xf * cos + xf.roll(x.shape[-1] // 2, -1) * signed_sin).to(x.dtype)
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -133,11 +147,13 @@ def temperature_scales(positions: torch.Tensor, floor_scale: float, attn_scale: 
 @dataclass(slots=True)
 class PositionTables:
     """What position encoding needs of a step's tokens, computed once per forward and shared by every layer:
-    RoPE's cos and sin [T, 1, D/2] and, for Llama-4's NoPE layers, the q temperature [T, 1, 1] (or None)."""
+    RoPE's cos and sin [T, 1, D/2] and, for Llama-4's NoPE layers, the q temperature [T, 1, 1] (or None). On CPU
+    for Llama-2/3's layout also ``rope_halves_tables``' [T, 1, D] (``halves``), for one pass over q and k together."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     temperature: torch.Tensor | None
+    halves: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def rows(self, rows: slice) -> PositionTables:
         temperature = None if self.temperature is None else self.temperature[rows]
@@ -179,8 +195,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, tables: PositionTables, attn: AttentionBackend) -> torch.Tensor:
         d = self.cfg.head_dim
-        q, k, v = (part.unflatten(-1, (-1, d)) for part in self.qkv(x))
-        q, k = self._position_encode(q, k, tables)
+        qkv = self.qkv.joint(x) if tables.halves is not None and self.use_rope else None
+        if qkv is not None:  # q and k are neighbours in the fused output: one rotation over both
+            q_heads, kv_heads = self.qkv.sizes[0] // d, self.qkv.sizes[1] // d
+            qk, v = qkv.unflatten(-1, (-1, d)).split((q_heads + kv_heads, kv_heads), dim=-2)
+            q, k = rope_rolled(qk, *tables.halves).split((q_heads, kv_heads), dim=-2)
+        else:
+            q, k, v = (part.unflatten(-1, (-1, d)) for part in self.qkv(x))
+            q, k = self._position_encode(q, k, tables)
         out = attn.attend(self.layer_id, q, k, v, self.scale)
         return self.o_proj(out.flatten(-2))
 
@@ -412,6 +434,8 @@ class LlamaForCausalLM(nn.Module):
         if cfg.is_llama4 and cfg.attn_temperature_tuning:
             temperature = temperature_scales(positions, cfg.floor_scale, cfg.attn_scale)
         tables = PositionTables(*rope_cos_sin(self._inv_freq, positions), temperature)
+        if not positions.is_cuda and not cfg.is_llama4:
+            tables.halves = rope_halves_tables(tables.cos, tables.sin)
         x, residual = self.embed_tokens(input_ids), None
         if halves:
             x, residual = self._layers_in_halves(x, tables, attn, halves)
