@@ -36,10 +36,12 @@ def test_the_bound_holds_and_the_logits_are_exact_where_they_could_be_the_larges
 
 
 def test_a_near_tie_that_int8_cannot_see_is_decided_by_the_float_weight():
-    """Rows 0 and 1 differ by 1e-5 in one weight: the same int8 row and the same score, but row 1 is larger."""
+    """Rows 0 and 1 differ by 1e-5 in one weight (not their largest, which sets the scale): the same int8 row and
+    the same score, but row 1 is larger."""
     w, h = head_and_rows(500, 64, 1, seed=1)
     h = h.abs()
     w[0] = 0.3
+    w[0, 0] = 0.5
     w[1] = w[0]
     w[1, 5] += 1e-5
     head = Int8ArgmaxHead.of(w)
