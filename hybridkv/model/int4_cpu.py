@@ -86,7 +86,9 @@ class Int4Linear(nn.Module):
             y = F.linear(flat, self.dense)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
-        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        y = y.to(x.dtype)
+        if x.dim() != 2:
+            y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
@@ -122,7 +124,7 @@ class Int4Columns:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.whole is not None:
-            return self.whole(x).split(self.sizes, dim=-1)
+            return self.whole(x).split_with_sizes(self.sizes, dim=-1)
         return tuple(linear(x) for linear in self.linears)
 
     def joint(self, x: torch.Tensor) -> torch.Tensor | None:

@@ -58,10 +58,11 @@ class RMSNorm(nn.Module):
             from hybridkv.kernels.rms_norm import rms_norm  # triton is only needed on GPU
 
             return rms_norm(x, self.eps, self.weight)
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+        weight = self.weight
+        if x.dtype == weight.dtype == torch.float32:
             # the same arithmetic as below (float32 statistics, then the weight) in one call: fewer small ops
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return unit_rms(x, self.eps) * self.weight
+            return torch.rms_norm(x, weight.shape, weight, self.eps)
+        return unit_rms(x, self.eps) * weight
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): a layer's residual add and the next norm. On CUDA one kernel,
@@ -71,7 +72,7 @@ class RMSNorm(nn.Module):
 
             return rms_norm(x, self.eps, self.weight, residual=residual), residual
         residual = x + residual
-        return self(residual), residual
+        return self.forward(residual), residual  # (no hooks on a norm: nn.Module's call is ~10 us a layer on CPU)
 
 
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -127,8 +128,9 @@ def rope_halves_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tens
 def rope_rolled(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """``rope_halves`` with its full-width tables: ``x * cos + roll(x, D/2) * signed_sin``, i.e. ``x1 cos - x2 sin``
     and ``x2 cos + x1 sin``, bit for bit (``a + b * -s`` is ``a - b * s``); four ops over any number of heads."""
-    xf = x.float()
-    return (xf * cos + xf.roll(x.shape[-1] // 2, -1) * signed_sin).to(x.dtype)
+    if x.dtype != torch.float32:
+        return rope_rolled(x.float(), cos, signed_sin).to(x.dtype)
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -192,14 +194,15 @@ class Attention(nn.Module):
         self.v_proj = ColumnParallelLinear(h, kv_size, qkv_bias, dtype, kv_part)
         self.o_proj = RowParallelLinear(q_size, h, cfg.attention_bias, dtype, tp)
         self.qkv = FusedColumns(self.q_proj, self.k_proj, self.v_proj)
+        self.local_heads = (self.q_proj.out_features // cfg.head_dim, self.k_proj.out_features // cfg.head_dim)
 
     def forward(self, x: torch.Tensor, tables: PositionTables, attn: AttentionBackend) -> torch.Tensor:
         d = self.cfg.head_dim
         qkv = self.qkv.joint(x) if tables.halves is not None and self.use_rope else None
         if qkv is not None:  # q and k are neighbours in the fused output: one rotation over both
-            q_heads, kv_heads = self.qkv.sizes[0] // d, self.qkv.sizes[1] // d
-            qk, v = qkv.unflatten(-1, (-1, d)).split((q_heads + kv_heads, kv_heads), dim=-2)
-            q, k = rope_rolled(qk, *tables.halves).split((q_heads, kv_heads), dim=-2)
+            q_heads, kv_heads = self.local_heads
+            qk, v = qkv.view(x.shape[0], -1, d).split_with_sizes((q_heads + kv_heads, kv_heads), dim=1)
+            q, k = rope_rolled(qk, *tables.halves).split_with_sizes((q_heads, kv_heads), dim=1)
         else:
             q, k, v = (part.unflatten(-1, (-1, d)) for part in self.qkv(x))
             q, k = self._position_encode(q, k, tables)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from hybridkv.kv.layout import KVLayout
 from hybridkv.kv.specs import AttentionSpec
 from hybridkv.model.attention.base import BackendCapabilities, StepSequence
-from hybridkv.model.attention.kv_cache import PagedKVCache
+from hybridkv.model.attention.kv_cache import LayerCache, PagedKVCache
 
 
 # Queries per tile of a prefill: its mask is QUERY_TILE x keys bools, and SDPA's own blocks do the rest.
@@ -48,6 +48,10 @@ class _SeqRead:
     lo: int
     count: int
     first: int
+    hi: int = 0  # lo + count
+
+    def __post_init__(self) -> None:
+        self.hi = self.lo + self.count
 
 
 @dataclass(slots=True)
@@ -116,30 +120,27 @@ class TorchPagedAttention:
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         layer = self.cache.layers[layer_id]
-        cache, spec, step = layer.view, layer.spec, self._step[layer.group_id]
+        step = self._step[layer.group_id]
         # [T, 2, Hkv, D] into [block, K/V, offset]: the advanced indices go first
-        cache[step.write_blocks, :, step.write_offsets] = self._to_cache(torch.stack((k, v), 1))
+        kv = torch.stack((k, v), 1)
+        layer.view[step.write_blocks, :, step.write_offsets] = kv if kv.dtype == self.kv_dtype else self._to_cache(kv)
         if len(step.reads) == 1:
-            return self._attend_seq(spec, cache, step.reads[0], q, self._seq_context_lens[0], scale)
+            return self._attend_seq(layer, step.reads[0], q, self._seq_context_lens[0], scale)
         out = torch.empty_like(q)
         start = 0
         for read, n, context_len in zip(step.reads, self._seq_query_lens, self._seq_context_lens):
-            out[start : start + n] = self._attend_seq(spec, cache, read, q[start : start + n], context_len, scale)
+            out[start : start + n] = self._attend_seq(layer, read, q[start : start + n], context_len, scale)
             start += n
         return out
 
-    def _attend_seq(
-        self, spec: AttentionSpec, cache: torch.Tensor, read: _SeqRead, q: torch.Tensor, context_len: int,
-        scale: float,
-    ) -> torch.Tensor:
+    def _attend_seq(self, layer: LayerCache, read: _SeqRead, q: torch.Tensor, context_len: int,
+                    scale: float) -> torch.Tensor:
         """One sequence's queries over the keys it reads, gathered block by block."""
-        hkv, d = cache.shape[-2:]
-        keys, values = (
-            cache[:, i].index_select(0, read.blocks).view(-1, hkv, d)[read.lo : read.lo + read.count] for i in (0, 1)
-        )
+        keys = layer.keys.index_select(0, read.blocks).flatten(0, 1)[read.lo : read.hi]
+        values = layer.values.index_select(0, read.blocks).flatten(0, 1)[read.lo : read.hi]
         if q.shape[0] == 1:
             return _decode_sdpa(q, keys, values, scale)
-        return self._attend_tiles(spec, q, keys, values, context_len, read.first, scale)
+        return self._attend_tiles(layer.spec, q, keys, values, context_len, read.first, scale)
 
     def _attend_tiles(
         self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int,
@@ -186,9 +187,12 @@ def _decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     """One query q [1, Hq, D] over every key of k/v [K, Hkv, D] (no mask) -> [1, Hq, D] in q's dtype, float32
     inside. The Hq / Hkv query heads reading one KV head (GQA) are that head's query rows: [1, Hkv, Hq / Hkv, D]."""
     hkv, d = k.shape[1:]
-    heads = lambda x: x.float().transpose(0, 1)[None]  # noqa: E731
-    out = F.scaled_dot_product_attention(q.float().reshape(1, hkv, -1, d), heads(k), heads(v), scale=scale)
-    return out.view(q.shape).to(q.dtype)
+    dtype = q.dtype
+    if dtype != torch.float32 or k.dtype != torch.float32:
+        q, k, v = q.float(), k.float(), v.float()
+    out = F.scaled_dot_product_attention(q.reshape(1, hkv, -1, d), k.transpose(0, 1).unsqueeze(0),
+                                         v.transpose(0, 1).unsqueeze(0), scale=scale).view(q.shape)
+    return out if dtype == torch.float32 else out.to(dtype)
 
 
 def _prefix_then_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float) -> torch.Tensor:
