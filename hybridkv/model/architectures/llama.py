@@ -402,6 +402,10 @@ class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. Parameter names follow transformers' with ``model.`` dropped and ``feed_forward`` ->
     ``mlp`` (see ``loading.weights.hf_to_local_name``). ``tp``: which tensor-parallel shard this is (default: the whole)."""
 
+    # linears whose output only ever feeds a residual add (``DecoderLayer``'s, or the MoE's sum of its shared and
+    # routed experts): any dtype that promotes to the residual's exactly may come out of them (``pack_int4_linears``)
+    residual_branch_ends = ("o_proj", "down_proj")
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.cfg = cfg
