@@ -11,7 +11,7 @@ layer at slot s sees ``[num_blocks, g, 2, block_size, num_kv_heads, head_dim][:,
    (one ``index_select`` each for K and V; the keys a sequence sees are consecutive positions, so they are a run
    of its blocks less a few leading slots), and runs softmax attention through ``scaled_dot_product_attention``,
    whose CPU kernel is flash-style: it never holds a score matrix. A decode query sees every key gathered for it:
-   no mask, and its query heads sharing a KV head go in as that head's query rows. Longer queries go in tiles
+   no mask. Longer queries go in tiles
    of ``query_tile``, each with only the keys its rows can reach, so the mask is at most ``query_tile`` x keys
    and a long prefill's working set stays bounded (an 8K-token prompt's dense scores would be 9 heads x 8K x
    8K x 4 B = 2.3 GB per layer).
@@ -184,14 +184,15 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 
 
 def _decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query q [1, Hq, D] over every key of k/v [K, Hkv, D] (no mask) -> [1, Hq, D] in q's dtype, float32
-    inside. The Hq / Hkv query heads reading one KV head (GQA) are that head's query rows: [1, Hkv, Hq / Hkv, D]."""
-    hkv, d = k.shape[1:]
+    """``_sdpa`` of one query over every key (no mask) with fewer calls: no casts when all is float32 already.
+    (Its query heads as rows of their KV head, [1, Hkv, Hq / Hkv, D], ran 6% faster but moved outputs by ~1e-7,
+    enough to flip a near-tie of the default model's chat replies.)"""
     dtype = q.dtype
     if dtype != torch.float32 or k.dtype != torch.float32:
         q, k, v = q.float(), k.float(), v.float()
-    out = F.scaled_dot_product_attention(q.reshape(1, hkv, -1, d), k.transpose(0, 1).unsqueeze(0),
-                                         v.transpose(0, 1).unsqueeze(0), scale=scale).view(q.shape)
+    heads = [x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
+    out = F.scaled_dot_product_attention(*heads, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    out = out[0].transpose(0, 1)
     return out if dtype == torch.float32 else out.to(dtype)
 
 
