@@ -11,9 +11,8 @@ layer at slot s sees ``[num_blocks, g, 2, block_size, num_kv_heads, head_dim][:,
    (one ``index_select`` each for K and V; the keys a sequence sees are consecutive positions, so they are a run
    of its blocks less a few leading slots), and runs softmax attention through ``scaled_dot_product_attention``,
    whose CPU kernel is flash-style: it never holds a score matrix. A decode query sees every key gathered for it:
-   no mask. Longer queries go in tiles
-   of ``query_tile``, each with only the keys its rows can reach, so the mask is at most ``query_tile`` x keys
-   and a long prefill's working set stays bounded (an 8K-token prompt's dense scores would be 9 heads x 8K x
+   no mask. Longer queries go in tiles of ``query_tile``, each with only the keys its rows can reach, so the mask
+   is at most ``query_tile`` x keys and a long prefill's working set stays bounded (an 8K-token prompt's dense scores would be 9 heads x 8K x
    8K x 4 B = 2.3 GB per layer).
 
 Example: chunked layer, chunk 8, block 4, a sequence with 10 cached tokens and 3 new ones (positions 10..12)
