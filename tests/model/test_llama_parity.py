@@ -342,13 +342,14 @@ def test_rope_rolled_is_rope_halves_bit_for_bit():
     cos, sin = rope_cos_sin(rope_inv_freq(ModelConfig.from_hf(llama_config().to_dict()).rope, 8), torch.arange(300))
     x = torch.randn(300, 6, 8) * 5
     for dtype in (torch.float32, torch.bfloat16):
-        assert torch.equal(rope_rolled(x.to(dtype), *rope_halves_tables(cos, sin)), chunk_and_cat(x.to(dtype), cos, sin))
+        y = x.to(dtype)
+        assert torch.equal(rope_rolled(y, *rope_halves_tables(cos, sin)), chunk_and_cat(y, cos, sin))
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
 def test_fused_qkv_on_cpu_rotates_q_and_k_together_with_the_same_attention_output(name, tmp_path_factory):
     """Once q/k/v are one GEMM (``fuse_columns``, as the engine runs), a CPU forward rotates q and k in one pass
-    over the fused output (``PositionTables.halves``): bit for bit each layer's output when they are rotated apart."""
+    over the fused output (``PositionTables.rolled``): bit for bit each layer's output when they are rotated apart."""
     from hybridkv.model.architectures.llama import PositionTables, rope_cos_sin, rope_halves_tables
     from hybridkv.model.architectures.parallel import fuse_columns
 

@@ -150,16 +150,17 @@ def temperature_scales(positions: torch.Tensor, floor_scale: float, attn_scale: 
 class PositionTables:
     """What position encoding needs of a step's tokens, computed once per forward and shared by every layer:
     RoPE's cos and sin [T, 1, D/2] and, for Llama-4's NoPE layers, the q temperature [T, 1, 1] (or None). On CPU
-    for Llama-2/3's layout also ``rope_halves_tables``' [T, 1, D] (``halves``), for one pass over q and k together."""
+    for Llama-2/3's layout also ``rope_halves_tables``' [T, 1, D] (``rolled``): one ``rope_rolled`` over q and k."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     temperature: torch.Tensor | None
-    halves: tuple[torch.Tensor, torch.Tensor] | None = None
+    rolled: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def rows(self, rows: slice) -> PositionTables:
         temperature = None if self.temperature is None else self.temperature[rows]
-        return PositionTables(self.cos[rows], self.sin[rows], temperature)
+        rolled = None if self.rolled is None else (self.rolled[0][rows], self.rolled[1][rows])
+        return PositionTables(self.cos[rows], self.sin[rows], temperature, rolled)
 
 
 @dataclass(slots=True)
@@ -198,11 +199,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, tables: PositionTables, attn: AttentionBackend) -> torch.Tensor:
         d = self.cfg.head_dim
-        qkv = self.qkv.joint(x) if tables.halves is not None and self.use_rope else None
+        qkv = self.qkv.joint(x) if tables.rolled is not None and self.use_rope else None
         if qkv is not None:  # q and k are neighbours in the fused output: one rotation over both
             q_heads, kv_heads = self.local_heads
             qk, v = qkv.view(x.shape[0], -1, d).split_with_sizes((q_heads + kv_heads, kv_heads), dim=1)
-            q, k = rope_rolled(qk, *tables.halves).split_with_sizes((q_heads, kv_heads), dim=1)
+            q, k = rope_rolled(qk, *tables.rolled).split_with_sizes((q_heads, kv_heads), dim=1)
         else:
             q, k, v = (part.unflatten(-1, (-1, d)) for part in self.qkv(x))
             q, k = self._position_encode(q, k, tables)
@@ -442,7 +443,7 @@ class LlamaForCausalLM(nn.Module):
             temperature = temperature_scales(positions, cfg.floor_scale, cfg.attn_scale)
         tables = PositionTables(*rope_cos_sin(self._inv_freq, positions), temperature)
         if not positions.is_cuda and not cfg.is_llama4:
-            tables.halves = rope_halves_tables(tables.cos, tables.sin)
+            tables.rolled = rope_halves_tables(tables.cos, tables.sin)
         x, residual = self.embed_tokens(input_ids), None
         if halves:
             x, residual = self._layers_in_halves(x, tables, attn, halves)

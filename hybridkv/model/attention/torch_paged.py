@@ -12,8 +12,8 @@ layer at slot s sees ``[num_blocks, g, 2, block_size, num_kv_heads, head_dim][:,
    of its blocks less a few leading slots), and runs softmax attention through ``scaled_dot_product_attention``,
    whose CPU kernel is flash-style: it never holds a score matrix. A decode query sees every key gathered for it:
    no mask. Longer queries go in tiles of ``query_tile``, each with only the keys its rows can reach, so the mask
-   is at most ``query_tile`` x keys and a long prefill's working set stays bounded (an 8K-token prompt's dense scores would be 9 heads x 8K x
-   8K x 4 B = 2.3 GB per layer).
+   is at most ``query_tile`` x keys and a long prefill's working set stays bounded (an 8K-token prompt's dense
+   scores would be 9 heads x 8K x 8K x 4 B = 2.3 GB per layer).
 
 Example: chunked layer, chunk 8, block 4, a sequence with 10 cached tokens and 3 new ones (positions 10..12)
 reads keys 8..12 only: block table ``[0, 0, 7, 9]`` -> blocks 7 (positions 8..11) and 9 (12..15), of which the
