@@ -3,7 +3,7 @@
 A CPU decode step of a small model reads its output head once a token: SmolLM2-135M's tied embedding is 49,152 x
 576, 113 MB in float32, 11.5 ms of a 32 ms 4-bit decode step on one core. Greedy decoding needs only each row's
 argmax, so the head is screened with an int8 copy (one scale per vocabulary row: 4x fewer bytes) through oneDNN's
-int8 GEMM on a prepacked weight (``torch.ops.onednn.qlinear_pointwise``: 2.0 ms on one core for 1 to 4 rows; torch's
+int8 GEMM on a prepacked weight (``torch.ops.onednn.qlinear_pointwise``: 2.0 ms on one core for 1 to 4 GEMM rows; torch's
 bf16-activation int8 kernel took 3.8 ms), and every token that could still be the argmax is re-scored with the
 float32 weight.
 
