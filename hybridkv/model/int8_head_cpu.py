@@ -3,9 +3,9 @@
 A CPU decode step of a small model reads its output head once a token: SmolLM2-135M's tied embedding is 49,152 x
 576, 113 MB in float32, 11.5 ms of a 32 ms 4-bit decode step on one core. Greedy decoding needs only each row's
 argmax, so the head is screened with an int8 copy (one scale per vocabulary row: 4x fewer bytes) through oneDNN's
-int8 GEMM on a prepacked weight (``torch.ops.onednn.qlinear_pointwise``: 2.0 ms on one core for 1 to 4 GEMM rows; torch's
-bf16-activation int8 kernel took 3.8 ms), and every token that could still be the argmax is re-scored with the
-float32 weight.
+int8 GEMM on a prepacked weight (``torch.ops.onednn.qlinear_pointwise``: 2.0 ms on one core for 1 to 4 GEMM rows;
+torch's bf16-activation int8 kernel took 3.8 ms), and every token that could still be the argmax is re-scored with
+the float32 weight.
 
 The hidden row x goes in as two int8 digits, two rows of the GEMM at the price of one: ``x = s1 a + s2 b + r``
 with ``s1 = max|x| / 127``, ``a = round(x / s1)``, ``s2 = max|x - s1 a| / 127``, ``b = round((x - s1 a) / s2)``.
