@@ -60,7 +60,11 @@ def grid_of(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 class Int4Linear(nn.Module):
-    """``F.linear(x, weight, bias)`` with ``weight`` packed 4-bit; x and the output keep their dtype."""
+    """``F.linear(x, weight, bias)`` with ``weight`` packed 4-bit; x and the output keep their dtype, except on a
+    layer whose output only ever feeds a residual add (``keep_bf16``): that sum promotes the kernel's bf16 output
+    to float32 exactly, so the output stays bf16 and the step saves a conversion."""
+
+    keep_bf16: bool = False
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -86,7 +90,10 @@ class Int4Linear(nn.Module):
             y = F.linear(flat, self.dense)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
-        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        if not self.keep_bf16:
+            y = y.to(x.dtype)
+        if x.dim() != 2:
+            y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
@@ -122,15 +129,20 @@ class Int4Columns:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.whole is not None:
-            return self.whole(x).split(self.sizes, dim=-1)
+            return self.whole(x).split_with_sizes(self.sizes, dim=-1)
         return tuple(linear(x) for linear in self.linears)
+
+    def joint(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The linears' outputs side by side, or None when they are not packed as one (``FusedColumns.joint``)."""
+        return None if self.whole is None else self.whole(x)
 
 
 def pack_int4_linears(model: nn.Module) -> int:
     """Replace every plain (single-rank) linear layer whose weight lies on a Q4_1 grid by an ``Int4Linear``, and
     every ``FusedColumns`` group holding one by an ``Int4Columns`` (before or after ``fuse_columns``: the float
-    weights are let go either way); a group whose linears are all on a grid is packed as one layer. Returns how
-    many linears were packed. CPU only."""
+    weights are let go either way); a group whose linears are all on a grid is packed as one layer. The linears
+    named in the model's ``residual_branch_ends`` (if it has one) output bf16 (``Int4Linear.keep_bf16``). Returns
+    how many linears were packed. CPU only."""
     places = {id(child): (parent, name, child) for parent in model.modules()
               for name, child in parent.named_children() if isinstance(child, nn.Linear) and _single_rank(child)}
     groups = [(module, attr, group) for module in model.modules() for attr, group in list(vars(module).items())
@@ -145,10 +157,12 @@ def pack_int4_linears(model: nn.Module) -> int:
             setattr(module, attr, _pack_whole(members, grids))
             count += len(members)
     replaced = {}
+    branch_ends = set(getattr(model, "residual_branch_ends", ()))
     for parent, name, child in places.values():
         grid = grid_of(child.weight)
         if grid is not None:
             replaced[id(child)] = Int4Linear(*grid, child.bias)
+            replaced[id(child)].keep_bf16 = name in branch_ends
             setattr(parent, name, replaced[id(child)])
     for module, attr, group in groups:
         if isinstance(group, FusedColumns) and any(id(linear) in replaced for linear in group.linears):

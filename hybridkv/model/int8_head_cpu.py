@@ -2,23 +2,26 @@
 
 A CPU decode step of a small model reads its output head once a token: SmolLM2-135M's tied embedding is 49,152 x
 576, 113 MB in float32, 11.5 ms of a 32 ms 4-bit decode step on one core. Greedy decoding needs only each row's
-argmax, so the head is screened with an int8 copy (one scale per vocabulary row, through torch's CPU int8 kernel
-with bf16 activations: 4x fewer bytes, 4.2 ms), and every token that could still be the argmax is re-scored with
+argmax, so the head is screened with an int8 copy (one scale per vocabulary row: 4x fewer bytes) through oneDNN's
+int8 GEMM on a prepacked weight (``torch.ops.onednn.qlinear_pointwise``: 2.0 ms on one core for 1 to 4 GEMM rows;
+torch's bf16-activation int8 kernel took 3.8 ms), and every token that could still be the argmax is re-scored with
 the float32 weight.
 
-The bound: for a hidden row h and vocabulary row w, with ``e`` the int8 row the kernel uses (``q * bf16(scale)``),
-the kernel's score differs from ``h . w`` by at most
+The hidden row x goes in as two int8 digits, two rows of the GEMM at the price of one: ``x = s1 a + s2 b + r``
+with ``s1 = max|x| / 127``, ``a = round(x / s1)``, ``s2 = max|x - s1 a| / 127``, ``b = round((x - s1 a) / s2)``.
+The int32 sums are exact, so with ``e = s_w q`` the int8 row (``w - e`` its rounding) the screened score
+``s_w (s1 a.q + s2 b.q)`` differs from ``x . w`` by ``r . e + x . (w - e)``, at most
 
-    |h|_1 * (max|w - e| + (2^-8 + K 2^-23) max|e|)  +  2^-7 |score|
+    |r|_2 |e|_2  +  |x|_1 max|w - e|  (+ (K 2^-23 + 2^-19) |x|_1 max|w| for the float32 head's own rounding, and ours)
 
-(the weight's rounding to int8; h rounded to bf16, relative 2^-8, and a float32 sum of K terms; the score rounded
-to bf16, where 2^-7 leaves room for the float32 rounding of the comparison; the first term is taken 1% larger).
-A token whose score plus its bound is below the largest score minus its bound cannot be the argmax; every other
-token (on SmolLM2's chat replies, ``benchmarks/cpu.py --error``: 34 of 49,152 a step on average, at most 476) is
-re-scored with the float32 weight. The returned logits are exact (float32) for every re-scored token and within the bound elsewhere,
-so their argmax, lowest index first among equals, is the float32 head's. Only rows whose token is the plain
-argmax use it (``SamplingParams.argmax_only``): sampling, logprobs and anything that edits logits read every
-logit, and get the float32 head.
+the first two taken 1% larger (the bound's own float32 arithmetic rounds too). A token whose score plus its bound
+is below the largest score minus its bound cannot be the argmax; every other token is re-scored with the float32
+weight. Hidden states have outlier channels (a row's largest value is 7-20x its RMS on SmolLM2): one digit would
+leave r coarse (a median of 57 tokens a row to re-score on chat replies, some rows thousands); with two, 4 a row on
+average (at most 55; ``benchmarks/cpu.py --error``). The returned logits are exact (float32) for every re-scored
+token and within the bound elsewhere, so their argmax, lowest index first among equals, is the float32 head's.
+Only rows whose token is the plain argmax use it (``SamplingParams.argmax_only``): sampling, logprobs and anything
+that edits logits read every logit, and get the float32 head.
 
 Example: scores [5.0, 4.9, 1.0] with bounds [0.2, 0.2, 0.1]: the best lower end is 4.8; tokens 0 (5.2) and 1
 (5.1) reach it and are re-scored, token 2 (1.1) cannot be the argmax and keeps its screened score.
@@ -31,32 +34,51 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-_BF16_UNIT = 2.0**-8  # bf16's relative rounding error (8 significant bits)
+_ZERO_POINT = 128  # the GEMM takes unsigned activations: a digit d in -127..127 goes in as d + 128
 
 
 def int8_kernel_available() -> bool:
-    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+    """oneDNN's int8 GEMM is in this torch and sums exactly in int32 (a kernel that saturates 16-bit pair sums,
+    as int8 kernels without VNNI may, would break the bound): checked on products of +-127."""
+    if not hasattr(torch.ops.onednn, "qlinear_pointwise"):
+        return False
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(0, 2, (2, 64), generator=g) * 254 - 127
+    w = (torch.randint(0, 2, (24, 64), generator=g) * 254 - 127).to(torch.int8)
+    w[0] = a[0]  # the largest sum there is: 64 x 127^2
+    try:
+        got = _gemm(a, torch.ops.onednn.qlinear_prepack(w, [1, 64]), torch.ones(24), torch.zeros(24, dtype=torch.int64))
+    except RuntimeError:
+        return False
+    return torch.equal(got.double(), (a.long() @ w.t().long()).double())
 
 
 @dataclass(slots=True)
 class Int8ArgmaxHead:
     """float32 logits of hidden rows whose argmax equals that of ``F.linear(hidden, weight)``."""
 
-    q: torch.Tensor  # int8 [vocab, hidden]
-    scales: torch.Tensor  # bf16 [vocab], one per vocabulary row
-    row_error: torch.Tensor  # float32 [vocab]: the bound of a row's score over |h|_1
+    packed: torch.Tensor  # the int8 [vocab, hidden] copy, prepacked for oneDNN
+    scales: torch.Tensor  # float32 [vocab], one per vocabulary row
+    zero_points: torch.Tensor  # int64 [vocab] zeros: the weight is symmetric (the GEMM takes one per row)
+    # float32 [2, vocab]: what |x|_1 and |r|_2 multiply in a row's bound (``_bound``)
+    row_error: torch.Tensor
 
     @classmethod
     def of(cls, weight: torch.Tensor) -> Int8ArgmaxHead:
         w = weight.detach().float()
         amax = w.abs().amax(1)
-        scales = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).bfloat16()
-        q = (w / scales.float()[:, None]).round().clamp(-127, 127)
-        e = q * scales.float()[:, None]  # exact in float32: an int8 times a bf16
+        scales = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+        q = (w / scales[:, None]).round().clamp(-127, 127)
+        e = q * scales[:, None]
         k = w.shape[1]
-        # 1% over: the bound's own float32 arithmetic rounds too
-        row_error = 1.01 * ((w - e).abs().amax(1) + (_BF16_UNIT + k * 2.0**-23) * e.abs().amax(1))
-        return cls(q.to(torch.int8).contiguous(), scales, row_error)
+        per_l1 = 1.01 * (w - e).abs().amax(1) + (k * 2.0**-23 + 2.0**-19) * amax
+        packed = torch.ops.onednn.qlinear_prepack(q.to(torch.int8), [1, k])
+        zeros = torch.zeros(scales.shape, dtype=torch.int64)
+        return cls(packed, scales, zeros, torch.stack((per_l1, 1.01 * e.norm(dim=1))))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.scales.shape[0]
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``hidden`` [R, K]; ``weight`` the float head [vocab, K] the int8 copy was made of."""
@@ -71,10 +93,30 @@ class Int8ArgmaxHead:
         return _reach(*self.screen(hidden)).sum(1)
 
     def screen(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the int8 kernel's scores, float32 [R, vocab]; the bound of their distance from the float32 head's)."""
+        """(the screened scores, float32 [R, vocab]; the bound of their distance from the float32 head's)."""
         h = hidden.float()
-        scores = torch.ops.aten._weight_int8pack_mm(h.bfloat16(), self.q, self.scales).float()
-        return scores, h.abs().sum(1, keepdim=True) * self.row_error + 2 * _BF16_UNIT * scores.abs()
+        s1, a, r = _digit(h)
+        s2, b, r = _digit(r)
+        both = _gemm(torch.cat((a, b)), self.packed, self.scales, self.zero_points)  # [2R, vocab]: a.e, b.e
+        rows = h.shape[0]
+        scores = both[:rows] * s1 + both[rows:] * s2
+        return scores, torch.cat((h.abs().sum(1, keepdim=True), r.norm(dim=1, keepdim=True)), 1) @ self.row_error
+
+
+def _digit(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(s [R, 1], a [R, K] whole numbers in -127..127, x - s a): each row of x to the nearest multiple of
+    s = max|row| / 127."""
+    s = x.abs().amax(1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
+    a = (x / s).round()
+    return s, a, x - a * s
+
+
+def _gemm(digits: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """float32 [R, vocab]: each row's exact int32 sum of ``digits . q`` (whole numbers in -127..127), times the
+    vocabulary row's scale."""
+    u8 = (digits + _ZERO_POINT).to(torch.uint8)
+    return torch.ops.onednn.qlinear_pointwise(u8, 1.0, _ZERO_POINT, packed, scales, zeros, None, 1.0, 0,
+                                              torch.float32, "none", [], "")
 
 
 def _reach(scores: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:

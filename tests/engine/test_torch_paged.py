@@ -78,13 +78,14 @@ def test_a_tile_reads_only_the_keys_its_queries_reach(monkeypatch):
     torch.testing.assert_close(out, reference(spec, q, k, v, 1 / math.sqrt(D)), atol=1e-5, rtol=1e-5)
 
 
-def check_against_reference(block_size, chunks, query_tile=torch_paged.QUERY_TILE):
+def check_against_reference(block_size, chunks, query_tile=torch_paged.QUERY_TILE, lengths=None):
+    """Sequences of ``lengths`` (default: two, the second 3 tokens shorter) computed ``chunks`` tokens a step."""
     torch.manual_seed(0)
     specs = layer_specs()
     layout = plan_layout(specs, block_size)
     kv = KVCacheManager(layout, num_blocks=200, enable_prefix_caching=False)
     backend = TorchPagedAttention(layout, 200, "float32", query_tile=query_tile)
-    lengths = [sum(chunks), sum(chunks) - 3]
+    lengths = lengths or [sum(chunks), sum(chunks) - 3]
     reqs = [CacheRequest(str(i), list(range(n))) for i, n in enumerate(lengths)]
     qkv = {
         (i, layer): [torch.randn(n, HQ, D), torch.randn(n, HKV, D), torch.randn(n, HKV, D)]
@@ -122,3 +123,28 @@ def check_against_reference(block_size, chunks, query_tile=torch_paged.QUERY_TIL
     tables = kv.block_tables("0")
     sliding_group = layout.layer_slot(0)[0]
     assert tables[sliding_group][0] == 0
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_one_sequence_decoding_alone_matches_the_reference(block_size):
+    """Batch 1, the CPU decode path: a 9-token prompt then 14 single-token steps of one sequence, each query over
+    the blocks of its reach gathered whole (full, window 5, chunk 6), no mask."""
+    check_against_reference(block_size, [9] + [1] * 14, lengths=[23])
+
+
+def test_a_decode_step_reads_only_the_blocks_of_its_reach():
+    """Window 5, chunk 6, block 4, after 40 tokens: the sliding layers read 2 blocks (positions 36..40 from slot 0
+    of block 9), the chunked ones 2 (36..40: 36 starts a chunk), the full ones all 11; the same at any length."""
+    specs = layer_specs()
+    layout = plan_layout(specs, 4)
+    kv = KVCacheManager(layout, num_blocks=40, enable_prefix_caching=False)
+    backend = TorchPagedAttention(layout, 40, "float32")
+    req = CacheRequest("0", list(range(41)))
+    assert kv.allocate_slots(req, 41)
+    backend.begin_step([StepSequence(40, 1, kv.block_tables("0"))])
+    reads = {layout.layer_slot(i)[0]: backend._step[layout.layer_slot(i)[0]].reads[0] for i in range(len(specs))}
+    by_kind = {type(specs[i]).__name__: reads[layout.layer_slot(i)[0]] for i in range(len(specs))}
+    sliding, chunked, full = by_kind["SlidingWindowSpec"], by_kind["ChunkedLocalSpec"], by_kind["FullAttentionSpec"]
+    assert (len(sliding.blocks), sliding.lo, sliding.count) == (2, 0, 5)
+    assert (len(chunked.blocks), chunked.lo, chunked.count) == (2, 0, 5)
+    assert (len(full.blocks), full.lo, full.count) == (11, 0, 41)

@@ -133,3 +133,40 @@ def test_packed_layer_survives_a_move_to_another_dtype():
     layer.to(dtype=torch.float32)
     assert layer.scales_zeros.dtype == torch.bfloat16
     torch.testing.assert_close(layer(x), before, rtol=0, atol=0)
+
+
+def test_a_packed_llamas_residual_branch_ends_keep_bf16_and_the_hidden_states_do_not_change():
+    """o_proj and down_proj feed only residual adds, which promote their bf16 output to float32 exactly: the same
+    hidden states bit for bit as converting it first, and one conversion fewer a layer."""
+    import copy
+
+    from hybridkv.kv.layer_specs import layer_specs_from_hf_config
+    from hybridkv.model.architectures.llama import LlamaForCausalLM
+    from hybridkv.model.architectures.llama_config import ModelConfig
+    from hybridkv.model.attention.dense import DenseAttention
+
+    hf = {"model_type": "llama", "vocab_size": 64, "hidden_size": 2 * GROUP, "intermediate_size": 3 * GROUP,
+          "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": GROUP,
+          "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True}
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(ModelConfig.from_hf(hf))
+    with torch.no_grad():
+        for i, linear in enumerate(m for m in model.modules() if isinstance(m, nn.Linear)):
+            linear.weight.copy_(q4_1(tuple(linear.weight.shape), seed=30 + i))
+    fuse_columns(model)
+    converting = copy.deepcopy(model)
+    assert pack_int4_linears(model) == pack_int4_linears(converting) == 2 * 7
+    layer = model.layers[0]
+    assert layer.self_attn.o_proj.keep_bf16 and layer.mlp.down_proj.keep_bf16
+    assert not layer.self_attn.qkv.whole.keep_bf16 and not layer.mlp.gate_up.whole.keep_bf16
+    for m in converting.modules():
+        if isinstance(m, Int4Linear):
+            m.keep_bf16 = False
+    assert layer.mlp.down_proj(torch.randn(1, 3 * GROUP)).dtype == torch.bfloat16
+    specs = layer_specs_from_hf_config(hf, kv_cache_dtype="float32")
+    ids = torch.randint(0, 64, (11,))
+    with torch.no_grad():
+        for n in (11, 1):  # a prompt and a single token (the int4 kernel either way: below DENSE_ROWS)
+            got = model(ids[:n], torch.arange(n), DenseAttention(specs, [n]))
+            want = converting(ids[:n], torch.arange(n), DenseAttention(specs, [n]))
+            assert got.dtype == torch.float32 and torch.equal(got, want)

@@ -36,10 +36,12 @@ def test_the_bound_holds_and_the_logits_are_exact_where_they_could_be_the_larges
 
 
 def test_a_near_tie_that_int8_cannot_see_is_decided_by_the_float_weight():
-    """Rows 0 and 1 differ by 1e-5 in one weight: the same int8 row and the same score, but row 1 is larger."""
+    """Rows 0 and 1 differ by 1e-5 in one weight (not their largest, which sets the scale): the same int8 row and
+    the same score, but row 1 is larger."""
     w, h = head_and_rows(500, 64, 1, seed=1)
     h = h.abs()
     w[0] = 0.3
+    w[0, 0] = 0.5
     w[1] = w[0]
     w[1, 5] += 1e-5
     head = Int8ArgmaxHead.of(w)
@@ -47,3 +49,30 @@ def test_a_near_tie_that_int8_cannot_see_is_decided_by_the_float_weight():
     assert scores[0, 0] == scores[0, 1] and scores.argmax() == 0  # int8 alone picks row 0
     assert F.linear(h, w).argmax() == 1
     assert head(h, w).argmax() == 1
+
+
+def test_hidden_rows_with_outlier_channels_go_in_as_two_digits_and_stay_exact():
+    """A few channels 40x the others (as a final hidden state's are): one int8 digit would round every other
+    channel to a few levels and leave over a hundred of these tokens in reach (the weight is on an int8 grid here,
+    so only the hidden row's rounding counts); with the second digit the argmax alone is."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randint(-127, 128, (3000, 128), generator=g) / 2048
+    w[:, 0] = 127 / 2048
+    h = torch.randn(3, 128, generator=g) * 4
+    h[:, [3, 50, 97]] *= 40
+    head = Int8ArgmaxHead.of(w)
+    scores, bound = head.screen(h)
+    assert (scores.double() - F.linear(h.double(), w.double())).abs().le(bound.double()).all()
+    assert head.rescored(h).tolist() == [1, 1, 1]
+    assert torch.equal(head(h, w).argmax(1), F.linear(h, w).argmax(1))
+
+
+def test_the_gemm_sums_exactly_at_the_extremes():
+    """What ``int8_kernel_available`` checks, here for the head's own shapes: digits and weights of +-127 whose
+    products all add up (the largest sum there is) come out exact."""
+    w = torch.full((300, 128), 0.5)
+    w[1] = -0.5
+    head = Int8ArgmaxHead.of(w)
+    h = torch.full((1, 128), 3.0)  # one digit of 127 everywhere, a second of 0
+    scores, _ = head.screen(h)
+    assert scores[0, 0] == 3.0 * 0.5 * 128 and scores[0, 1] == -3.0 * 0.5 * 128

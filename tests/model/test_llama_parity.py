@@ -328,3 +328,40 @@ def test_config_scout_style_dict():
     assert cfg.rope_layers[:4] == (True, True, True, False) and sum(cfg.rope_layers) == 36
     assert cfg.rope.theta == 500000.0 and cfg.rope.high_freq_factor == 1.0 and cfg.eos_token_ids[-1] == 200008
     assert torch.isfinite(rope_inv_freq(cfg.rope, cfg.head_dim)).all()
+
+
+def test_rope_rolled_is_rope_halves_bit_for_bit():
+    """The CPU path's one rotation over q and k: x * cos + roll(x) * signed sin, the chunk-and-cat formula's values
+    exactly (``a + b * -s`` is ``a - b * s``), in float32 and bf16."""
+    from hybridkv.model.architectures.llama import rope_cos_sin, rope_halves_tables, rope_rolled
+
+    def chunk_and_cat(x, cos, sin):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    cos, sin = rope_cos_sin(rope_inv_freq(ModelConfig.from_hf(llama_config().to_dict()).rope, 8), torch.arange(300))
+    x = torch.randn(300, 6, 8) * 5
+    for dtype in (torch.float32, torch.bfloat16):
+        y = x.to(dtype)
+        assert torch.equal(rope_rolled(y, *rope_halves_tables(cos, sin)), chunk_and_cat(y, cos, sin))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
+def test_fused_qkv_on_cpu_rotates_q_and_k_together_with_the_same_attention_output(name, tmp_path_factory):
+    """Once q/k/v are one GEMM (``fuse_columns``, as the engine runs), a CPU forward rotates q and k in one pass
+    over the fused output (``PositionTables.rolled``): bit for bit each layer's output when they are rotated apart."""
+    from hybridkv.model.architectures.llama import PositionTables, rope_cos_sin, rope_halves_tables
+    from hybridkv.model.architectures.parallel import fuse_columns
+
+    _, model, config, _ = save_and_load(name, tmp_path_factory)
+    fuse_columns(model)
+    lens = [9, 4]
+    attn = DenseAttention(layer_specs_from_hf_config(config, kv_cache_dtype="float32"), lens)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    cos, sin = rope_cos_sin(rope_inv_freq(model.cfg.rope, model.cfg.head_dim), positions)
+    apart, together = PositionTables(cos, sin, None), PositionTables(cos, sin, None, rope_halves_tables(cos, sin))
+    x = torch.randn(sum(lens), model.cfg.hidden_size)
+    with torch.no_grad():
+        for layer in model.layers:
+            assert layer.self_attn.qkv.joint(x) is not None
+            assert torch.equal(layer.self_attn(x, together, attn), layer.self_attn(x, apart, attn))

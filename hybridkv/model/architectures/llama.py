@@ -58,7 +58,11 @@ class RMSNorm(nn.Module):
             from hybridkv.kernels.rms_norm import rms_norm  # triton is only needed on GPU
 
             return rms_norm(x, self.eps, self.weight)
-        return unit_rms(x, self.eps) * self.weight
+        weight = self.weight
+        if x.dtype == weight.dtype == torch.float32:
+            # the same arithmetic as below (float32 statistics, then the weight) in one call: fewer small ops
+            return torch.rms_norm(x, weight.shape, weight, self.eps)
+        return unit_rms(x, self.eps) * weight
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): a layer's residual add and the next norm. On CUDA one kernel,
@@ -68,7 +72,7 @@ class RMSNorm(nn.Module):
 
             return rms_norm(x, self.eps, self.weight, residual=residual), residual
         residual = x + residual
-        return self(residual), residual
+        return self.forward(residual), residual  # (no hooks on a norm: nn.Module's call is ~10 us a layer on CPU)
 
 
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -113,8 +117,20 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch
 
 def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Llama-2/3 layout: dim i pairs with dim i + D/2."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    return rope_rolled(x, *rope_halves_tables(cos, sin))
+
+
+def rope_halves_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_halves``' tables [T, 1, D]: cos twice, and -sin then sin (what multiplies the rolled x)."""
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+
+def rope_rolled(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``rope_halves`` with its full-width tables: ``x * cos + roll(x, D/2) * signed_sin``, i.e. ``x1 cos - x2 sin``
+    and ``x2 cos + x1 sin``, bit for bit (``a + b * -s`` is ``a - b * s``); four ops over any number of heads."""
+    if x.dtype != torch.float32:
+        return rope_rolled(x.float(), cos, signed_sin).to(x.dtype)
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -133,15 +149,18 @@ def temperature_scales(positions: torch.Tensor, floor_scale: float, attn_scale: 
 @dataclass(slots=True)
 class PositionTables:
     """What position encoding needs of a step's tokens, computed once per forward and shared by every layer:
-    RoPE's cos and sin [T, 1, D/2] and, for Llama-4's NoPE layers, the q temperature [T, 1, 1] (or None)."""
+    RoPE's cos and sin [T, 1, D/2] and, for Llama-4's NoPE layers, the q temperature [T, 1, 1] (or None). On CPU
+    for Llama-2/3's layout also ``rope_halves_tables``' [T, 1, D] (``rolled``): one ``rope_rolled`` over q and k."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     temperature: torch.Tensor | None
+    rolled: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def rows(self, rows: slice) -> PositionTables:
         temperature = None if self.temperature is None else self.temperature[rows]
-        return PositionTables(self.cos[rows], self.sin[rows], temperature)
+        rolled = None if self.rolled is None else (self.rolled[0][rows], self.rolled[1][rows])
+        return PositionTables(self.cos[rows], self.sin[rows], temperature, rolled)
 
 
 @dataclass(slots=True)
@@ -176,11 +195,18 @@ class Attention(nn.Module):
         self.v_proj = ColumnParallelLinear(h, kv_size, qkv_bias, dtype, kv_part)
         self.o_proj = RowParallelLinear(q_size, h, cfg.attention_bias, dtype, tp)
         self.qkv = FusedColumns(self.q_proj, self.k_proj, self.v_proj)
+        self.local_heads = (self.q_proj.out_features // cfg.head_dim, self.k_proj.out_features // cfg.head_dim)
 
     def forward(self, x: torch.Tensor, tables: PositionTables, attn: AttentionBackend) -> torch.Tensor:
         d = self.cfg.head_dim
-        q, k, v = (part.unflatten(-1, (-1, d)) for part in self.qkv(x))
-        q, k = self._position_encode(q, k, tables)
+        qkv = self.qkv.joint(x) if tables.rolled is not None and self.use_rope else None
+        if qkv is not None:  # q and k are neighbours in the fused output: one rotation over both
+            q_heads, kv_heads = self.local_heads
+            qk, v = qkv.view(x.shape[0], -1, d).split_with_sizes((q_heads + kv_heads, kv_heads), dim=1)
+            q, k = rope_rolled(qk, *tables.rolled).split_with_sizes((q_heads, kv_heads), dim=1)
+        else:
+            q, k, v = (part.unflatten(-1, (-1, d)) for part in self.qkv(x))
+            q, k = self._position_encode(q, k, tables)
         out = attn.attend(self.layer_id, q, k, v, self.scale)
         return self.o_proj(out.flatten(-2))
 
@@ -377,6 +403,10 @@ class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. Parameter names follow transformers' with ``model.`` dropped and ``feed_forward`` ->
     ``mlp`` (see ``loading.weights.hf_to_local_name``). ``tp``: which tensor-parallel shard this is (default: the whole)."""
 
+    # linears whose output only ever feeds a residual add (``DecoderLayer``'s, or the MoE's sum of its shared and
+    # routed experts): any dtype that promotes to the residual's exactly may come out of them (``pack_int4_linears``)
+    residual_branch_ends = ("o_proj", "down_proj")
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.cfg = cfg
@@ -412,6 +442,8 @@ class LlamaForCausalLM(nn.Module):
         if cfg.is_llama4 and cfg.attn_temperature_tuning:
             temperature = temperature_scales(positions, cfg.floor_scale, cfg.attn_scale)
         tables = PositionTables(*rope_cos_sin(self._inv_freq, positions), temperature)
+        if not positions.is_cuda and not cfg.is_llama4:
+            tables.rolled = rope_halves_tables(tables.cos, tables.sin)
         x, residual = self.embed_tokens(input_ids), None
         if halves:
             x, residual = self._layers_in_halves(x, tables, attn, halves)

@@ -206,7 +206,11 @@ class FusedColumns:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.weight is None:
             return tuple(linear(x) for linear in self.linears)
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return self.joint(x).split(self.sizes, dim=-1)
+
+    def joint(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The linears' outputs side by side (one tensor, in their order), or None before ``fuse()``."""
+        return None if self.weight is None else F.linear(x, self.weight, self.bias)
 
 
 def fuse_columns(model: nn.Module) -> None:

@@ -22,6 +22,11 @@ class LayerCache:
     spec: AttentionSpec
     view: torch.Tensor  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
     elem_offset: int  # where this layer's slot starts inside a page, in elements
+    keys: torch.Tensor | None = None  # view[:, 0], [num_blocks, block_size, num_kv_heads, head_dim]
+    values: torch.Tensor | None = None  # view[:, 1]
+
+    def __post_init__(self) -> None:
+        self.keys, self.values = self.view[:, 0], self.view[:, 1]
 
 
 class PagedKVCache:
