@@ -52,15 +52,7 @@ class TPGroup:
         ``timeout_s`` raises, so a hung rank cannot hang the others forever. On GPUs that reach each other's
         memory, small all-reduces then take the one-shot path unless ``custom_all_reduce`` is off."""
         timeout = timedelta(seconds=timeout_s)
-        options = None
-        if backend == "nccl":
-            # A prefill half's all-reduce runs beside the other half's kernels (``deferring``). At the same
-            # priority the GPU hands SMs freed by a compute kernel to that kernel's queued blocks first, so the
-            # all-reduce mostly waited for the compute it was meant to overlap.
-            options = dist.ProcessGroupNCCL.Options()
-            options.is_high_priority_stream = True
-        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.size, timeout=timeout,
-                                pg_options=options)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.size, timeout=timeout)
         if backend == "nccl" and custom_all_reduce:
             device = torch.device("cuda", torch.cuda.current_device())
             if OneShotAllReduce.usable(device, self.size):
