@@ -46,6 +46,7 @@ class DecodeGraphs:
         self.input_ids, self.positions = backend.static_inputs()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor | None] = {}  # logits or final hidden states (``_forward``)
+        self.ends_at_logits = {size: self._logits_fit(size) for size in self.buckets}
         self.replays = 0
         self._capture()
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
@@ -76,7 +77,7 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[size] = graph
 
-    def logits_in_graph(self, size: int) -> bool:
+    def _logits_fit(self, size: int) -> bool:
         """The graph of ``size`` rows ends at the logits (one rank; or its vocabulary slices gathered one-shot),
         else at the final hidden states, the logits computed and gathered after the replay."""
         tp = self.model.tp
@@ -84,9 +85,9 @@ class DecodeGraphs:
                                                    torch.float32)
 
     def _forward(self, size: int) -> torch.Tensor | None:
-        """Logits (None on tensor-parallel ranks other than 0), or the final hidden states (``logits_in_graph``)."""
+        """Logits (None on tensor-parallel ranks other than 0), or the final hidden states (``ends_at_logits``)."""
         hidden = self.model(self.input_ids[:size], self.positions[:size], self.backend)
-        return self.model.compute_logits(hidden) if self.logits_in_graph(size) else hidden
+        return self.model.compute_logits(hidden) if self.ends_at_logits[size] else hidden
 
     def bucket(self, seqs: list, sample_rows: np.ndarray) -> int | None:
         """The graph that runs this step (the smallest bucket holding its batch), or None if it is not a decode step
@@ -103,6 +104,6 @@ class DecodeGraphs:
         self.graphs[size].replay()
         self.replays += 1
         out = self.outputs[size]
-        if not self.logits_in_graph(size):
+        if not self.ends_at_logits[size]:
             return self.model.compute_logits(out[:n])  # the hidden states (see _forward)
         return None if out is None else out[:n]

@@ -474,7 +474,7 @@ def _keep_4bit_weights(model: torch.nn.Module, config: EngineConfig, tp: TPGroup
         raise ValueError(f"unknown quantization {config.quantization!r}; choose auto or none")
     if config.quantization == "none" or config.device != "cpu" or tp.size > 1 or not int4_kernel_available():
         return 0
-    packed = pack_int4_linears(model)
+    packed = pack_int4_linears(model, model.residual_branch_ends)
     if packed:
         head = model.embed_tokens if model.lm_head is None else model.lm_head
         if int8_kernel_available():

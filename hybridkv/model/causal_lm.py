@@ -33,6 +33,8 @@ class CausalLM(Protocol):
     # ``forward`` also takes ``halves`` (``attention.base.StepHalf``): a tensor-parallel step's tokens in two halves,
     # one's all-reduces overlapping the other's compute
     supports_step_halves: bool
+    # linears whose output only ever feeds a residual add: a 4-bit one may output bf16 (``pack_int4_linears``)
+    residual_branch_ends: tuple[str, ...]
 
     @property
     def max_graph_tokens(self) -> int:

@@ -137,11 +137,11 @@ class Int4Columns:
         return None if self.whole is None else self.whole(x)
 
 
-def pack_int4_linears(model: nn.Module) -> int:
+def pack_int4_linears(model: nn.Module, bf16_outputs: tuple[str, ...] = ()) -> int:
     """Replace every plain (single-rank) linear layer whose weight lies on a Q4_1 grid by an ``Int4Linear``, and
     every ``FusedColumns`` group holding one by an ``Int4Columns`` (before or after ``fuse_columns``: the float
     weights are let go either way); a group whose linears are all on a grid is packed as one layer. The linears
-    named in the model's ``residual_branch_ends`` (if it has one) output bf16 (``Int4Linear.keep_bf16``). Returns
+    named in ``bf16_outputs`` (a model's ``residual_branch_ends``) output bf16 (``Int4Linear.keep_bf16``). Returns
     how many linears were packed. CPU only."""
     places = {id(child): (parent, name, child) for parent in model.modules()
               for name, child in parent.named_children() if isinstance(child, nn.Linear) and _single_rank(child)}
@@ -157,7 +157,7 @@ def pack_int4_linears(model: nn.Module) -> int:
             setattr(module, attr, _pack_whole(members, grids))
             count += len(members)
     replaced = {}
-    branch_ends = set(getattr(model, "residual_branch_ends", ()))
+    branch_ends = set(bf16_outputs)
     for parent, name, child in places.values():
         grid = grid_of(child.weight)
         if grid is not None:

@@ -155,13 +155,11 @@ def test_a_packed_llamas_residual_branch_ends_keep_bf16_and_the_hidden_states_do
             linear.weight.copy_(q4_1(tuple(linear.weight.shape), seed=30 + i))
     fuse_columns(model)
     converting = copy.deepcopy(model)
-    assert pack_int4_linears(model) == pack_int4_linears(converting) == 2 * 7
+    assert pack_int4_linears(model, model.residual_branch_ends) == pack_int4_linears(converting) == 2 * 7
     layer = model.layers[0]
     assert layer.self_attn.o_proj.keep_bf16 and layer.mlp.down_proj.keep_bf16
     assert not layer.self_attn.qkv.whole.keep_bf16 and not layer.mlp.gate_up.whole.keep_bf16
-    for m in converting.modules():
-        if isinstance(m, Int4Linear):
-            m.keep_bf16 = False
+    assert not any(m.keep_bf16 for m in converting.modules() if isinstance(m, Int4Linear))  # none named
     assert layer.mlp.down_proj(torch.randn(1, 3 * GROUP)).dtype == torch.bfloat16
     specs = layer_specs_from_hf_config(hf, kv_cache_dtype="float32")
     ids = torch.randint(0, 64, (11,))

@@ -233,6 +233,7 @@ class Gemma3ForCausalLM(nn.Module):
         self._constants: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None
 
     supports_cuda_graphs = True
+    residual_branch_ends = ()  # its post-attention and post-MLP norms read o_proj's and down_proj's outputs first
     supports_step_halves = False  # its layers run whole steps (only Llama's overlap their all-reduces)
     max_graph_tokens = 1 << 30  # no MoE: nothing in the forward limits a graph's batch
 
