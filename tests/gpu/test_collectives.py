@@ -1,5 +1,7 @@
-"""The one-shot all-reduce over peer GPU memory sums what NCCL sums, and the logits gather built on it gathers
-what NCCL's all-gather does, eagerly and replayed from a CUDA graph, on two GPUs (two processes, joined as the engine joins its ranks). Skips without two GPUs that reach each other."""
+"""The one-shot all-reduce over peer GPU memory sums what NCCL sums, its sum fused with the residual add and RMSNorm
+computes what NCCL's sum then the norm kernel do, and the logits gather built on it gathers what NCCL's all-gather
+does, eagerly and replayed from a CUDA graph, on two GPUs (two processes, joined as the engine joins its ranks).
+Skips without two GPUs that reach each other."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch.multiprocessing as mp
 if torch.cuda.device_count() < 2 or not torch.cuda.can_device_access_peer(0, 1):
     pytest.skip("needs 2 GPUs with peer access", allow_module_level=True)
 
+from hybridkv.kernels.rms_norm import rms_norm  # noqa: E402
 from hybridkv.model.architectures.parallel import TPGroup  # noqa: E402
 
 SHAPES = [(1, 5120), (3, 5120), (7, 96), (64, 4096)]  # 64 x 4096 x 4 B: the largest message the path takes
@@ -43,6 +46,7 @@ def rank_main(rank: int, port: int, failures) -> None:
                     expect = (x * scale).clone()
                     dist.all_reduce(expect)
                     assert torch.equal(out, expect), (dtype, shape, scale)
+        check_add_norm(tp, rank)
         big = torch.ones(1 << 20, device="cuda")  # 4 MiB: past the one-shot limit, NCCL's in place
         assert not tp.one_shot.fits(big) and tp.all_reduce(big) is big and bool((big == 2).all())
         # the logits gather: rank 0 gets every rank's columns, side by side, exactly; one-shot (in a graph) up to
@@ -72,6 +76,69 @@ def rank_main(rank: int, port: int, failures) -> None:
     finally:
         dist.barrier()
         tp.leave()
+
+
+def same_on_both_ranks(t: torch.Tensor) -> bool:
+    both = [torch.empty_like(t) for _ in range(2)]
+    dist.all_gather(both, t)
+    return torch.equal(both[0], both[1])
+
+
+def check_add_norm(tp: TPGroup, rank: int) -> None:
+    """Sum + residual + RMSNorm in one kernel against NCCL's sum then the norm kernel, for many calls in a row (the
+    slots' generations rotate), eagerly and from a graph replayed between eager calls, and with parts whose bits
+    are the empty pattern or -0.0. The sum plus residual is bit for bit NCCL's (two terms round once either way);
+    the normalised row within float32 rounding of the norm kernel's (the two reduce a row's squares in different
+    orders: 1e-6, bf16's one rounding after it), and bit for bit the same on both ranks, which is what keeps the
+    ranks' hidden states identical."""
+    eps = 1e-5
+
+    def agrees(got, want, res, want_res) -> bool:
+        tol = 1e-6 if got.dtype == torch.float32 else 2 ** -7
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        return torch.equal(res, want_res) and same_on_both_ranks(got) and same_on_both_ranks(res)
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in SHAPES:
+            same = torch.Generator(device="cuda").manual_seed(shape[0])  # weight and residual: alike on both ranks
+            w = torch.randn(shape[1], device="cuda", dtype=dtype, generator=same)
+            own = torch.Generator(device="cuda").manual_seed(rank * 100 + shape[0])
+
+            def sample():
+                part = torch.randn(shape, device="cuda", dtype=dtype, generator=own) * (rank + 1)
+                return part, torch.randn(shape, device="cuda", dtype=dtype, generator=same)
+
+            def expect(part, residual):
+                total, res = part.clone(), residual.clone()
+                dist.all_reduce(total)
+                return rms_norm(total, eps, w, residual=res), res
+
+            for _ in range(4):  # compiles the kernel too, before a graph captures it
+                part, residual = sample()
+                want, want_res = expect(part, residual)
+                got = tp.add_norm(part, residual, w, eps)
+                assert agrees(got, want, residual, want_res), (dtype, shape)
+            static_part, static_res = sample()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = tp.add_norm(static_part, static_res, w, eps)
+            for _ in range(4):
+                part, residual = sample()
+                want, want_res = expect(part, residual)
+                static_part.copy_(part)
+                static_res.copy_(residual)
+                graph.replay()
+                assert agrees(out, want, static_res, want_res), (dtype, shape, "graph")
+                part, residual = sample()
+                want, want_res = expect(part, residual)
+                assert agrees(tp.add_norm(part, residual, w, eps), want, residual, want_res), (dtype, shape, "eager")
+    # a part that is all ones in its bits (NaN) still arrives, as a NaN; -0.0 arrives as a zero
+    part = torch.full((2, 96), -1, dtype=torch.int16, device="cuda").view(torch.bfloat16)
+    part[1] = -0.0 if rank == 0 else 1.0
+    residual = torch.zeros(2, 96, dtype=torch.bfloat16, device="cuda")
+    w = torch.ones(96, dtype=torch.bfloat16, device="cuda")
+    out = tp.add_norm(part, residual, w, eps)
+    assert bool(out[0].isnan().all()) and bool((residual[1] == 1.0).all()) and bool((out[1] == 1.0).all())
 
 
 def test_one_shot_sums_what_nccl_sums_eager_and_in_a_graph():

@@ -12,7 +12,8 @@ each reads both buffers and writes [11, 22]. A second barrier keeps a fast rank 
 the next message while a peer still reads this one.
 
 The kernel takes no host sync, so a CUDA graph can hold it; its buffer is set up once, collectively, when the
-ranks connect.
+ranks connect. The same buffer holds the slots of ``add_norm``, which sums a decoder layer's parts together with
+the residual add and RMSNorm after them, in one kernel and without a barrier (``kernels/one_shot_norm.py``).
 """
 
 from __future__ import annotations
@@ -47,13 +48,22 @@ class OneShotAllReduce:
         import torch.distributed._symmetric_memory as symm_mem
         from torch._C._distributed_c10d import _register_process_group, _SymmetricMemory
 
+        from hybridkv.kernels.one_shot_norm import EMPTY_BYTE, GENERATIONS
+
         self.group = name
         self.max_bytes = max_bytes
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
         _register_process_group(name, dist.group.WORLD)  # symmetric memory looks groups up by name
-        _SymmetricMemory.set_group_info(name, dist.get_rank(), dist.get_world_size(), dist.PrefixStore(name, store))
-        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        _SymmetricMemory.set_group_info(name, self.rank, self.world, dist.PrefixStore(name, store))
+        # [staging for one_shot_all_reduce | add_norm's slots: GENERATIONS x world x max_bytes, empty]
+        slots = GENERATIONS * self.world * max_bytes
+        self.buffer = symm_mem.empty(max_bytes + slots, dtype=torch.uint8, device=device)
+        self.buffer[max_bytes:].fill_(EMPTY_BYTE)
+        torch.cuda.synchronize(device)  # empty before any peer can write (they need the rendezvous first)
         OneShotAllReduce.set_up_in_this_process = True
-        symm_mem.rendezvous(self.buffer, name)  # every rank maps every other rank's buffer
+        handle = symm_mem.rendezvous(self.buffer, name)  # every rank maps every other rank's buffer
+        self.slots = torch.tensor([p + max_bytes for p in handle.buffer_ptrs], dtype=torch.int64, device=device)
+        self.generation = torch.zeros(2, dtype=torch.int32, device=device)  # add_norm's (generation, arrivals)
 
     @staticmethod
     def usable(device: torch.device, size: int) -> bool:
@@ -76,3 +86,11 @@ class OneShotAllReduce:
         staging = self.buffer[: flat.numel() * flat.element_size()].view(flat.dtype)
         torch.ops.symm_mem.one_shot_all_reduce_copy_out(staging, flat, "sum", self.group, out)
         return out.view(x.shape)
+
+    def add_norm(self, part: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm(sum over ranks of ``part`` [rows, N] + ``residual``) * ``weight``, leaving the sum plus residual
+        in ``residual``: what ``all_reduce`` then ``RMSNorm.add_forward`` compute, in one kernel."""
+        from hybridkv.kernels.one_shot_norm import one_shot_add_norm
+
+        return one_shot_add_norm(part, residual, weight, eps, self.slots, self.generation, self.rank, self.world,
+                                 self.max_bytes)
