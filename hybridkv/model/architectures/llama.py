@@ -64,9 +64,13 @@ class RMSNorm(nn.Module):
             return torch.rms_norm(x, weight.shape, weight, self.eps)
         return unit_rms(x, self.eps) * weight
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor,
+                    tp: TPGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): a layer's residual add and the next norm. On CUDA one kernel,
-        which leaves the sum in ``residual``'s memory."""
+        which leaves the sum in ``residual``'s memory. ``tp`` while it is ``summing_in_norms``: ``x`` is this
+        rank's part of a sum over ranks, which the same kernel sums."""
+        if tp is not None and tp.norm_sums:
+            return tp.add_norm(x, residual, self.weight, self.eps), residual
         if x.is_cuda:
             from hybridkv.kernels.rms_norm import rms_norm
 
@@ -365,6 +369,7 @@ class MoE(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype | None, tp: TPGroup) -> None:
         super().__init__()
+        self.tp = tp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, layer_id, dtype, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -389,13 +394,13 @@ class DecoderLayer(nn.Module):
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
-            h, residual = self.input_layernorm.add_forward(x, residual)
+            h, residual = self.input_layernorm.add_forward(x, residual, self.tp)
         return self.self_attn(h, tables, attn), residual
 
     def mlp_block(
         self, x: torch.Tensor, residual: torch.Tensor, tables: PositionTables, attn: AttentionBackend
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.post_attention_layernorm.add_forward(x, residual)
+        h, residual = self.post_attention_layernorm.add_forward(x, residual, self.tp)
         return self.mlp(h), residual
 
 
@@ -447,10 +452,11 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         if halves:
             x, residual = self._layers_in_halves(x, tables, attn, halves)
-        else:
+            return self.norm.add_forward(x, residual)[0]
+        with self.tp.summing_in_norms(x):  # under TP, small steps sum each layer's parts inside its next norm
             for layer in self.layers:
                 x, residual = layer(x, residual, tables, attn)
-        return self.norm.add_forward(x, residual)[0] if residual is not None else self.norm(x)
+            return self.norm.add_forward(x, residual, self.tp)[0] if residual is not None else self.norm(x)
 
     def _layers_in_halves(self, x: torch.Tensor, tables: PositionTables, attn, halves: list[StepHalf]):
         """Every layer's blocks, half A then half B, each block's all-reduce deferred: A's is waited for only when

@@ -42,6 +42,8 @@ class TPGroup:
     one_shot: OneShotAllReduce | None = field(default=None, repr=False, compare=False)
     # while ``deferring``: the NCCL/gloo all-reduces launched since, to wait for before their results are read
     deferred: list[dist.Work] | None = field(default=None, repr=False, compare=False)
+    # while ``summing_in_norms``: one-shot all-reduces are left to the RMSNorm after them (``add_norm``)
+    norm_sums: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -82,7 +84,7 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over ranks: in place through NCCL/gloo, or a new tensor from the one-shot path."""
-        if self.size == 1:
+        if self.size == 1 or self.norm_sums:
             return x
         if self.one_shot is not None and self.one_shot.fits(x):
             return self.one_shot(x)
@@ -102,6 +104,22 @@ class TPGroup:
             yield works
         finally:
             self.deferred = None
+
+    @contextmanager
+    def summing_in_norms(self, x: torch.Tensor) -> Iterator[None]:
+        """Inside, when the one-shot path takes messages of ``x``'s size, ``all_reduce`` returns this rank's part
+        unsummed, and the RMSNorm that follows sums it (``add_norm``): the caller passes every such result to
+        ``add_norm`` and nothing else. A decode step's layers, whose every all-reduce feeds a residual add and norm."""
+        self.norm_sums = self.size > 1 and self.one_shot is not None and self.one_shot.fits(x)
+        try:
+            yield
+        finally:
+            self.norm_sums = False
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm(x + residual) * weight with ``x`` summed over ranks first, inside ``summing_in_norms``; the sum
+        plus residual is left in ``residual``."""
+        return self.one_shot.add_norm(x, residual, weight, eps)
 
     def gathers_one_shot(self, rows: int, cols: int, dtype: torch.dtype) -> bool:
         """``gather_last_dim`` of a [rows, cols] tensor goes through the one-shot buffer, not NCCL."""
