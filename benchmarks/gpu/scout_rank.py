@@ -119,10 +119,12 @@ def peak_gib(runner) -> float:
     return torch.cuda.max_memory_allocated() / 2**30
 
 
-def gpu_timeline(run) -> tuple[float, float, float]:
-    """(ms in all-reduce / all-gather kernels, ms the GPU was busy, ms it waited) on rank 0's GPU while ``run()``
-    executes, from the first kernel to the last: waiting is the host's share of a step (scheduling, metadata,
-    sending the step to the workers, sampling); a collective's time includes its wait for the slower rank."""
+def gpu_timeline(run) -> tuple[float, float, float, float]:
+    """(ms in collective kernels, ms the GPU was busy, ms it waited, ms of kernels that ran beside another) on rank
+    0's GPU while ``run()`` executes, from the first kernel to the last: waiting is the host's share of a step
+    (scheduling, metadata, sending the step to the workers, sampling); a collective's time includes its wait for
+    the slower rank. Collectives are NCCL's kernels, the one-shot all-reduce and the one-shot sum fused with the
+    residual add and RMSNorm after it (``kernels/one_shot_norm.py``, its norm counted in)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -130,12 +132,13 @@ def gpu_timeline(run) -> tuple[float, float, float]:
         torch.cuda.synchronize()
     spans = sorted((e.time_range.start, e.time_range.end, e.name.lower()) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA)
-    comm = sum(end - start for start, end, name in spans if "nccl" in name or "all_reduce" in name)
+    comm = sum(end - start for start, end, name in spans if any(k in name for k in ("nccl", "all_reduce", "one_shot")))
     busy, reach = 0.0, spans[0][0]
-    for start, end, _ in spans:  # the union of the kernels' intervals (a few overlap across streams)
+    for start, end, _ in spans:  # the union of the kernels' intervals (overlapping across streams)
         busy += max(0.0, end - max(start, reach))
         reach = max(reach, end)
-    return comm / 1000, busy / 1000, (reach - spans[0][0] - busy) / 1000
+    beside = sum(end - start for start, end, _ in spans) - busy
+    return comm / 1000, busy / 1000, (reach - spans[0][0] - busy) / 1000, beside / 1000
 
 
 def host_phases(engine: LLMEngine, steps: int) -> str:
@@ -247,14 +250,16 @@ def engine_rows(engine: LLMEngine, label: str, vocab: int, n: int, contexts: lis
     if engine.workers is None:
         return rows
     if step_fits:
-        engine.collective_rpc(set_prefill_halves, 0)
-        comm, busy, _ = gpu_timeline(lambda: step_seconds(engine, 1 << 19, vocab))
-        out["prefill_comm_share"] = comm / busy
-        rows.append(["bfloat16", f"{label}: prefill step over 524,288, layers whole: collectives (profiled)",
-                     f"{comm:.1f} of {busy:.1f} ms busy", f"{100 * comm / busy:.1f}%"])
+        for tokens, how in ((0, "layers whole"), (engine.config.prefill_overlap_tokens, "two halves")):
+            engine.collective_rpc(set_prefill_halves, tokens)
+            comm, busy, _, beside = gpu_timeline(lambda: step_seconds(engine, 1 << 19, vocab))
+            out.setdefault("prefill_comm_share", comm / busy)
+            rows.append(["bfloat16", f"{label}: prefill step over 524,288, {how}: collectives (profiled)",
+                         f"{comm:.1f} of {busy:.1f} ms busy", f"{100 * comm / busy:.1f}%; kernels beside another "
+                         f"{beside:.1f} ms"])
     for ctx in fitting:
         decode_ms(engine, ctx, vocab, steps=1, drain=False)
-        comm, busy, idle = gpu_timeline(lambda: median_step_ms(engine, 5, drain=False))
+        comm, busy, idle, _ = gpu_timeline(lambda: median_step_ms(engine, 5, drain=False))
         while engine.has_unfinished_requests():
             engine.step()
         out.setdefault("decode_comm", {})[ctx] = comm / 5
