@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridkv.model.int8_head_cpu import Int8ArgmaxHead, int8_kernel_available
+from hybridkv.model.int8_head_cpu import Int8ArgmaxHead, _gemm, int8_kernel_available
 
 pytestmark = pytest.mark.skipif(not int8_kernel_available(), reason="torch has no CPU int8 kernel")
 
@@ -76,3 +76,16 @@ def test_the_gemm_sums_exactly_at_the_extremes():
     h = torch.full((1, 128), 3.0)  # one digit of 127 everywhere, a second of 0
     scores, _ = head.screen(h)
     assert scores[0, 0] == 3.0 * 0.5 * 128 and scores[0, 1] == -3.0 * 0.5 * 128
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+def test_few_gemm_rows_padded_with_zero_digits_give_each_rows_exact_sums(rows):
+    """Fewer than four rows go through the GEMM padded with zero digits (faster there); every row's sums stay exact
+    and only the rows asked for come back."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(-127, 128, (300, 128), generator=g, dtype=torch.int8)
+    digits = torch.randint(-127, 128, (rows, 128), generator=g).float()
+    scales = torch.rand(300, generator=g) + 0.5
+    got = _gemm(digits, torch.ops.onednn.qlinear_prepack(q, [1, 128]), scales, torch.zeros(300, dtype=torch.int64))
+    assert got.shape == (rows, 300)
+    assert torch.equal(got, (digits.long() @ q.long().t()).float() * scales)
