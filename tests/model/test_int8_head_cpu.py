@@ -81,9 +81,9 @@ def test_the_gemm_sums_exactly_at_the_extremes():
 @pytest.mark.parametrize("kind", ["fbgemm", "onednn"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5])
 def test_each_gemm_gives_each_rows_exact_sums_times_its_scale(kind, rows):
-    """fbgemm's GEMM (its input quantisation fixed by an extra row of extremes) and oneDNN's (fewer than four rows
-    padded with zero digits): every row's sums exact, times the vocabulary row's scale, and only the rows asked
-    for come back."""
+    """fbgemm's GEMM (its input quantisation fixed by extremes in extra zero-weight columns) and oneDNN's (fewer
+    than four rows padded with zero digits): every row's sums exact, times the vocabulary row's scale, and only the
+    rows asked for come back."""
     g = torch.Generator().manual_seed(3)
     q = torch.randint(-127, 128, (300, 128), generator=g, dtype=torch.int8)
     digits = torch.randint(-127, 128, (rows, 128), generator=g).float()
