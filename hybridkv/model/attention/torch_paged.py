@@ -135,6 +135,9 @@ class TorchPagedAttention:
             layer.view[step.write_blocks, :, step.write_offsets] = kv
         if len(step.reads) == 1:
             return self._attend_seq(layer, step.reads[0], q, self._seq_context_lens[0], scale)
+        if q.shape[0] == len(step.reads):  # one query a sequence (decoding): their outputs side by side
+            return torch.cat([self._attend_seq(layer, read, q[i : i + 1], context_len, scale)
+                              for i, (read, context_len) in enumerate(zip(step.reads, self._seq_context_lens))])
         out = torch.empty_like(q)
         start = 0
         for read, n, context_len in zip(step.reads, self._seq_query_lens, self._seq_context_lens):
