@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.model.attention.base import AttentionBackend, StepHalf
-from hybridkv.model.int4_cpu import DENSE_ROWS
 from hybridkv.model.architectures.llama_config import ModelConfig, RopeConfig
 from hybridkv.model.architectures.parallel import (
     ColumnParallelLinear,
@@ -43,6 +42,7 @@ from hybridkv.model.architectures.parallel import (
     VocabParallelEmbedding,
     vocab_parallel_logits,
 )
+from hybridkv.model.int4_cpu import DENSE_ROWS
 
 
 class RMSNorm(nn.Module):

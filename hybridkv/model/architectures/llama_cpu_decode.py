@@ -1,10 +1,10 @@
 """A decode step of a 4-bit Llama-2/3 on CPU as one flat loop: ``LlamaForCausalLM.forward``'s arithmetic, bit for
 bit, without the modules around it.
 
-A decode step of SmolLM2-135M (30 layers, one token) takes ~17 ms on one core: ~6.5 ms in the 4-bit kernels, ~2 ms
-in the int8 head, and the rest in ~30 small torch calls a layer and the Python between them. Going through the
+A decode step of SmolLM2-135M (30 layers, one token) takes ~15 ms on one core: ~6.5 ms in the 4-bit kernels, ~1.5
+ms in the int8 head, and the rest in ~30 small torch calls a layer and the Python between them. Going through the
 modules (each layer, its attention and MLP, every linear's ``nn.Module`` call, the fused groups' wrappers, each
-linear's prefill branch) cost ~1.1 ms of that a step. This loop calls the same helpers as the layers' own
+linear's prefill branch) cost ~1.1 ms more a step. This loop calls the same helpers as the layers' own
 forward (the norms' ``add_forward``, ``rope_rolled``, the backend's ``attend``) and each 4-bit linear's kernel
 directly (``Int4Linear.rows``), in the same order on the same values, so its hidden states are the layers' own.
 
@@ -37,13 +37,15 @@ class _Layer:
     gate_up: Int4Linear  # gate rows, then up rows
     down_proj: Int4Linear
     scale: float
-    heads: tuple[int, int]  # this layer's (q + k heads, v heads): qk is rotated as one
-    q_heads: int
+    qk_v_heads: tuple[int, int]  # (q + k heads, v heads): q and k are rotated as one
+    q_k_heads: tuple[int, int]
     gate_up_sizes: tuple[int, int]
 
 
 @dataclass(slots=True)
 class CpuDecodeLayers:
+    """A 4-bit Llama's layers as one loop (``LlamaForCausalLM.cpu_decode``)."""
+
     layers: list[_Layer]
     head_dim: int
 
@@ -68,8 +70,8 @@ class CpuDecodeLayers:
                 residual, h = x, layer.input_norm.forward(x)
             else:
                 h, residual = layer.input_norm.add_forward(x, residual)
-            qk, v = layer.qkv.rows(h).view(tokens, -1, d).split_with_sizes(layer.heads, dim=1)
-            q, k = rope_rolled(qk, *tables.rolled).split_with_sizes((layer.q_heads, layer.heads[1]), dim=1)
+            qk, v = layer.qkv.rows(h).view(tokens, -1, d).split_with_sizes(layer.qk_v_heads, dim=1)
+            q, k = rope_rolled(qk, *tables.rolled).split_with_sizes(layer.q_k_heads, dim=1)
             out = attn.attend(layer.layer_id, q, k, v, layer.scale)
             h, residual = layer.post_norm.add_forward(layer.o_proj.rows(out.flatten(-2)), residual)
             gate, up = layer.gate_up.rows(h).split_with_sizes(layer.gate_up_sizes, dim=-1)
@@ -88,5 +90,5 @@ def _layer_of(layer: DecoderLayer) -> _Layer | None:
         return None
     q_heads, kv_heads = attn.local_heads
     return _Layer(attn.layer_id, layer.input_layernorm, layer.post_attention_layernorm, qkv.whole, attn.o_proj,
-                  gate_up.whole, mlp.down_proj, attn.scale, (q_heads + kv_heads, kv_heads), q_heads,
+                  gate_up.whole, mlp.down_proj, attn.scale, (q_heads + kv_heads, kv_heads), (q_heads, kv_heads),
                   tuple(gate_up.sizes))
