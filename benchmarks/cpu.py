@@ -240,9 +240,9 @@ def _int8_head_error(llm, convs: list, float_head_runs: list) -> str:
     outs = llm.chat(convs, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
     head.argmax_head = screen
     same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outs, float_head_runs))
-    return (f"int8 output head (greedy rows without logprobs) vs the float32 head, same 4-bit layers: {same} of "
-            f"{len(convs)} replies identical token for token; tokens re-scored in float32 a step: mean "
-            f"{sum(rescored) / len(rescored):.1f}, max {max(rescored)} of {screen.vocab_size:,}")
+    return (f"int8 output head ({screen.kind}'s GEMM; greedy rows without logprobs) vs the float32 head, same 4-bit "
+            f"layers: {same} of {len(convs)} replies identical token for token; tokens re-scored in float32 a step: "
+            f"mean {sum(rescored) / len(rescored):.1f}, max {max(rescored)} of {screen.vocab_size:,}")
 
 
 def _quantised_layers_error(runs: dict) -> str:

@@ -479,8 +479,10 @@ def _keep_4bit_weights(model: torch.nn.Module, config: EngineConfig, tp: TPGroup
         head = model.embed_tokens if model.lm_head is None else model.lm_head
         if int8_kernel_available():
             head.argmax_head = Int8ArgmaxHead.of(head.weight)
-        log.info("%d linear layers kept 4-bit (Q4_1 weights, bf16 activations), greedy tokens screened by an int8 "
-                 "head; quantization=none: float32", packed)
+        screen = ("the float32 head for every row (no int8 GEMM of this torch sums exactly)" if head.argmax_head is None
+                  else f"greedy tokens screened by an int8 head ({head.argmax_head.kind}'s GEMM)")
+        log.info("%d linear layers kept 4-bit (Q4_1 weights, bf16 activations), %s; quantization=none: float32",
+                 packed, screen)
     return packed
 
 

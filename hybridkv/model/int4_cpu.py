@@ -85,15 +85,19 @@ class Int4Linear(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        if flat.shape[0] >= DENSE_ROWS:
-            y = F.linear(flat, self.dense)
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] < DENSE_ROWS:
+            y = self.rows(flat)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
-        if not self.keep_bf16:
-            y = y.to(x.dtype)
-        if x.dim() != 2:
-            y = y.view(*x.shape[:-1], self.out_features)
+            y = F.linear(flat.to(torch.bfloat16), self.dense)
+            y = y if self.keep_bf16 else y.to(x.dtype)
+            y = y if self.bias is None else y + self.bias
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` of x [R, in_features] with R < ``DENSE_ROWS`` (a decode step's), through the 4-bit kernel."""
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros)
+        y = y if self.keep_bf16 else y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 

@@ -2,10 +2,11 @@
 
 A CPU decode step of a small model reads its output head once a token: SmolLM2-135M's tied embedding is 49,152 x
 576, 113 MB in float32, 11.5 ms of a 32 ms 4-bit decode step on one core. Greedy decoding needs only each row's
-argmax, so the head is screened with an int8 copy (one scale per vocabulary row: 4x fewer bytes) through oneDNN's
-int8 GEMM on a prepacked weight (``torch.ops.onednn.qlinear_pointwise``: 2.0 ms on one core for 1 to 4 GEMM rows;
-torch's bf16-activation int8 kernel took 3.8 ms), and every token that could still be the argmax is re-scored with
-the float32 weight.
+argmax, so the head is screened with an int8 copy (one scale per vocabulary row: 4x fewer bytes) through an int8
+GEMM on a prepacked weight, and every token that could still be the argmax is re-scored with the float32 weight.
+The GEMM (``int8_gemm``) is fbgemm's (``torch.ops.quantized.linear_dynamic``: 1.4 ms on one core, the weight read
+from memory as in a decode step), or oneDNN's (``torch.ops.onednn.qlinear_pointwise``: 2.1 ms) where fbgemm's is
+missing or does not sum exactly; torch's bf16-activation int8 kernel took 3.8 ms.
 
 The hidden row x goes in as two int8 digits, two rows of the GEMM at the price of one: ``x = s1 a + s2 b + r``
 with ``s1 = max|x| / 127``, ``a = round(x / s1)``, ``s2 = max|x - s1 a| / 127``, ``b = round((x - s1 a) / s2)``.
@@ -29,42 +30,60 @@ Example: scores [5.0, 4.9, 1.0] with bounds [0.2, 0.2, 0.1]: the best lower end 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-_ZERO_POINT = 128  # the GEMM takes unsigned activations: a digit d in -127..127 goes in as d + 128
+_ZERO_POINT = 128  # oneDNN's GEMM takes unsigned activations: a digit d in -127..127 goes in as d + 128
+_FEWEST_ROWS = 4  # rows of oneDNN's GEMM: fewer are padded (``_sums``)
+_SPREAD_COLUMNS = 4  # zero columns fbgemm's copy of the weight has beyond the hidden size (``_sums``)
 
 
 def int8_kernel_available() -> bool:
-    """oneDNN's int8 GEMM is in this torch and sums exactly in int32 (a kernel that saturates 16-bit pair sums,
-    as int8 kernels without VNNI may, would break the bound): checked on products of +-127."""
-    if not hasattr(torch.ops.onednn, "qlinear_pointwise"):
-        return False
+    """An int8 GEMM of this torch sums exactly in int32 (``int8_gemm``)."""
+    return int8_gemm() is not None
+
+
+def int8_gemm() -> str | None:
+    """The int8 GEMM the head runs: "fbgemm" (torch's dynamically quantised linear: 1.4 ms for SmolLM2's head on
+    one core, its weight read from memory) where it sums exactly, else "onednn" (2.1 ms) where it does, else None.
+    Exactly: a kernel that saturates 16-bit pair sums, as int8 kernels without VNNI may, would break the bound;
+    checked on products of +-127."""
     g = torch.Generator().manual_seed(0)
-    a = torch.randint(0, 2, (2, 64), generator=g) * 254 - 127
+    a = (torch.randint(0, 2, (2, 64), generator=g) * 254 - 127).float()
     w = (torch.randint(0, 2, (24, 64), generator=g) * 254 - 127).to(torch.int8)
     w[0] = a[0]  # the largest sum there is: 64 x 127^2
-    try:
-        got = _gemm(a, torch.ops.onednn.qlinear_prepack(w, [1, 64]), torch.ones(24), torch.zeros(24, dtype=torch.int64))
-    except RuntimeError:
-        return False
-    return torch.equal(got.double(), (a.long() @ w.t().long()).double())
+    want = (a.double() @ w.t().double())
+    for kind in ("fbgemm", "onednn"):
+        try:
+            got = _sums(kind, a, _prepack(kind, w, torch.ones(24)), torch.ones(24), torch.zeros(24, dtype=torch.int64))
+        except (AttributeError, RuntimeError):  # not in this torch, or not on this CPU
+            continue
+        if torch.equal(got.double(), want):
+            return kind
+    return None
 
 
 @dataclass(slots=True)
 class Int8ArgmaxHead:
     """float32 logits of hidden rows whose argmax equals that of ``F.linear(hidden, weight)``."""
 
-    packed: torch.Tensor  # the int8 [vocab, hidden] copy, prepacked for oneDNN
+    kind: str  # which int8 GEMM (``int8_gemm``)
+    packed: Any  # the int8 [vocab, hidden] copy, prepacked for that GEMM
     scales: torch.Tensor  # float32 [vocab], one per vocabulary row
-    zero_points: torch.Tensor  # int64 [vocab] zeros: the weight is symmetric (the GEMM takes one per row)
+    zero_points: torch.Tensor  # int64 [vocab] zeros: the weight is symmetric (oneDNN's GEMM takes one per row)
     # float32 [2, vocab]: what |x|_1 and |r|_2 multiply in a row's bound (``_bound``)
     row_error: torch.Tensor
 
     @classmethod
-    def of(cls, weight: torch.Tensor) -> Int8ArgmaxHead:
+    def of(cls, weight: torch.Tensor, kind: str | None = None) -> Int8ArgmaxHead:
+        """``kind``: the GEMM (default: ``int8_gemm()``'s pick)."""
+        kind = kind or int8_gemm()
+        if kind is None:
+            raise RuntimeError("no int8 GEMM of this torch sums exactly in int32 (int8_kernel_available)")
         w = weight.detach().float()
         amax = w.abs().amax(1)
         scales = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
@@ -72,9 +91,9 @@ class Int8ArgmaxHead:
         e = q * scales[:, None]
         k = w.shape[1]
         per_l1 = 1.01 * (w - e).abs().amax(1) + (k * 2.0**-23 + 2.0**-19) * amax
-        packed = torch.ops.onednn.qlinear_prepack(q.to(torch.int8), [1, k])
         zeros = torch.zeros(scales.shape, dtype=torch.int64)
-        return cls(packed, scales, zeros, torch.stack((per_l1, 1.01 * e.norm(dim=1))))
+        packed = _prepack(kind, q.to(torch.int8), scales)
+        return cls(kind, packed, scales, zeros, torch.stack((per_l1, 1.01 * e.norm(dim=1))))
 
     @property
     def vocab_size(self) -> int:
@@ -97,7 +116,7 @@ class Int8ArgmaxHead:
         h = hidden.float()
         s1, a, r = _digit(h)
         s2, b, r = _digit(r)
-        both = _gemm(torch.cat((a, b)), self.packed, self.scales, self.zero_points)  # [2R, vocab]: a.e, b.e
+        both = _sums(self.kind, torch.cat((a, b)), self.packed, self.scales, self.zero_points)  # [2R, vocab]: a.e, b.e
         rows = h.shape[0]
         scores = both[:rows] * s1 + both[rows:] * s2
         return scores, torch.cat((h.abs().sum(1, keepdim=True), r.norm(dim=1, keepdim=True)), 1) @ self.row_error
@@ -111,12 +130,43 @@ def _digit(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return s, a, x - a * s
 
 
-def _gemm(digits: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+def _prepack(kind: str, q: torch.Tensor, scales: torch.Tensor) -> Any:
+    """int8 ``q`` [vocab, K] with its row ``scales``, prepacked for GEMM ``kind``."""
+    if kind == "onednn":
+        return torch.ops.onednn.qlinear_prepack(q, [1, q.shape[1]])
+    if torch.backends.quantized.engine not in ("x86", "fbgemm"):  # another engine packs for its own kernels
+        raise RuntimeError(f"quantized engine {torch.backends.quantized.engine} does not run fbgemm")
+    with warnings.catch_warnings():  # torch deprecates its quantised tensors for torchao's; torch 2.13 has them
+        warnings.simplefilter("ignore", UserWarning)
+        zeros = torch.zeros_like(scales, dtype=torch.int64)
+        weight = torch._make_per_channel_quantized_tensor(F.pad(q, (0, _SPREAD_COLUMNS)), scales.double(), zeros, 0)
+    return torch.ops.quantized.linear_prepack(weight, None)
+
+
+def _sums(kind: str, digits: torch.Tensor, packed: Any, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
     """float32 [R, vocab]: each row's exact int32 sum of ``digits . q`` (whole numbers in -127..127), times the
-    vocabulary row's scale."""
+    vocabulary row's scale, through GEMM ``kind``.
+
+    fbgemm's linear quantises its float input itself, one scale and zero point for the whole tensor from its least
+    and largest value: -128 and 127 in columns whose weights are zero (``_SPREAD_COLUMNS``) make that range 255
+    wide, so the scale is 1 and the zero point 128, and every digit goes in as itself. (In an extra row instead
+    they cost more: 9 rows of SmolLM2's head took 2.9 ms against 2.3 for 8, four streams' digits.)
+
+    oneDNN's takes unsigned activations with one zero point: a digit d goes in as d + 128. It runs the SmolLM2
+    head in 2.1 ms for 3 to 6 rows on one core and 2.5-3.1 ms for 1 or 2 (its weight read from memory: a decode
+    step's), so fewer than ``_FEWEST_ROWS`` rows go in padded with zero digits."""
+    rows = digits.shape[0]
+    if kind == "fbgemm":
+        k = digits.shape[1]
+        spread = F.pad(digits, (0, _SPREAD_COLUMNS))
+        spread[0, k], spread[0, k + 1] = -128.0, 127.0
+        return torch.ops.quantized.linear_dynamic(spread, packed, False)
     u8 = (digits + _ZERO_POINT).to(torch.uint8)
-    return torch.ops.onednn.qlinear_pointwise(u8, 1.0, _ZERO_POINT, packed, scales, zeros, None, 1.0, 0,
-                                              torch.float32, "none", [], "")
+    if rows < _FEWEST_ROWS:
+        u8 = torch.cat((u8, u8.new_full((_FEWEST_ROWS - rows, u8.shape[1]), _ZERO_POINT)))
+    got = torch.ops.onednn.qlinear_pointwise(u8, 1.0, _ZERO_POINT, packed, scales, zeros, None, 1.0, 0,
+                                             torch.float32, "none", [], "")
+    return got[:rows]
 
 
 def _reach(scores: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:

@@ -168,3 +168,56 @@ def test_a_packed_llamas_residual_branch_ends_keep_bf16_and_the_hidden_states_do
             got = model(ids[:n], torch.arange(n), DenseAttention(specs, [n]))
             want = converting(ids[:n], torch.arange(n), DenseAttention(specs, [n]))
             assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+def packed_llama(hf_extra: dict, float_layer: str | None = None):
+    """A 2-layer Llama whose linears hold Q4_1 weights (except ``float_layer``), packed as the engine packs them."""
+    from hybridkv.model.architectures.llama import LlamaForCausalLM
+    from hybridkv.model.architectures.llama_config import ModelConfig
+
+    hf = {"model_type": "llama", "vocab_size": 64, "hidden_size": 2 * GROUP, "intermediate_size": 3 * GROUP,
+          "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": GROUP,
+          "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
+          **hf_extra}
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(ModelConfig.from_hf(hf))
+    with torch.no_grad():
+        for i, (name, linear) in enumerate((n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)):
+            if name != float_layer:
+                linear.weight.copy_(q4_1(tuple(linear.weight.shape), seed=30 + i))
+    pack_int4_linears(model, model.residual_branch_ends)
+    fuse_columns(model)
+    return model, hf
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_steps_of_a_4bit_llama_run_one_flat_loop_with_the_layers_own_hidden_states(bias, monkeypatch):
+    """Steps below ``DENSE_ROWS`` tokens go through ``CpuDecodeLayers`` (the layers' modules skipped), and their
+    hidden states are the layers' own forward's bit for bit; larger steps take the layers' forward."""
+    import copy
+
+    from hybridkv.kv.layer_specs import layer_specs_from_hf_config
+    from hybridkv.model.architectures.llama_cpu_decode import CpuDecodeLayers
+    from hybridkv.model.attention.dense import DenseAttention
+
+    model, hf = packed_llama({"attention_bias": bias})
+    own = copy.deepcopy(model)
+    own.cpu_decode = lambda: None  # the layers' own forward only
+    assert isinstance(model.cpu_decode(), CpuDecodeLayers)
+    loops = []
+    call = CpuDecodeLayers.__call__
+    monkeypatch.setattr(CpuDecodeLayers, "__call__", lambda self, *a: loops.append(len(a[0])) or call(self, *a))
+    specs = layer_specs_from_hf_config(hf, kv_cache_dtype="float32")
+    ids = torch.randint(0, 64, (DENSE_ROWS + 1,))
+    with torch.no_grad():
+        for n in (11, 1, DENSE_ROWS + 1):
+            got = model(ids[:n], torch.arange(n), DenseAttention(specs, [n]))
+            want = own(ids[:n], torch.arange(n), DenseAttention(specs, [n]))
+            assert torch.equal(got, want)
+    assert loops == [11, 1]
+
+
+def test_a_llama_with_a_float_linear_runs_its_layers_own_forward():
+    model, _ = packed_llama({}, float_layer="layers.1.mlp.down_proj")
+    assert isinstance(model.layers[0].mlp.down_proj, Int4Linear)
+    assert model.cpu_decode() is None

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridkv.model.int8_head_cpu import Int8ArgmaxHead, int8_kernel_available
+from hybridkv.model.int8_head_cpu import Int8ArgmaxHead, _prepack, _sums, int8_gemm, int8_kernel_available
 
 pytestmark = pytest.mark.skipif(not int8_kernel_available(), reason="torch has no CPU int8 kernel")
 
@@ -76,3 +76,32 @@ def test_the_gemm_sums_exactly_at_the_extremes():
     h = torch.full((1, 128), 3.0)  # one digit of 127 everywhere, a second of 0
     scores, _ = head.screen(h)
     assert scores[0, 0] == 3.0 * 0.5 * 128 and scores[0, 1] == -3.0 * 0.5 * 128
+
+
+@pytest.mark.parametrize("kind", ["fbgemm", "onednn"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+def test_each_gemm_gives_each_rows_exact_sums_times_its_scale(kind, rows):
+    """fbgemm's GEMM (its input quantisation fixed by extremes in extra zero-weight columns) and oneDNN's (fewer
+    than four rows padded with zero digits): every row's sums exact, times the vocabulary row's scale, and only the
+    rows asked for come back."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(-127, 128, (300, 128), generator=g, dtype=torch.int8)
+    digits = torch.randint(-127, 128, (rows, 128), generator=g).float()
+    scales = torch.rand(300, generator=g) + 0.5
+    try:
+        packed = _prepack(kind, q, scales)
+    except (AttributeError, RuntimeError):
+        pytest.skip(f"no {kind} int8 GEMM in this torch")
+    got = _sums(kind, digits, packed, scales, torch.zeros(300, dtype=torch.int64))
+    assert got.shape == (rows, 300)
+    assert torch.equal(got, (digits.long() @ q.long().t()).float() * scales)
+
+
+def test_both_gemms_screen_alike():
+    """The head picks fbgemm's GEMM where it sums exactly (on this x86 torch it does); either gives the same
+    scores."""
+    if int8_gemm() != "fbgemm":
+        pytest.skip("fbgemm's int8 GEMM is not exact here")
+    w, h = head_and_rows(3000, 128, 3, seed=4)
+    assert Int8ArgmaxHead.of(w).kind == "fbgemm"
+    assert torch.equal(Int8ArgmaxHead.of(w, "fbgemm").screen(h)[0], Int8ArgmaxHead.of(w, "onednn").screen(h)[0])

@@ -42,6 +42,7 @@ from hybridkv.model.architectures.parallel import (
     VocabParallelEmbedding,
     vocab_parallel_logits,
 )
+from hybridkv.model.int4_cpu import DENSE_ROWS
 
 
 class RMSNorm(nn.Module):
@@ -423,6 +424,10 @@ class LlamaForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         self._inv_freq: torch.Tensor | None = None  # on the device of the last forward
+        # ``llama_cpu_decode``'s loop for small CPU steps, looked for at the first one (the engine packs the linears
+        # 4-bit right after loading, before any forward); None: the layers' own forward
+        self._cpu_decode = None
+        self._cpu_decode_checked = False
 
     # A CUDA graph can hold a forward of this many tokens (the fused MoE kernels have no host sync up to it).
     @property
@@ -453,10 +458,22 @@ class LlamaForCausalLM(nn.Module):
         if halves:
             x, residual = self._layers_in_halves(x, tables, attn, halves)
             return self.norm.add_forward(x, residual)[0]
+        if tables.rolled is not None and input_ids.shape[0] < DENSE_ROWS and self.cpu_decode() is not None:
+            x, residual = self._cpu_decode(x, tables, attn)
+            return self.norm.add_forward(x, residual)[0]
         with self.tp.summing_in_norms(x):  # under TP, small steps sum each layer's parts inside its next norm
             for layer in self.layers:
                 x, residual = layer(x, residual, tables, attn)
             return self.norm.add_forward(x, residual, self.tp)[0] if residual is not None else self.norm(x)
+
+    def cpu_decode(self):
+        """``CpuDecodeLayers`` over this model's layers when they are all 4-bit Llama-2/3 layers, else None."""
+        if not self._cpu_decode_checked:
+            from hybridkv.model.architectures.llama_cpu_decode import CpuDecodeLayers  # it imports this module
+
+            self._cpu_decode = CpuDecodeLayers.of(list(self.layers), self.cfg.is_llama4)
+            self._cpu_decode_checked = True
+        return self._cpu_decode
 
     def _layers_in_halves(self, x: torch.Tensor, tables: PositionTables, attn, halves: list[StepHalf]):
         """Every layer's blocks, half A then half B, each block's all-reduce deferred: A's is waited for only when

@@ -58,6 +58,9 @@ class _GroupStep:
     write_blocks: torch.Tensor  # [T] block id of each new token's slot
     write_offsets: torch.Tensor  # [T] offset inside the block
     reads: list[_SeqRead]  # per sequence
+    # a step of one new token (one sequence decoding): its slot as (block, offset), written by plain indexing
+    # (an indexed write of one row costs more than the row: ~10 us, 30 times a step for SmolLM2)
+    one_slot: tuple[int, int] | None = None
 
 
 def _key_range(spec: AttentionSpec, context_len: int) -> int:
@@ -106,7 +109,9 @@ class TorchPagedAttention:
                 write_o.append(new % bs)
                 first = _key_range(group.spec, s.context_len)
                 reads.append(_SeqRead(on_dev(table[first // bs : (end - 1) // bs + 1]), first % bs, end - first, first))
-            self._step.append(_GroupStep(on_dev(np.concatenate(write_b)), on_dev(np.concatenate(write_o)), reads))
+            write_b, write_o = np.concatenate(write_b), np.concatenate(write_o)
+            one = (int(write_b[0]), int(write_o[0])) if len(write_b) == 1 else None
+            self._step.append(_GroupStep(on_dev(write_b), on_dev(write_o), reads, one))
 
     @property
     def step_state(self) -> tuple:
@@ -120,11 +125,19 @@ class TorchPagedAttention:
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         layer = self.cache.layers[layer_id]
         step = self._step[layer.group_id]
-        # [T, 2, Hkv, D] into [block, K/V, offset]: the advanced indices go first
-        kv = torch.stack((k, v), 1)
-        layer.view[step.write_blocks, :, step.write_offsets] = kv if kv.dtype == self.kv_dtype else self._to_cache(kv)
+        if step.one_slot is not None and k.dtype == self.kv_dtype:
+            block, offset = step.one_slot
+            layer.keys[block, offset], layer.values[block, offset] = k[0], v[0]
+        else:
+            # [T, 2, Hkv, D] into [block, K/V, offset]: the advanced indices go first
+            kv = torch.stack((k, v), 1)
+            kv = kv if kv.dtype == self.kv_dtype else self._to_cache(kv)
+            layer.view[step.write_blocks, :, step.write_offsets] = kv
         if len(step.reads) == 1:
             return self._attend_seq(layer, step.reads[0], q, self._seq_context_lens[0], scale)
+        if q.shape[0] == len(step.reads):  # one query a sequence (decoding): their outputs side by side
+            return torch.cat([self._attend_seq(layer, read, q[i : i + 1], context_len, scale)
+                              for i, (read, context_len) in enumerate(zip(step.reads, self._seq_context_lens))])
         out = torch.empty_like(q)
         start = 0
         for read, n, context_len in zip(step.reads, self._seq_query_lens, self._seq_context_lens):
@@ -189,8 +202,11 @@ def _decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     dtype = q.dtype
     if dtype != torch.float32 or k.dtype != torch.float32:
         q, k, v = q.float(), k.float(), v.float()
-    heads = [x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
-    out = F.scaled_dot_product_attention(*heads, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    if q.device.type == "cpu":  # the kernel SDPA picks there, called directly (its choice costs ~3 us a layer)
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q4, k4, v4, 0.0, False, scale=scale)[0]
+    else:
+        out = F.scaled_dot_product_attention(q4, k4, v4, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     out = out[0].transpose(0, 1)
     return out if dtype == torch.float32 else out.to(dtype)
 
