@@ -16,9 +16,12 @@ only, as ``LLM.generate`` does (the default: an output every step, as the server
 - static decode meta: ``TritonPagedAttention.begin_static_decode`` of the same step on a CPU-built Triton backend:
   what a CUDA-graph replay (``DecodeGraphs.replay``) does on the host instead of ``begin_step``;
 - sample: the ``Sampler`` call;
-- output: everything else of ``LLMEngine.step`` (appending tokens, stop checks, detokenising, request outputs).
+- output: everything else of ``LLMEngine.step`` (appending tokens, stop checks, detokenising, request outputs);
+- deferred text: detokenising the tokens of requests whose text is read only at their end (``--final-only``), done
+  between the step's launch and the sampler's wait for the logits: on a GPU, while the GPU computes.
 
-``host`` is schedule + prepare + execute + static decode meta + sample + output: the GPU path's host time per step.
+``host`` is schedule + prepare + execute + static decode meta + sample + output: the GPU path's host time per step
+that the GPU waits for (deferred text aside).
 Each number is the mean over the timed steps, the least of ``--rounds`` rounds (a shared machine only adds time).
 
     python benchmarks/engine_host.py [--batches 1,8,32] [--context 16384] [--steps 64] [--rounds 5]
@@ -101,8 +104,10 @@ class PhaseClock:
         self._wrap(engine.model, "forward", "forward")
         self._wrap(engine.model, "compute_logits", "forward")
         self._wrap(engine.backend, "begin_step", "cpu attn meta")
+        self._wrap(engine, "_catch_up_text", "text")
         sampler = engine.sampler
         engine.sampler = self._timed(sampler, "sample")
+        engine.sampler.argmax = self._timed(sampler.argmax, "sample")  # the all-greedy step's
 
     def _timed(self, fn, phase: str, after=None):
         def run(*args, **kwargs):
@@ -161,7 +166,7 @@ def measure(engine: LLMEngine, clock: PhaseClock, batch: int, context: int, step
         while engine.has_unfinished_requests():
             engine.step()
         per["step"] = wall / steps * 1e6
-        inner = sum(per.get(k, 0.0) for k in ("schedule", "prepare", "execute", "sample", "static decode meta"))
+        inner = sum(per.get(k, 0.0) for k in ("schedule", "prepare", "execute", "sample", "static decode meta", "text"))
         per["output"] = per["step"] - inner
         per["execute"] = per.get("execute", 0.0) - per.get("forward", 0.0) - per.get("cpu attn meta", 0.0)
         for k, v in per.items():
@@ -189,13 +194,14 @@ def main() -> None:
     for batch in batches:
         per = measure(engine, clock, batch, args.context, args.steps, args.rounds, args.final_only)
         rows.append([f"{batch}", *(f"{per.get(k, 0.0):,.0f}" for k in PHASES), f"{per['host']:,.0f}",
-                     f"{per.get('forward', 0.0):,.0f}", f"{per.get('cpu attn meta', 0.0):,.0f}"])
+                     f"{per.get('text', 0.0):,.0f}", f"{per.get('forward', 0.0):,.0f}",
+                     f"{per.get('cpu attn meta', 0.0):,.0f}"])
     groups = len(engine.layout.groups)
     print(f"Decode step host time, µs per step, context {args.context:,} tokens, block {BLOCK}, "
           f"{args.steps} steps (least of {args.rounds} rounds); tiny Llama-4 width, {groups} layer group(s), "
           f"{'final outputs only' if args.final_only else 'an output every step'}, prefix cache "
           f"{'off' if args.no_prefix_caching else 'on'}, CPU")
-    print(markdown_table(["batch", *PHASES, "host", "forward", "cpu attn meta"], rows))
+    print(markdown_table(["batch", *PHASES, "host", "deferred text", "forward", "cpu attn meta"], rows))
 
 
 if __name__ == "__main__":
