@@ -116,6 +116,9 @@ class KVCacheManager:
             key=lambda m: (not m.spec.keeps_every_token, m.group.group_id),
         )
         self._num_full = sum(m.spec.keeps_every_token for m in self.managers)
+        # Every group's table has one entry per block of the request's allocated tokens (nulls included), so the
+        # first group's tells how many tokens all of them hold.
+        self._first_tables = self.managers[0].tables
         # Chained hashes of the last block before each known branch point (a bounded LRU set).
         self._branch_registry: OrderedDict[bytes, None] = OrderedDict()
         self._dropped_at: dict[str, int] = {}  # per request with blocks: the computed count of its last drop
@@ -304,6 +307,11 @@ class KVCacheManager:
         chunk and preempting others (or itself) half-way. On success with a hit the caller adds
         ``hit.num_tokens`` to ``req.num_computed_tokens``.
         """
+        if hit is None:  # a running request: a decode step inside its last block needs nothing (the common step)
+            table = self._first_tables.get(req.request_id)
+            if table is not None and req.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
+                self._drop_out_of_reach(req)
+                return True
         self._drop_out_of_reach(req)
         needed = self.blocks_needed(req, num_new_tokens, hit)
         if needed > self.pool.num_free_blocks:
@@ -342,6 +350,8 @@ class KVCacheManager:
         """Every group frees what fell out of its reach, once per computed count: the drop depends on that count
         alone (a table always covers the computed tokens), so the next step's ``allocate_slots`` of a running
         request, which ``on_tokens_computed`` left at the same count, skips it."""
+        if self._num_full == len(self.managers):
+            return  # nothing falls out of a full group's reach
         rid, computed = req.request_id, req.num_computed_tokens
         if self._dropped_at.get(rid) == computed:
             return
@@ -386,6 +396,9 @@ class KVCacheManager:
 
     def step_tables(self, req_id: str) -> tuple[list[np.ndarray], int]:
         """``block_tables`` and ``tables_version`` in one pass (a step asks for both, for every sequence)."""
+        if len(self.managers) == 1:  # one group (id 0)
+            table = self._first_tables[req_id]
+            return [table.ids], table.version
         out: list[np.ndarray] = [_NO_BLOCKS] * len(self.managers)
         version = 0
         for m in self.managers:
