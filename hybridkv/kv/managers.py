@@ -231,6 +231,10 @@ class SingleTypeManager:
         self.pool.free_blocks(low, evict_first=True)
         self.pool.free_blocks(keep)
 
+    def next_drop(self, req_id: str) -> int:
+        """Fewest computed tokens at which ``drop_out_of_reach`` frees another of the request's blocks (at least)."""
+        return self.spec.needed_until((self._num_dropped[req_id] + 1) * self.block_size - 1)
+
     def release(
         self, req_id: str, num_computed: int, block_hashes: Sequence[bytes] = ()
     ) -> tuple[list[KVBlock], list[bool]]:
