@@ -45,7 +45,15 @@ class StepInput:
     argmax_only: bool = False
 
     def positions(self) -> np.ndarray:
-        return np.concatenate([np.arange(s.context_len, s.context_len + s.query_len) for s in self.seqs])
+        """Each token row's position: its sequence's context length plus its index among the sequence's rows (one
+        numpy pass, not an arange per sequence: 256 decode rows cost 150 us that way)."""
+        n = len(self.seqs)
+        ctx = np.fromiter([s.context_len for s in self.seqs], np.int64, n)
+        q = np.fromiter([s.query_len for s in self.seqs], np.int64, n)
+        if (q == 1).all():  # a decode step
+            return ctx
+        starts = np.cumsum(q) - q  # each sequence's first row
+        return np.arange(int(q.sum()), dtype=np.int64) + np.repeat(ctx - starts, q)
 
 
 # Rows per LM-head call when scoring prompt positions: float32 logits and their log-softmax of this many rows stay
