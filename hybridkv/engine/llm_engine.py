@@ -417,7 +417,7 @@ class LLMEngine:
         logprobs = result.logprobs
         final_only = RequestOutputKind.FINAL_ONLY
         for i, (seq, token) in enumerate(zip(seqs, result.token_ids)):
-            seq.all_token_ids.append(token)  # Sequence.append_token
+            seq.append_token(token)
             state = seq.state
             lp = logprobs[i] if logprobs is not None else None
             finish = state.append_token(token, lp, eos_token_ids=eos, max_model_len=max_len)
