@@ -227,8 +227,8 @@ class _StaticDecode:
     def write_tables(self, g: int, rows: list[int], tables: list[np.ndarray]) -> None:
         """Rows ``rows`` of group ``g``'s device table become ``tables``, each followed by zeros. Only the entries
         that differ from the host mirror travel (a decode step that crossed into a new block: its last entry), every
-        row's together: one copy and one scatter, however many rows changed (sequences decoding in lockstep cross
-        into new blocks at the same step: 256 rows at once)."""
+        row's together: one copy of their span, or where they lie apart one copy and one scatter, however many rows
+        changed (sequences decoding in lockstep cross into new blocks at the same step: 256 rows at once)."""
         mirror, ends, width = self.mirror[g], self.ends[g], self.mirror.shape[2]
         changed = []
         for row, table in zip(rows, tables):
@@ -241,12 +241,16 @@ class _StaticDecode:
                 have[n:end] = 0
                 changed.append(np.arange(row * width + n, row * width + end))
             ends[row] = n
-        if changed:
-            at = np.concatenate(changed)
-            # from plain memory the copy is staged before it returns: the mirror may change right after
-            packed = torch.from_numpy(np.stack([at, mirror.reshape(-1)[at]])).to(self.tables[g].device,
-                                                                                  non_blocking=True)
-            self.tables[g].view(-1).index_copy_(0, packed[0], packed[1].to(torch.int32))
+        if not changed:
+            return
+        at = np.concatenate(changed) if len(changed) > 1 else changed[0]
+        lo, hi = int(at[0]), int(at[-1]) + 1
+        # from plain memory a copy is staged before it returns: the mirror may change right after
+        if hi - lo <= 2 * len(at):  # one span (a single row's new entries): a plain copy, no scatter
+            self.tables[g].view(-1)[lo:hi].copy_(torch.from_numpy(mirror.reshape(-1)[lo:hi]), non_blocking=True)
+            return
+        packed = torch.from_numpy(np.stack([at, mirror.reshape(-1)[at]])).to(self.tables[g].device, non_blocking=True)
+        self.tables[g].view(-1).index_copy_(0, packed[0], packed[1].to(torch.int32))
 
 
 class TritonPagedAttention:
