@@ -4,6 +4,12 @@ Per generated token the engine calls ``RequestOutputState.append_token``; it
 detokenises, applies vLLM's stop rules and sets ``finish_reason``.  Streaming
 callers take text with ``take_delta``.
 
+Text nobody reads before the request ends (``RequestOutputKind.FINAL_ONLY``,
+no stop strings: what ``LLM.generate`` asks) is detokenised later: the tokens
+wait in ``pending`` until ``catch_up_text`` (the engine calls it while the GPU
+computes the next step) or until ``text`` is read.  The detokeniser sees the
+same tokens in the same order either way, so text and deltas are the same.
+
 Stop semantics (vLLM's):
 * nothing stops before ``min_tokens`` output tokens except the length limits;
 * EOS (unless ``ignore_eos``) and ``stop_token_ids`` finish with "stop"; the
@@ -23,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from hybridkv.engine.sampler import TokenScores
-from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.engine.sampling_params import RequestOutputKind, SamplingParams
 
 Logprobs = list[tuple[int, float]]
 
@@ -95,13 +101,19 @@ class RequestOutputState:
     prompt_len: int
     detokenizer: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    _text: str = ""
     logprobs: list[Logprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | None
     stop_reason: int | str | None = None  # stop token id or stop string
     streamed_chars: int = 0
     # the sampled tokens' logprobs summed as they come (with ``logprobs``): no pass over every row per step
     cumulative_logprob: float = 0
+    # Text is needed only at the end (final output only, no stop strings): tokens wait in ``pending`` for the
+    # detokenizer until ``catch_up_text`` or a read of ``text``.
+    defer_text: bool = False
+    pending: list[int] = field(default_factory=list)
+    # the output count from which the next token is the logits' argmax (``SamplingParams.argmax_only``), or None
+    argmax_from: int | None = None
 
     @classmethod
     def create(
@@ -109,11 +121,37 @@ class RequestOutputState:
     ) -> RequestOutputState:
         detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
         logprobs: list[Logprobs] | None = [] if params.logprobs is not None else None
-        return cls(params, len(prompt_ids), detok, logprobs=logprobs)
+        defer = (tokenizer is not None and not params.stop
+                 and params.output_kind is RequestOutputKind.FINAL_ONLY)
+        argmax_from = params.min_tokens if params.argmax_only(params.min_tokens) else None
+        return cls(params, len(prompt_ids), detok, logprobs=logprobs, defer_text=defer, argmax_from=argmax_from)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def argmax_only(self) -> bool:
+        """``params.argmax_only`` of the next token (a per-request constant and the output count)."""
+        return self.argmax_from is not None and len(self.token_ids) >= self.argmax_from
+
+    @property
+    def text(self) -> str:
+        if self.pending:
+            self.catch_up_text()
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self.catch_up_text()
+        self._text = value
+
+    def catch_up_text(self) -> None:
+        """Detokenize the tokens whose text was deferred."""
+        pending, add = self.pending, self.detokenizer.add_token
+        if pending:
+            self._text += "".join([add(t) for t in pending])
+            pending.clear()
 
     def append_token(
         self,
@@ -124,7 +162,7 @@ class RequestOutputState:
         max_model_len: int | None = None,
     ) -> str | None:
         """Record one sampled token; return the finish reason, if it finished."""
-        if self.finished:
+        if self.finish_reason is not None:
             raise RuntimeError(f"sequence already finished ({self.finish_reason})")
         self.token_ids.append(token_id)
         if self.logprobs is not None:
@@ -132,12 +170,16 @@ class RequestOutputState:
             self.logprobs.append(row)
             if row:
                 self.cumulative_logprob += row[0][1]
-        hidden = (_stop_token_hit(self, eos_token_ids)
-                  and not self.params.include_stop_str_in_output)
-        delta = "" if hidden else self.detokenizer.add_token(token_id)
-        self.text += delta
+        new_chars = 0
+        if not (_stop_token_hit(self, eos_token_ids) and not self.params.include_stop_str_in_output):
+            if self.defer_text:  # no stop strings: the text decides nothing now
+                self.pending.append(token_id)
+            else:
+                delta = self.detokenizer.add_token(token_id)
+                self._text += delta
+                new_chars = len(delta)
         self.finish_reason = check_stop(
-            self, new_char_count=len(delta), eos_token_ids=eos_token_ids,
+            self, new_char_count=new_chars, eos_token_ids=eos_token_ids,
             max_model_len=max_model_len)
         return self.finish_reason
 
@@ -148,11 +190,12 @@ class RequestOutputState:
         could be the start of a stop string that a later token completes and
         that would then be cut from ``text``.
         """
-        end = len(self.text)
+        text = self.text
+        end = len(text)
         if self.params.stop and not self.finished and not self.params.include_stop_str_in_output:
             end -= max(self.params.max_stop_len - 1, 0)
         end = max(end, self.streamed_chars)
-        delta = self.text[self.streamed_chars:end]
+        delta = text[self.streamed_chars:end]
         self.streamed_chars = end
         return delta
 
@@ -177,9 +220,9 @@ def check_stop(
             last = state.token_ids[-1]
             state.stop_reason = last if last in params.stop_token_ids else None
             return "stop"
-        hit = find_stop_string(state.text, new_char_count, params.stop,
-                               params.include_stop_str_in_output)
-        if hit is not None:
+        hit = params.stop and find_stop_string(state.text, new_char_count, params.stop,
+                                               params.include_stop_str_in_output)
+        if hit:
             state.stop_reason, cut = hit
             state.text = state.text[:cut]
             return "stop"

@@ -84,9 +84,7 @@ class Sampler:
         batch = logits.shape[0]
         assert len(params) == len(prompt_ids) == len(output_ids) == len(generators) == batch
         if token_bitmask is None and all(p.argmax_only(len(ids)) for p, ids in zip(params, output_ids)):
-            # the common greedy step: nothing below would move a row's maximum, so one argmax and one copy to the
-            # host, and no float32 copy of the logits
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), None)
+            return self.argmax(logits)
         logits = logits.to(torch.float32, copy=True)
         if token_bitmask is not None:
             from hybridkv.engine.structured_output import apply_token_bitmask
@@ -107,6 +105,12 @@ class Sampler:
 
         token_list = tokens.tolist()
         return SamplerOutput(token_list, _gather_logprobs(raw_logprobs, params, token_list))
+
+    @staticmethod
+    def argmax(logits: torch.Tensor) -> SamplerOutput:
+        """The common greedy step (every row ``SamplingParams.argmax_only``): nothing the sampler does would move a
+        row's maximum, so one argmax and one copy to the host, and no float32 copy of the logits."""
+        return SamplerOutput(logits.argmax(dim=-1).tolist(), None)
 
     def _sample_random(
         self,

@@ -32,11 +32,8 @@ class ScheduledSequence:
     seq: Sequence
     context_len: int  # computed before this step
     num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the known tokens, so the model's output is sampled."""
-        return self.context_len + self.num_new_tokens == self.seq.num_tokens
+    # whether this step reaches the end of the known tokens, so the model's output is sampled
+    samples: bool
 
     @property
     def prompt_score_positions(self) -> range:
@@ -84,12 +81,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        running, scheduled, max_chunk = self.running, out.scheduled, self.max_chunk
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget, self.max_chunk)
+        while i < len(running) and budget > 0:  # (every running sequence, every step: kept lean)
+            seq = running[i]
+            computed = seq.num_computed_tokens
+            left = len(seq.all_token_ids) - computed
+            n = min(left, budget, max_chunk)
             if self._allocate_or_preempt(seq, n, out):
-                out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, n))
+                scheduled.append(ScheduledSequence(seq, computed, n, n == left))
                 budget -= n
                 i += 1
         if not out.preempted:
@@ -120,7 +120,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, n))
+            out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, n,
+                                                   seq.num_computed_tokens + n == seq.num_tokens))
             budget -= n
 
     def _preempt(self, seq: Sequence) -> None:
@@ -133,9 +134,10 @@ class Scheduler:
 
     def on_step_done(self, out: SchedulerOutput) -> None:
         """Record the computed tokens (before sampled tokens are appended)."""
+        computed = self.kv.on_tokens_computed
         for s in out.scheduled:
             s.seq.num_computed_tokens = s.context_len + s.num_new_tokens
-            self.kv.on_tokens_computed(s.seq)
+            computed(s.seq)
 
     def finish(self, seq: Sequence) -> None:
         """A finished or aborted sequence leaves the scheduler and gives back every block it held."""

@@ -116,9 +116,13 @@ class KVCacheManager:
             key=lambda m: (not m.spec.keeps_every_token, m.group.group_id),
         )
         self._num_full = sum(m.spec.keeps_every_token for m in self.managers)
+        # Every group's table has one entry per block of the request's allocated tokens (nulls included), so the
+        # first group's tells how many tokens all of them hold.
+        self._first_tables = self.managers[0].tables
         # Chained hashes of the last block before each known branch point (a bounded LRU set).
         self._branch_registry: OrderedDict[bytes, None] = OrderedDict()
-        self._dropped_at: dict[str, int] = {}  # per request with blocks: the computed count of its last drop
+        # per request with blocks: the computed count before which no group drops another block
+        self._drop_due: dict[str, int] = {}
         self._published_at: dict[str, int] = {}  # per request with blocks: its full computed blocks last published
         self.stats = PrefixCacheStats()
         # Host tier (kv/host_tier.py): pages the pool evicts are written back to RAM and found again by lookups.
@@ -304,6 +308,11 @@ class KVCacheManager:
         chunk and preempting others (or itself) half-way. On success with a hit the caller adds
         ``hit.num_tokens`` to ``req.num_computed_tokens``.
         """
+        if hit is None:  # a running request: a decode step inside its last block needs nothing (the common step)
+            table = self._first_tables.get(req.request_id)
+            if table is not None and req.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
+                self._drop_out_of_reach(req)
+                return True
         self._drop_out_of_reach(req)
         needed = self.blocks_needed(req, num_new_tokens, hit)
         if needed > self.pool.num_free_blocks:
@@ -339,16 +348,18 @@ class KVCacheManager:
         self._drop_out_of_reach(req)
 
     def _drop_out_of_reach(self, req: KVRequest) -> None:
-        """Every group frees what fell out of its reach, once per computed count: the drop depends on that count
-        alone (a table always covers the computed tokens), so the next step's ``allocate_slots`` of a running
-        request, which ``on_tokens_computed`` left at the same count, skips it."""
+        """Every group frees what fell out of its reach. The drop depends on the computed count alone (a table
+        always covers the computed tokens), and each group knows the count its next drop waits for: until the
+        earliest of those, a step's calls (``on_tokens_computed``, the next ``allocate_slots``) return at once
+        (Scout's 8,192-token chunks: one drop a chunk, not three group calls every step)."""
         rid, computed = req.request_id, req.num_computed_tokens
-        if self._dropped_at.get(rid) == computed:
-            return
-        for m in self.managers:
+        if computed < self._drop_due.get(rid, 0) or self._num_full == len(self.managers):
+            return  # (nothing ever falls out of a full group's reach)
+        local = self.managers[self._num_full :]
+        for m in local:
             m.drop_out_of_reach(rid, computed)
         if self.has_blocks(rid):
-            self._dropped_at[rid] = computed
+            self._drop_due[rid] = min(m.next_drop(rid) for m in local)
 
     def free(self, req: KVRequest) -> None:
         """Give back every block of a finished, aborted or preempted request.
@@ -361,7 +372,7 @@ class KVCacheManager:
             for m in self.managers:
                 m.cache_full_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
         hashes = req.block_hashes if self.enable_prefix_caching else ()
-        self._dropped_at.pop(req.request_id, None)
+        self._drop_due.pop(req.request_id, None)
         self._published_at.pop(req.request_id, None)
         released = [m.release(req.request_id, req.num_computed_tokens, hashes) for m in self.managers]
         keep: list[KVBlock] = []
@@ -386,6 +397,9 @@ class KVCacheManager:
 
     def step_tables(self, req_id: str) -> tuple[list[np.ndarray], int]:
         """``block_tables`` and ``tables_version`` in one pass (a step asks for both, for every sequence)."""
+        if len(self.managers) == 1:  # one group (id 0)
+            table = self._first_tables[req_id]
+            return [table.ids], table.version
         out: list[np.ndarray] = [_NO_BLOCKS] * len(self.managers)
         version = 0
         for m in self.managers:

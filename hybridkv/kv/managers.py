@@ -53,23 +53,20 @@ class BlockTable:
     each edit, so one version names one table's content: a decode step's metadata re-sends a table only when it
     changed (``KVCacheManager.tables_version``)."""
 
-    __slots__ = ("_buf", "_len", "_versions", "version")
+    __slots__ = ("_buf", "_len", "_versions", "version", "ids")
 
     def __init__(self, versions: Iterator[int], capacity: int = 16) -> None:
         self._buf = np.zeros(max(16, capacity), dtype=np.int32)
         self._len = 0
         self._versions = versions
         self.version = next(versions)
+        self.ids = self._buf[:0]  # the table: a view, made again only when the table grows (read every step)
 
     def __len__(self) -> int:
         return self._len
 
     def __getitem__(self, i: int) -> int:
         return int(self._buf[i])
-
-    @property
-    def ids(self) -> np.ndarray:
-        return self._buf[: self._len]
 
     def extend(self, block_ids: Sequence[int]) -> None:
         n = self._len + len(block_ids)
@@ -79,6 +76,7 @@ class BlockTable:
             self._buf = grown
         self._buf[self._len : n] = block_ids
         self._len = n
+        self.ids = self._buf[:n]
         self.version = next(self._versions)
 
     def set_null(self, start: int, end: int) -> None:
@@ -232,6 +230,10 @@ class SingleTypeManager:
         self._num_dropped[req_id] = end
         self.pool.free_blocks(low, evict_first=True)
         self.pool.free_blocks(keep)
+
+    def next_drop(self, req_id: str) -> int:
+        """Fewest computed tokens at which ``drop_out_of_reach`` frees another of the request's blocks (at least)."""
+        return self.spec.needed_until((self._num_dropped[req_id] + 1) * self.block_size - 1)
 
     def release(
         self, req_id: str, num_computed: int, block_hashes: Sequence[bytes] = ()

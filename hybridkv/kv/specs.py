@@ -123,6 +123,12 @@ class AttentionSpec(ABC):
         ``first_needed_token(n)`` is also the lowest position still needed: the managers free what lies below.
         """
 
+    def needed_until(self, token: int) -> int:
+        """Fewest processed tokens ``n`` with ``first_needed_token(n) > token``: until then ``token`` is still needed.
+        A type without its own answer gives ``token + 1``, a lower bound (a token sees itself), which only makes the
+        managers look again sooner."""
+        return token + 1
+
     def visible(self, q_pos: Positions, k_pos: Positions) -> Positions:
         """[Q, K] bool mask: query i sees key j. ``q_pos`` and ``k_pos`` are 1-D numpy arrays or torch tensors.
 
@@ -194,6 +200,9 @@ class SlidingWindowSpec(AttentionSpec):
         lo = pos - (self.window - 1)
         return (lo + abs(lo)) // 2  # max(lo, 0), on ints and arrays alike
 
+    def needed_until(self, token: int) -> int:
+        return token + self.window
+
     def max_live_blocks(self, num_tokens: int, block_size: int, max_step_tokens: int) -> int:
         # A step of k new tokens sees the window - 1 tokens before it plus itself; the run need not be aligned.
         span = self.window - 1 + max(1, max_step_tokens)
@@ -227,6 +236,9 @@ class ChunkedLocalSpec(AttentionSpec):
 
     def first_needed_token(self, pos: Positions) -> Positions:
         return pos // self.chunk * self.chunk
+
+    def needed_until(self, token: int) -> int:
+        return (token // self.chunk + 1) * self.chunk
 
     def max_live_blocks(self, num_tokens: int, block_size: int, max_step_tokens: int) -> int:
         # Worst case: the step starts at the last token of a chunk, so the whole chunk but one is still live.

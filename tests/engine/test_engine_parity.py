@@ -151,3 +151,40 @@ def test_final_only_requests_produce_one_output_with_everything(tiny_model):
     assert len(seen["final"]) == 1 and seen["final"][0].finished and len(seen["every"]) == 7
     assert seen["final"][0].outputs[0].token_ids == seen["every"][-1].outputs[0].token_ids
     assert seen["final"][0].outputs[0].text == seen["every"][-1].outputs[0].text
+
+
+def test_final_only_text_waits_but_matches_every_step_and_streamed_text(tiny_model):
+    """``LLM.generate``'s requests detokenize late (``RequestOutputState.pending``), streams at once: the same
+    text, finish and stop reasons whatever stops them (EOS, a stop token with and without its text, length)."""
+    from hybridkv.engine.llm_engine import EngineConfig, LLMEngine
+    from hybridkv.engine.sampling_params import RequestOutputKind
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model("llama3").path), block_size=4, max_num_seqs=8))
+    prompts = random_prompts([5, 9, 14], seed=43)
+    eos = dict(logit_bias={1: 100.0}, min_tokens=2)  # EOS (w1) as soon as min_tokens allows
+    stops = [7, 9, 11, 13]
+    variants = [eos, dict(stop_token_ids=stops), dict(stop_token_ids=stops, include_stop_str_in_output=True),
+                dict(skip_special_tokens=False, n=2, **eos), dict(ignore_eos=True, **eos)]
+    kinds = list(RequestOutputKind)
+    for i, p in enumerate(prompts):
+        for j, kw in enumerate(variants):
+            for kind in kinds:  # high temperature, seeded: the same tokens in every kind, often an early stop
+                engine.add_request(f"{kind.value}-{i}-{j}", p, SamplingParams(
+                    temperature=3.0, seed=i * 10 + j, max_tokens=9, output_kind=kind, **kw))
+    final, streamed = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            kind, key = out.request_id.split("-", 1)
+            if kind == "delta":
+                for o in out.outputs:
+                    streamed[key, o.index] = streamed.get((key, o.index), "") + o.delta_text
+            if out.finished:
+                final[kind, key] = [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in out.outputs]
+    keys = {key for _, key in final}
+    assert len(keys) == len(prompts) * len(variants)
+    reasons = {o[2:] for key in keys for o in final["final_only", key]}
+    assert {("stop", None), ("length", None)} <= reasons and len(reasons) >= 4, reasons  # EOS, length, stop ids
+    for key in keys:
+        assert final["final_only", key] == final["cumulative", key] == final["delta", key]
+        assert [streamed[key, i] for i in range(len(final["final_only", key]))] == [
+            o[1] for o in final["cumulative", key]]

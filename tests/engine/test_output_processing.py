@@ -213,3 +213,57 @@ def test_skip_special_tokens_false_keeps_eos_text(tok):
     st = RequestOutputState.create(p, [], tok)
     feed(st, tok.ids("▁a") + [EOS], eos_token_ids=[EOS])
     assert st.text == "a</s>"
+
+
+# ---------------------------------------------------------------- deferred text
+
+
+def final_only(**kw):
+    from hybridkv.engine.sampling_params import RequestOutputKind
+
+    return SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **kw)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),  # EOS stops, its text left out
+    dict(skip_special_tokens=False),  # EOS stops, its text left out though special tokens are not skipped
+    dict(skip_special_tokens=False, ignore_eos=True, max_tokens=12),  # EOS text kept
+    dict(stop_token_ids=[7], include_stop_str_in_output=True),  # the stop token's text kept
+    dict(stop_token_ids=[7]),
+    dict(max_tokens=5),
+])
+def test_deferred_text_is_the_text_detokenized_token_by_token(tok, kw):
+    prompt = tok.ids("▁Hello", "▁world")
+    out = tok.ids("!", ("é🙂",), "▁a", "\n", "b", "▁end") + [EOS] + tok.ids("▁world")
+    decoded = []
+
+    class Counting:
+        def decode(self, ids, skip_special_tokens=True):
+            decoded.append(list(ids))
+            return tok.decode(ids, skip_special_tokens)
+
+    now = RequestOutputState.create(SamplingParams(**kw), prompt, tok)
+    later = RequestOutputState.create(final_only(**kw), prompt, Counting())
+    assert not now.defer_text and later.defer_text
+    feed(now, out, eos_token_ids=[EOS])
+    feed_ids = out[: len(now.token_ids)]
+    for i, t in enumerate(feed_ids):
+        later.append_token(t, eos_token_ids=[EOS])
+        assert not decoded  # nothing detokenized while the token ids decide everything
+        if i == 3:
+            later.catch_up_text()  # as the engine does while a GPU computes the next step
+            assert later.text == now.text[: len(later.text)] and not later.pending
+            decoded.clear()
+    assert (later.finish_reason, later.stop_reason, later.token_ids) == (now.finish_reason, now.stop_reason,
+                                                                         now.token_ids)
+    assert later.text == now.text and later.take_delta() == now.text and later.take_delta() == ""
+    assert now.finish_reason is not None
+
+
+def test_stop_strings_and_streams_are_detokenized_at_once(tok):
+    from hybridkv.engine.sampling_params import RequestOutputKind
+
+    assert not RequestOutputState.create(final_only(stop=["x"]), [], tok).defer_text
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+        assert not RequestOutputState.create(SamplingParams(output_kind=kind), [], tok).defer_text
+    assert not RequestOutputState.create(final_only(), [], None).defer_text  # no tokenizer: no text at all

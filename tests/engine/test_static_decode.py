@@ -63,13 +63,13 @@ def test_static_decode_buffers_match_a_rebuild_through_preemption_hits_and_finis
     backend = TritonPagedAttention(engine.layout, 2, "float32", engine.model.cfg.num_heads, device="cpu")
     backend.enable_static_decode(MAX_SEQS, engine.max_model_len)
     prepare, checked, writes = engine.runner.prepare, [], []
-    write_table = _StaticDecode.write_table
+    write_tables = _StaticDecode.write_tables
 
-    def counting_write(st, g, row, table):
-        writes.append((g, row))
-        write_table(st, g, row, table)
+    def counting_write(st, g, rows, tables):
+        writes.extend((g, row) for row in rows)
+        write_tables(st, g, rows, tables)
 
-    monkeypatch.setattr(_StaticDecode, "write_table", counting_write)
+    monkeypatch.setattr(_StaticDecode, "write_tables", counting_write)
 
     def prepare_and_check(out):
         step = prepare(out)

@@ -106,3 +106,38 @@ def test_full_blocks_publish_once_per_count_and_again_after_a_free():
         assert all(kv.pool.lookup((r.block_hashes[i], g.group_id)) is not None
                    for i in range(2) for g in kv.layout.groups), life
         kv.free(r)
+
+
+def test_a_decoding_request_drops_each_block_the_step_it_falls_out_of_reach_and_looks_only_then():
+    from hybridkv.kv.managers import SingleTypeManager
+
+    kv = manager([full(), sliding(5), chunked(8)], 2, 80, enable_prefix_caching=False)
+    calls = []
+    drop = SingleTypeManager.drop_out_of_reach
+
+    def counted(m, rid, n):
+        calls.append(n)
+        drop(m, rid, n)
+
+    SingleTypeManager.drop_out_of_reach = counted
+    try:
+        r = req("r", range(3))
+        assert kv.allocate_slots(r, 3)
+        for n in range(3, 60):  # a prefill of 3, then one decode step at a time
+            r.num_computed_tokens = n
+            kv.on_tokens_computed(r)
+            for m in kv.managers:
+                ids = table(kv, r, m.group.group_id)
+                needed = m.spec.first_needed_token(n) // 2  # blocks below it are out of reach
+                assert ids[:needed] == [0] * needed and 0 not in ids[needed:], (m.spec.kind, n)
+            r.all_token_ids.append(n)
+            assert kv.allocate_slots(r, 1)
+    finally:
+        SingleTypeManager.drop_out_of_reach = drop
+    # the two local groups were looked at only at the steps where one of them had a block to drop (and at the first)
+    local = [m.spec for m in kv.managers if not m.spec.keeps_every_token]
+    due = [n for n in range(4, 60) if any(s.first_needed_token(n) // 2 > s.first_needed_token(n - 1) // 2
+                                          for s in local)]
+    assert calls == [n for n in [0, 3, *due] for _ in local] and len(due) < 57 * 2 // 3  # 0: before any table
+    kv.free(r)
+    assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks

@@ -224,23 +224,33 @@ class _StaticDecode:
     def slot_offset(self, g: int) -> torch.Tensor:
         return self.rows[6 + 2 * g]
 
-    def write_table(self, g: int, row: int, table: np.ndarray) -> None:
-        """Row ``row`` of group ``g``'s device table becomes ``table`` followed by zeros; one copy of the span of
-        entries that differ (a decode step that crossed into a new block: its last entry)."""
-        mirror, n = self.mirror[g, row], len(table)
-        lo, hi = n, 0
-        diff = np.flatnonzero(mirror[:n] != table)
-        if len(diff):
-            lo, hi = int(diff[0]), int(diff[-1]) + 1
-            mirror[lo:hi] = table[lo:hi]
-        end = int(self.ends[g][row])
-        if end > n:  # the row held a longer table
-            mirror[n:end] = 0
-            lo, hi = min(lo, n), end
-        self.ends[g][row] = n
-        if lo < hi:
-            # from plain memory the copy is staged before it returns: the mirror may change right after
-            self.tables[g][row, lo:hi].copy_(torch.from_numpy(mirror[lo:hi]), non_blocking=True)
+    def write_tables(self, g: int, rows: list[int], tables: list[np.ndarray]) -> None:
+        """Rows ``rows`` of group ``g``'s device table become ``tables``, each followed by zeros. Only the entries
+        that differ from the host mirror travel (a decode step that crossed into a new block: its last entry), every
+        row's together: one copy of their span, or where they lie apart one copy and one scatter, however many rows
+        changed (sequences decoding in lockstep cross into new blocks at the same step: 256 rows at once)."""
+        mirror, ends, width = self.mirror[g], self.ends[g], self.mirror.shape[2]
+        changed = []
+        for row, table in zip(rows, tables):
+            have, n, end = mirror[row], len(table), int(ends[row])
+            cols = np.flatnonzero(have[:n] != table)
+            if len(cols):
+                have[cols] = table[cols]
+                changed.append(cols + row * width)
+            if end > n:  # the row held a longer table
+                have[n:end] = 0
+                changed.append(np.arange(row * width + n, row * width + end))
+            ends[row] = n
+        if not changed:
+            return
+        at = np.concatenate(changed) if len(changed) > 1 else changed[0]
+        lo, hi = int(at[0]), int(at[-1]) + 1
+        # from plain memory a copy is staged before it returns: the mirror may change right after
+        if hi - lo <= 2 * len(at):  # one span (a single row's new entries): a plain copy, no scatter
+            self.tables[g].view(-1)[lo:hi].copy_(torch.from_numpy(mirror.reshape(-1)[lo:hi]), non_blocking=True)
+            return
+        packed = torch.from_numpy(np.stack([at, mirror.reshape(-1)[at]])).to(self.tables[g].device, non_blocking=True)
+        self.tables[g].view(-1).index_copy_(0, packed[0], packed[1].to(torch.int32))
 
 
 class TritonPagedAttention:
@@ -415,12 +425,13 @@ class TritonPagedAttention:
         host[3, :n] = 1  # q_len
         if token_ids is not None:
             host[-1, :n] = token_ids
-        for i, s in enumerate(seqs):
-            version = s.tables_version
-            if version == 0 or version != st.versions[i]:
-                for g, group in enumerate(self.layout.groups):
-                    st.write_table(g, i, s.block_tables[group.group_id])
-                st.versions[i] = version
+        known = st.versions
+        rows = [i for i, s in enumerate(seqs) if s.tables_version == 0 or s.tables_version != known[i]]
+        if rows:  # the rows whose tables changed
+            for g, group in enumerate(self.layout.groups):
+                st.write_tables(g, rows, [seqs[i].block_tables[group.group_id] for i in rows])
+            for i in rows:
+                known[i] = seqs[i].tables_version
         # every group's slot block (the tables' entries, just written) and slot offset: rows 5, 7, ... and 6, 8, ...
         host[5 : 5 + 2 * groups : 2, :n] = st.mirror[:, st.order[:n], ctx // bs]
         host[6 : 6 + 2 * groups : 2, :n] = ctx % bs
