@@ -22,10 +22,12 @@ Tensor parallelism (dummy weights, every rank's KV filled with random values thr
     python benchmarks/gpu/scout_rank.py --tensor-parallel-size 2 [--tp-prefill-length 1048576]
         [--decode-contexts 1048576,5242880]
     python benchmarks/gpu/scout_rank.py --tensor-parallel-size 4 --full-model [--tp-prefill-length 2845646]
+        [--decode-contexts 1048576,5242880]
 
 The first runs Scout/4 over 2 GPUs beside Scout/8 on one (the same shapes per GPU): prefill, decode with CUDA
 graphs, time in collectives, and a model of the TP 8 step from them. The second runs full-size Scout over 4 GPUs
-beside one TP-8 rank on one GPU (``--tp-prefill-length 0`` skips its prefill).
+beside one TP-8 rank on one GPU (``--tp-prefill-length 0`` skips its prefill, ``--decode-contexts ''`` its decode
+steps and the TP-8 rank, so that a prefill of millions of tokens fits one run's time).
 
 ``--plot PATH`` (with ``--step-contexts``): a PNG of this run's step times with their fitted line, and the prefill
 time the step model predicts by prompt length beside the measured prefills and the user's vLLM runs.
@@ -313,11 +315,12 @@ def full_model_rows(size: int, n: int, contexts: list[int]) -> list[list[str]]:
     cfg = rank_config(8)
     with tempfile.TemporaryDirectory() as path:
         Path(path, "config.json").write_text(json.dumps(cfg))
-        engine = engine_for(None, "bfloat16", model=path, load_format="dummy")
-        rows += engine_rows(engine, "one TP-8 rank (Scout/8, 1 GPU)", cfg["vocab_size"], 0, contexts, rank)
-        del engine
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        if contexts:  # without decode contexts (``--decode-contexts ''``) only the full model runs: its prefill
+            engine = engine_for(None, "bfloat16", model=path, load_format="dummy")
+            rows += engine_rows(engine, "one TP-8 rank (Scout/8, 1 GPU)", cfg["vocab_size"], 0, contexts, rank)
+            del engine
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
     full = json.loads(CONFIG.read_text())
     with tempfile.TemporaryDirectory() as path:
         Path(path, "config.json").write_text(json.dumps(full))
