@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.kernels.launch import pdl, pdl_start
+
 # the most rows one launch takes ((token, choice) pairs, plus one per token for the shared expert): rows of a
 # program's tiles (register and shared-memory use grow with it)
 MAX_PAIRS = 64
@@ -42,11 +44,14 @@ MAX_PAIRS = 64
 def route_kernel(
     x_ptr, w_ptr, logits_ptr, arrived_ptr, ids_ptr, gates_ptr, hidden, num_experts, stride_xt, stride_we,
     E_PAD: tl.constexpr, PER_PROGRAM: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (token t, p): router logits of experts [p * PER_PROGRAM, ...) for token t, rounded to the model's
     dtype as nn.Linear's output is. The token's last program to finish (an arrival counter, reset after use)
     picks the top_k experts (the first index among equal logits) and their gates ``sigmoid(logit)``. Spreading
     the router's rows over programs keeps a 16-expert router from being one SM's serial read."""
+    if PDL:
+        pdl_start()
     t = tl.program_id(0).to(tl.int64)
     es = tl.program_id(1) * PER_PROGRAM + tl.arange(0, PER_PROGRAM)
     e_ok = es < num_experts
@@ -107,10 +112,12 @@ def gate_up_kernel(
     num_pairs, num_tokens, num_experts, hidden, inter, k_per_split,
     stride_xt, stride_we, stride_wk, stride_wn, stride_swk, stride_swn, stride_ps, stride_pp,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr, SHARED: tl.constexpr,
+    IEEE: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Rows 0..num_pairs are the (token, choice) pairs; with SHARED, rows num_pairs.. are each token once more for
     the shared expert (program e == num_experts, gate 1)."""
+    if PDL:
+        pdl_start()
     e = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     split = tl.program_id(2)
@@ -143,9 +150,12 @@ def gate_up_kernel(
 
 
 @triton.jit
-def silu_mul_kernel(part_ptr, h_ptr, inter, stride_ps, stride_pp, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+def silu_mul_kernel(part_ptr, h_ptr, inter, stride_ps, stride_pp, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """Program (pair p, column block): h[p] = silu(gate) * up from the summed splits, rounded as eager torch
     rounds each projection's output to the weights' dtype first."""
+    if PDL:
+        pdl_start()
     p = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
@@ -185,7 +195,10 @@ def down_kernel(
     num_pairs, num_tokens, num_experts, hidden, inter,
     stride_we, stride_wk, stride_wn, stride_swk, stride_swn, stride_op,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, SHARED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:
+        pdl_start()
     e = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     rows = tl.arange(0, BLOCK_M)
@@ -225,7 +238,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
         route_kernel[(tokens, triton.cdiv(num_experts, per_program))](
             x, router_weight, logits, arrived, ids, gates, hidden, num_experts, x.stride(0),
             router_weight.stride(0), E_PAD=e_pad, PER_PROGRAM=per_program, TOP_K=top_k, BLOCK_K=2048,
-            num_warps=4,
+            PDL=pdl(x), num_warps=4, launch_pdl=pdl(x),
         )
     return ids, gates
 
@@ -269,23 +282,25 @@ def fused_moe(x: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor, gate_up: 
     splits = triton.cdiv(hidden, k_per_split)
     part = torch.empty((splits, num_rows, 2 * inter), dtype=torch.float32, device=x.device)
     ieee = x.dtype == torch.float32
+    on = pdl(x)
     gate_up_kernel[(programs, col_tiles, splits)](
         x, gates, ids, gate_up, s_gate_up, part, num_pairs, tokens, num_experts, hidden, inter, k_per_split,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), s_gate_up.stride(0),
         s_gate_up.stride(1), part.stride(0), part.stride(1),
         TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, SHARED=shared is not None,
-        num_warps=warps, num_stages=stages,
+        PDL=on, num_warps=warps, num_stages=stages, launch_pdl=on,
     )
     h = torch.empty((num_rows, inter), dtype=x.dtype, device=x.device)
     silu_mul_kernel[(num_rows, triton.cdiv(inter, 1024))](
-        part, h, inter, part.stride(0), part.stride(1), SPLITS=splits, BLOCK=1024, num_warps=4)
+        part, h, inter, part.stride(0), part.stride(1), SPLITS=splits, BLOCK=1024, PDL=on, num_warps=4,
+        launch_pdl=on)
     out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
     down_n, down_k, warps, stages = down_tile or ((64, 128, 4, 3) if x.element_size() == 2 else (64, 64, 4, 2))
     down_kernel[(programs, triton.cdiv(hidden, down_n))](
         h, ids, down, s_down, out, num_pairs, tokens, num_experts, hidden, inter, down.stride(0), down.stride(1),
         down.stride(2), s_down.stride(0), s_down.stride(1), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=down_n, BLOCK_K=down_k, IEEE=ieee, SHARED=shared is not None, num_warps=warps,
-        num_stages=stages,
+        BLOCK_M=block_m, BLOCK_N=down_n, BLOCK_K=down_k, IEEE=ieee, SHARED=shared is not None, PDL=on,
+        num_warps=warps, num_stages=stages, launch_pdl=on,
     )
     routed = out[:num_pairs] if top_k == 1 else out[:num_pairs].view(tokens, top_k, hidden).sum(dim=1)
     # eager torch adds the two bf16 outputs: the same single rounding here

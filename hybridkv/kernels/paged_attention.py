@@ -16,17 +16,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hybridkv.kernels.launch import pdl_start
 from hybridkv.kv.specs import KERNEL_CHUNKED as CHUNKED, KERNEL_FULL as FULL, KERNEL_SLIDING as SLIDING  # noqa: F401
 
 
 @triton.jit
 def kv_write_kernel(
     k_ptr, v_ptr, cache_ptr, slot_block_ptr, slot_offset_ptr, k_scale, v_scale, n, stride_block, v_offset,
-    HD: tl.constexpr, HD_PAD: tl.constexpr, TOKENS: tl.constexpr, QUANT: tl.constexpr,
+    HD: tl.constexpr, HD_PAD: tl.constexpr, TOKENS: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """TOKENS new tokens a program: each token's K and V rows (its KV heads' H * D values, contiguous in the
     inputs and in a slot) go to its slot. One token a program wrote at 60% of copy speed (84 against 51 us for
     131,072 Scout tokens on an H100); 4,096 values a program write at copy speed."""
+    if PDL:
+        pdl_start()
     t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     t_ok = t < n
     t = t.to(tl.int64)
@@ -228,7 +231,7 @@ def paged_attention_kernel(
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr, QUANT: tl.constexpr, FP16_DOT: tl.constexpr,
     SEGMENTED: tl.constexpr, ACCUMULATE: tl.constexpr,
-    TMA: tl.constexpr = False, FP8_DOT: tl.constexpr = False,
+    TMA: tl.constexpr = False, FP8_DOT: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Attention of one query tile over the keys it may see inside ``[seg_lo, seg_hi)``.
 
@@ -244,6 +247,8 @@ def paged_attention_kernel(
     448), folded with the softmax scale and ``k_scale`` into a per-row score factor; K is read from the e4m3
     pages, V from the transposed e4m3 copy ``vt_ptr`` / ``vt_desc`` (``[kv_heads * D, columns]``, its block table
     ``vt_table_ptr``)."""
+    if PDL:
+        pdl_start()
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -342,9 +347,12 @@ def combine_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr, D_SLICE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program per (token, query head, slice of the head dim): softmax-weighted sum of the splits' partial
     outputs, CHUNK splits at a time. Slicing the head dim spreads a long decode's few rows over more programs."""
+    if PDL:
+        pdl_start()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.program_id(2) * D_SLICE + tl.arange(0, D_SLICE)

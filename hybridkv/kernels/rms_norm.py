@@ -11,14 +11,19 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.kernels.launch import pdl, pdl_start
+
 
 @triton.jit
 def rms_norm_kernel(
     x_ptr, w_ptr, out_ptr, res_ptr, num_rows, stride_x, stride_o, stride_r, eps,
     N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_WEIGHT: tl.constexpr, ADD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """ROWS rows of N elements per program. ``ADD``: the row is x + residual (rounded to the dtype, as eager
     torch's sum), written back to the residual before it is normalised."""
+    if PDL:
+        pdl_start()
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
     ok = (rows < num_rows) & (cols < N)
@@ -54,6 +59,6 @@ def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None,
     rms_norm_kernel[grid](
         rows, out if weight is None else weight, out, res, rows.shape[0], rows.stride(0), out.stride(0),
         res.stride(0), eps, N=n, BLOCK=block, ROWS=per_program, HAS_WEIGHT=weight is not None,
-        ADD=residual is not None, num_warps=8 if block >= 4096 else 4,
+        ADD=residual is not None, PDL=pdl(x), num_warps=8 if block >= 4096 else 4, launch_pdl=pdl(x),
     )
     return out.view(x.shape)

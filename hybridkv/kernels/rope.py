@@ -15,15 +15,19 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.kernels.launch import pdl, pdl_start
+
 
 @triton.jit
 def rope_qk_kernel(
     q_ptr, k_ptr, q_out, k_out, cos_ptr, sin_ptr, scale_ptr,
     stride_qt, stride_kt, stride_cos, num_q_heads, eps,
     D: tl.constexpr, ROTATE: tl.constexpr, INTERLEAVED: tl.constexpr, QK_NORM: tl.constexpr,
-    TEMPERATURE: tl.constexpr,
+    TEMPERATURE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (token t, head h): h < num_q_heads is q's head h, the rest are k's heads."""
+    if PDL:
+        pdl_start()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     is_q = h < num_q_heads
@@ -84,6 +88,6 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     rope_qk_kernel[(tokens, q_heads + (k_heads if rotate else 0))](
         q, k, q_out, k_out, cos, sin, scale, q.stride(0), k.stride(0), cos.stride(0), q_heads, eps,
         D=d, ROTATE=rotate, INTERLEAVED=interleaved, QK_NORM=qk_norm, TEMPERATURE=temperature is not None,
-        num_warps=1,
+        PDL=pdl(q), num_warps=1, launch_pdl=pdl(q),
     )
     return q_out, k_out

@@ -268,6 +268,7 @@ class TritonPagedAttention:
                  max_splits: int = MAX_SPLITS, segment_bytes: int = SEGMENT_BYTES, fp8_compute: bool = False,
                  hopper_kernel: bool = True) -> None:
         from hybridkv.kernels import paged_attention as kernels  # triton is only needed on GPU
+        from hybridkv.kernels.launch import pdl
 
         self.kernels = kernels
         self.layout = layout
@@ -283,6 +284,7 @@ class TritonPagedAttention:
             cuda = self.device.type == "cuda"
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 8
         self.num_sms = num_sms  # how many programs fill the GPU; decides KV splits
+        self.pdl = pdl(self.cache.buffer)  # the decode path's kernels launch programmatically dependent
         hopper = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] == 9
         default_prefill = prefill is PREFILL
         if max(g.spec.head_dim for g in layout.groups) > 128:
@@ -494,7 +496,7 @@ class TritonPagedAttention:
         self.kernels.kv_write_kernel[(-(-k.shape[0] // tokens),)](
             k, v, self._base(layer), meta.slot_block, meta.slot_offset, k_scale, v_scale, k.shape[0],
             self.cache.buffer.stride(0), self.block_size * heads * dim,
-            HD=heads * dim, HD_PAD=hd_pad, TOKENS=tokens, QUANT=self.quantized,
+            HD=heads * dim, HD_PAD=hd_pad, TOKENS=tokens, QUANT=self.quantized, PDL=self.pdl, launch_pdl=self.pdl,
         )
         return layer, k_scale, v_scale
 
@@ -543,7 +545,7 @@ class TritonPagedAttention:
             self.kernels.combine_splits_kernel[grid](
                 part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
                 out.stride(0), out.stride(1), NUM_SPLITS=splits, CHUNK=min(splits, 128), D=spec.head_dim,
-                D_SLICE=d_slice,
+                D_SLICE=d_slice, PDL=self.pdl, launch_pdl=self.pdl,
             )
         return out
 
@@ -581,6 +583,7 @@ class TritonPagedAttention:
         if vt is not None and kv_desc is not None:
             vt_desc = self._vt_descriptor(config, vt, spec)
             kv_desc = kv_desc if vt_desc is not None else None  # both by TMA, or both gathered
+        decode_pdl = self.pdl and config is self.decode  # prefill's launches are long: nothing to gain
         self.kernels.paged_attention_kernel[(step.num_tiles, spec.num_kv_heads, splits)](
             q, out, out if part is None else part, out if lse is None else lse, cache,
             cache if kv_desc is None else kv_desc, table,
@@ -598,7 +601,7 @@ class TritonPagedAttention:
             TMA=kv_desc is not None, FP8_DOT=vt is not None,
             # float32 models stay exact (token parity with the CPU path); TF32 would round to 10 mantissa bits
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            PDL=decode_pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=decode_pdl,
         )
 
     @staticmethod
