@@ -53,3 +53,33 @@ def test_residual_add_then_norm(dtype):
     torch.testing.assert_close(res.cpu(), total, **EXACT_ROUNDING)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
     torch.testing.assert_close(got, unit_rms(total, 1e-5) * w, **tol)
+
+
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs Hopper or newer")
+def test_programmatic_launches_read_what_the_kernel_before_wrote():
+    """Launched programmatically dependent (``kernels/launch.py``), a kernel starts before the one before it ends,
+    and must still read what that one wrote. 64 norms in a CUDA graph, each reading the row the one before wrote
+    and the residual it updated in place, give bit for bit what the same launches give one at a time."""
+    from hybridkv.kernels.launch import pdl
+
+    torch.manual_seed(3)
+    x0, r0 = (torch.randn(4, 5120, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w = torch.randn(5120, device="cuda", dtype=torch.bfloat16)
+    assert pdl(x0)
+    want, want_r = x0.clone(), r0.clone()
+    for _ in range(64):  # compiles the kernel too, before the graph captures it
+        want = rms_norm(want, 1e-5, w, residual=want_r)
+        torch.cuda.synchronize()
+    static_x, static_r = x0.clone(), r0.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = static_x
+        for _ in range(64):
+            out = rms_norm(out, 1e-5, w, residual=static_r)
+    static_x.copy_(x0)
+    static_r.copy_(r0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want) and torch.equal(static_r, want_r)
+    assert not torch.equal(want_r, r0)  # the chain did move the residual
