@@ -235,10 +235,11 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
         per_program = max(1, e_pad // 16)
         logits = torch.empty((tokens, e_pad), dtype=torch.float32, device=x.device)
         x = x if x.stride(-1) == 1 else x.contiguous()
+        on = pdl(x)
         route_kernel[(tokens, triton.cdiv(num_experts, per_program))](
             x, router_weight, logits, arrived, ids, gates, hidden, num_experts, x.stride(0),
             router_weight.stride(0), E_PAD=e_pad, PER_PROGRAM=per_program, TOP_K=top_k, BLOCK_K=2048,
-            PDL=pdl(x), num_warps=4, launch_pdl=pdl(x),
+            PDL=on, num_warps=4, launch_pdl=on,
         )
     return ids, gates
 

@@ -56,9 +56,10 @@ def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None,
     block = triton.next_power_of_2(n)
     per_program = max(1, min(16, 4096 // block))  # short rows (QK-norm's head_dim) share a program
     grid = (triton.cdiv(rows.shape[0], per_program),)
+    on = pdl(x)
     rms_norm_kernel[grid](
         rows, out if weight is None else weight, out, res, rows.shape[0], rows.stride(0), out.stride(0),
         res.stride(0), eps, N=n, BLOCK=block, ROWS=per_program, HAS_WEIGHT=weight is not None,
-        ADD=residual is not None, PDL=pdl(x), num_warps=8 if block >= 4096 else 4, launch_pdl=pdl(x),
+        ADD=residual is not None, PDL=on, num_warps=8 if block >= 4096 else 4, launch_pdl=on,
     )
     return out.view(x.shape)

@@ -85,9 +85,10 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     if tokens == 0:
         return q_out, k_out
     scale = temperature.reshape(-1) if temperature is not None else cos
+    on = pdl(q)
     rope_qk_kernel[(tokens, q_heads + (k_heads if rotate else 0))](
         q, k, q_out, k_out, cos, sin, scale, q.stride(0), k.stride(0), cos.stride(0), q_heads, eps,
         D=d, ROTATE=rotate, INTERLEAVED=interleaved, QK_NORM=qk_norm, TEMPERATURE=temperature is not None,
-        PDL=pdl(q), num_warps=1, launch_pdl=pdl(q),
+        PDL=on, num_warps=1, launch_pdl=on,
     )
     return q_out, k_out
