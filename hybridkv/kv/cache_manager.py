@@ -308,12 +308,11 @@ class KVCacheManager:
         chunk and preempting others (or itself) half-way. On success with a hit the caller adds
         ``hit.num_tokens`` to ``req.num_computed_tokens``.
         """
+        self._drop_out_of_reach(req)
         if hit is None:  # a running request: a decode step inside its last block needs nothing (the common step)
             table = self._first_tables.get(req.request_id)
             if table is not None and req.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
-                self._drop_out_of_reach(req)
                 return True
-        self._drop_out_of_reach(req)
         needed = self.blocks_needed(req, num_new_tokens, hit)
         if needed > self.pool.num_free_blocks:
             return False
