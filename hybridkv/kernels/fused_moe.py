@@ -8,20 +8,21 @@ passes over an expert's bytes (read, write, read). Here the kernels read the wei
    all pairs, no sorting: a program whose expert nobody picked returns before touching a weight), multiplies
    their gated inputs ``x * gate`` (Llama-4 scales the expert's input) by ``W_gate_up[e, ks, n]`` and writes the
    float32 partial sums of split ``s``. Splitting K keeps enough programs streaming at batch 1, where only one
-   expert's 16 column tiles have work.
-2. ``silu_mul_kernel`` sums the splits and applies ``silu(gate) * up`` (summing them inside the down kernel made
-   every one of its programs hold all splits' tiles in registers: spills, 118 us a layer on an H200);
-3. ``down_kernel``: program (expert e, column tile n) multiplies the pairs of ``e`` by ``W_down[e, :, n]``;
-   output rows are the pairs, summed over top_k at the end.
+   expert's 16 column tiles have work. The last split of a tile to finish sums the splits and writes
+   ``silu(gate) * up`` (an arrival counter per tile: no kernel of its own, and none of the down kernel's programs
+   holds every split's tiles in registers, which spilled);
+2. ``down_kernel``: program (expert e, column tile n) multiplies the pairs of ``e`` by ``W_down[e, :, n]``;
+   the last program of a column tile to finish adds each token's rows (its top_k choices, its shared-expert row).
 
 Before them, ``route_kernel`` computes the router's logits, top-k and gates in one launch.
 
 The shared expert (Llama-4's, ungated, on every token) can run as one more expert in the gate/up and down kernels: its
-nn.Linear weights are read transposed in place (K-contiguous), and each token gets a second output row, added to
+nn.Linear weights are read transposed in place (K-contiguous), and each token gets one more output row, added to
 its routed ones at the end.
 
 E.g. 2 tokens, top-1, ids [3, 3], 16 experts, I = 1024, 64-column tiles, 4 splits: 16 x 16 x 4 programs start,
-the 64 of expert 3 each read a [H/4, 64] tile of gate and of up for both rows at once; 960 return at once.
+the 64 of expert 3 each read a [H/4, 64] tile of gate and of up for both rows at once; 960 return at once; the
+fourth of expert 3's programs on column tile n to finish writes h[0:2, 64n:64n + 64].
 
 The kernels take any float dtype; float32 weights use IEEE dots (Triton's default for float32 is tf32), so the
 tiny float32 test models stay exact to rounding.
@@ -108,16 +109,24 @@ def _gate_up_dots(x_ptr, tokens, gate, mine, w_ptr, stride_wk, stride_wn, hidden
 
 @triton.jit
 def gate_up_kernel(
-    x_ptr, gate_ptr, ids_ptr, w_ptr, sw_ptr, part_ptr,
+    x_ptr, gate_ptr, ids_ptr, w_ptr, sw_ptr, part_ptr, h_ptr, arrived_ptr,
     num_pairs, num_tokens, num_experts, hidden, inter, k_per_split,
     stride_xt, stride_we, stride_wk, stride_wn, stride_swk, stride_swn, stride_ps, stride_pp,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
     IEEE: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Rows 0..num_pairs are the (token, choice) pairs; with SHARED, rows num_pairs.. are each token once more for
-    the shared expert (program e == num_experts, gate 1)."""
-    if PDL:
-        pdl_start()
+    the shared expert (program e == num_experts, gate 1).
+
+    With SPLITS > 1 each program stores its float32 partial sums; the last split of an (expert, column tile) to
+    finish (an arrival counter, reset after use) sums them in split order. That program, or the only one, writes
+    ``h = silu(gate) * up`` for its rows and columns, each projection rounded to the weights' dtype first as eager
+    torch rounds it.
+
+    Under PDL the shared expert's programs read x and their weights before waiting for the router (the kernel
+    before): this kernel starts only once every router program has passed its own wait, so x (the router's input
+    too) is complete. They wait before their first store, as the buffers they write may be memory the router still
+    reads. The routed experts' programs wait first: the ids and gates are the router's output."""
     e = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     split = tl.program_id(2)
@@ -133,7 +142,11 @@ def gate_up_kernel(
         gate = tl.full((BLOCK_M,), 1.0, tl.float32)
         acc_g, acc_u = _gate_up_dots(x_ptr, tokens, gate, mine, sw_ptr, stride_swk, stride_swn, hidden, inter,
                                      k_lo, k_hi, stride_xt, cols, col_ok, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+        if PDL:
+            pdl_start()
     else:
+        if PDL:
+            pdl_start()
         ids = tl.load(ids_ptr + rows, mask=routed, other=-1)
         mine = ids == e
         if tl.sum(mine.to(tl.int32), 0) == 0:
@@ -143,32 +156,26 @@ def gate_up_kernel(
         acc_g, acc_u = _gate_up_dots(x_ptr, tokens, gate, mine, w_ptr + e.to(tl.int64) * stride_we, stride_wk,
                                      stride_wn, hidden, inter, k_lo, k_hi, stride_xt, cols, col_ok, BLOCK_M,
                                      BLOCK_N, BLOCK_K, IEEE)
-    out = part_ptr + split * stride_ps + rows[:, None].to(tl.int64) * stride_pp
     ok = mine[:, None] & col_ok[None, :]
-    tl.store(out + cols[None, :], acc_g, mask=ok)
-    tl.store(out + (cols + inter)[None, :], acc_u, mask=ok)
-
-
-@triton.jit
-def silu_mul_kernel(part_ptr, h_ptr, inter, stride_ps, stride_pp, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr = False):
-    """Program (pair p, column block): h[p] = silu(gate) * up from the summed splits, rounded as eager torch
-    rounds each projection's output to the weights' dtype first."""
-    if PDL:
-        pdl_start()
-    p = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < inter
-    row = part_ptr + p * stride_pp
-    g = tl.zeros((BLOCK,), dtype=tl.float32)
-    u = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
-        g += tl.load(row + s * stride_ps + cols, mask=ok, other=0.0)
-        u += tl.load(row + s * stride_ps + inter + cols, mask=ok, other=0.0)
+    if SPLITS > 1:
+        part = part_ptr + rows[:, None].to(tl.int64) * stride_pp
+        tl.store(part + split * stride_ps + cols[None, :], acc_g, mask=ok)
+        tl.store(part + split * stride_ps + (cols + inter)[None, :], acc_u, mask=ok)
+        # release our partials, acquire the others' (acq_rel): the last to arrive sees every split's stores
+        counter = arrived_ptr + e * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(counter, 1) != SPLITS - 1:
+            return
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in tl.static_range(SPLITS):
+            acc_g += tl.load(part + s * stride_ps + cols[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+            acc_u += tl.load(part + s * stride_ps + (cols + inter)[None, :], mask=ok, other=0.0,
+                             cache_modifier=".cg")
+        tl.store(counter, 0)
     dtype = h_ptr.dtype.element_ty
-    g = g.to(dtype).to(tl.float32)
-    u = u.to(dtype).to(tl.float32)
-    tl.store(h_ptr + p * inter + cols, (g * tl.sigmoid(g) * u).to(dtype), mask=ok)
+    g = acc_g.to(dtype).to(tl.float32)
+    u = acc_u.to(dtype).to(tl.float32)
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * inter + cols[None, :], (g * tl.sigmoid(g) * u).to(dtype), mask=ok)
 
 
 @triton.jit
@@ -191,12 +198,15 @@ def _down_dots(h_ptr, mine, rows, w_ptr, stride_wk, stride_wn, inter, cols, col_
 
 @triton.jit
 def down_kernel(
-    h_ptr, ids_ptr, w_ptr, sw_ptr, out_ptr,
+    h_ptr, ids_ptr, w_ptr, sw_ptr, out_ptr, sum_ptr, arrived_ptr,
     num_pairs, num_tokens, num_experts, hidden, inter,
-    stride_we, stride_wk, stride_wn, stride_swk, stride_swn, stride_op,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, SHARED: tl.constexpr,
-    PDL: tl.constexpr = False,
+    stride_we, stride_wk, stride_wn, stride_swk, stride_swn, stride_op, stride_st,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    SHARED: tl.constexpr, SUM: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    """Output rows are the pairs (and the shared expert's rows), rounded to the output's dtype. With SUM, the last
+    program of a column tile to finish (every program arrives, idle ones too) adds each token's rows as eager torch
+    does: its top_k routed rows summed in float32 and rounded, then the shared expert's row added and rounded."""
     if PDL:
         pdl_start()
     e = tl.program_id(0)
@@ -204,19 +214,39 @@ def down_kernel(
     rows = tl.arange(0, BLOCK_M)
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
+    out = out_ptr + rows[:, None].to(tl.int64) * stride_op + cols[None, :]
     if SHARED and e == num_experts:
         mine = (rows >= num_pairs) & (rows < num_pairs + num_tokens)
         acc = _down_dots(h_ptr, mine, rows, sw_ptr, stride_swk, stride_swn, inter, cols, col_ok, BLOCK_M, BLOCK_N,
                          BLOCK_K, IEEE)
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mine[:, None] & col_ok[None, :])
     else:
         ids = tl.load(ids_ptr + rows, mask=rows < num_pairs, other=-1)
         mine = ids == e
-        if tl.sum(mine.to(tl.int32), 0) == 0:
-            return
-        acc = _down_dots(h_ptr, mine, rows, w_ptr + e.to(tl.int64) * stride_we, stride_wk, stride_wn, inter, cols,
-                         col_ok, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
-    out = out_ptr + rows[:, None].to(tl.int64) * stride_op + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mine[:, None] & col_ok[None, :])
+        if tl.sum(mine.to(tl.int32), 0) > 0:
+            acc = _down_dots(h_ptr, mine, rows, w_ptr + e.to(tl.int64) * stride_we, stride_wk, stride_wn, inter,
+                             cols, col_ok, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mine[:, None] & col_ok[None, :])
+    if SUM:
+        # release our rows, acquire the others' (acq_rel): the last to arrive sees every program's stores
+        counter = arrived_ptr + tl.program_id(1)
+        if tl.atomic_add(counter, 1) == tl.num_programs(0) - 1:
+            tokens = tl.arange(0, BLOCK_M)
+            ok = (tokens < num_tokens)[:, None] & col_ok[None, :]
+            routed = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for j in tl.static_range(TOP_K):
+                row = (tokens * TOP_K + j).to(tl.int64)
+                routed += tl.load(out_ptr + row[:, None] * stride_op + cols[None, :], mask=ok, other=0.0,
+                                  cache_modifier=".cg").to(tl.float32)
+            dtype = sum_ptr.dtype.element_ty
+            total = routed.to(dtype)
+            if SHARED:
+                row = (num_pairs + tokens).to(tl.int64)
+                shared = tl.load(out_ptr + row[:, None] * stride_op + cols[None, :], mask=ok, other=0.0,
+                                 cache_modifier=".cg")
+                total = (total.to(tl.float32) + shared.to(tl.float32)).to(dtype)
+            tl.store(sum_ptr + tokens[:, None].to(tl.int64) * stride_st + cols[None, :], total, mask=ok)
+            tl.store(counter, 0)
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
@@ -244,17 +274,25 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
     return ids, gates
 
 
+def fused_moe_counters(num_experts: int, inter: int, hidden: int, device: torch.device) -> torch.Tensor:
+    """The arrival counters ``route`` (the first MAX_PAIRS) and ``fused_moe`` (the rest) need for experts of this
+    size, for any tile choice of 16 columns or more (zeros; each kernel leaves them zero)."""
+    return torch.zeros(MAX_PAIRS + (num_experts + 1) * triton.cdiv(inter, 16) + triton.cdiv(hidden, 16),
+                       dtype=torch.int32, device=device)
+
+
 def fused_moe(x: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-              down: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+              down: torch.Tensor, arrived: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
               gate_up_tile: tuple[int, int, int, int] | None = None,
-              down_tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+              down_tile: tuple[int, int, int, int] | None = None, splits: int | None = None) -> torch.Tensor:
     """Routed experts' output [T, H] for ``x`` [T, H], top-k ``gates`` and expert ``ids`` [T, top_k], plus the
     shared expert's when ``shared`` = (its gate/up weight [2I, H], gate rows first; its down weight [H, I]) is given
     (nn.Linear's layout): it runs as one more expert on every token, ungated, in the same launches.
 
-    ``gate_up`` [E, H, 2I] (gate columns first), ``down`` [E, I, H]: transformers' Llama-4 layout. The caller
-    guarantees ``T * top_k`` (plus T with ``shared``) <= MAX_PAIRS. The tiles (columns, K, warps, pipeline stages)
-    are ``benchmarks/gpu/decode.py --moe-tiles``'s best on an H200."""
+    ``gate_up`` [E, H, 2I] (gate columns first), ``down`` [E, I, H]: transformers' Llama-4 layout; ``arrived``
+    from ``fused_moe_counters``. The caller guarantees ``T * top_k`` (plus T with ``shared``) <= MAX_PAIRS. The
+    tiles (columns, K, warps, pipeline stages) and the gate/up kernel's K-splits are
+    ``benchmarks/gpu/decode.py --moe-tiles``'s best on an H200."""
     tokens, top_k = ids.shape
     num_pairs = tokens * top_k
     num_rows = num_pairs + (tokens if shared is not None else 0)
@@ -262,6 +300,9 @@ def fused_moe(x: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor, gate_up: 
         raise ValueError(f"fused_moe takes at most {MAX_PAIRS} rows ((token, choice) pairs and shared-expert "
                          f"tokens), got {num_rows}")
     num_experts, hidden, inter = down.shape[0], down.shape[2], down.shape[1]
+    need = MAX_PAIRS + (num_experts + 1) * triton.cdiv(inter, 16) + triton.cdiv(hidden, 16)
+    if arrived.numel() < need:
+        raise ValueError(f"fused_moe needs {need} arrival counters (fused_moe_counters), got {arrived.numel()}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids = ids.reshape(-1)
     gates = gates.reshape(-1)
@@ -276,33 +317,33 @@ def fused_moe(x: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor, gate_up: 
         gate_up_tile = (64, 256, 4, 3) if wide else (64, 128, 4, 3 if x.element_size() == 2 else 2)
     block_n, block_k, warps, stages = gate_up_tile
     col_tiles = triton.cdiv(inter, block_n)
-    # enough programs with work to keep ~128 SMs streaming: rows touch at most min(experts, rows) experts
-    busy = min(programs, num_rows) * col_tiles
-    splits = max(1, min(16, 128 // busy, triton.cdiv(hidden, 4 * block_k)))
+    if splits is None:
+        # enough programs with work to keep ~128 SMs streaming: rows touch at most min(experts, rows) experts
+        busy = min(programs, num_rows) * col_tiles
+        splits = max(1, min(16, 128 // busy, triton.cdiv(hidden, 4 * block_k)))
     k_per_split = triton.cdiv(triton.cdiv(hidden, splits), block_k) * block_k
     splits = triton.cdiv(hidden, k_per_split)
     part = torch.empty((splits, num_rows, 2 * inter), dtype=torch.float32, device=x.device)
+    h = torch.empty((num_rows, inter), dtype=x.dtype, device=x.device)
     ieee = x.dtype == torch.float32
     on = pdl(x)
     gate_up_kernel[(programs, col_tiles, splits)](
-        x, gates, ids, gate_up, s_gate_up, part, num_pairs, tokens, num_experts, hidden, inter, k_per_split,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), s_gate_up.stride(0),
-        s_gate_up.stride(1), part.stride(0), part.stride(1),
-        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, SHARED=shared is not None,
-        PDL=on, num_warps=warps, num_stages=stages, launch_pdl=on,
+        x, gates, ids, gate_up, s_gate_up, part, h, arrived[MAX_PAIRS:], num_pairs, tokens, num_experts, hidden,
+        inter, k_per_split, x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
+        s_gate_up.stride(0), s_gate_up.stride(1), part.stride(0), part.stride(1),
+        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, IEEE=ieee,
+        SHARED=shared is not None, PDL=on, num_warps=warps, num_stages=stages, launch_pdl=on,
     )
-    h = torch.empty((num_rows, inter), dtype=x.dtype, device=x.device)
-    silu_mul_kernel[(num_rows, triton.cdiv(inter, 1024))](
-        part, h, inter, part.stride(0), part.stride(1), SPLITS=splits, BLOCK=1024, PDL=on, num_warps=4,
-        launch_pdl=on)
     out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
+    # one row per token at the end: the routed rows summed and the shared row added, by the down kernel itself
+    summed = shared is not None or top_k > 1
+    total = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device) if summed else out
     down_n, down_k, warps, stages = down_tile or ((64, 128, 4, 3) if x.element_size() == 2 else (64, 64, 4, 2))
     down_kernel[(programs, triton.cdiv(hidden, down_n))](
-        h, ids, down, s_down, out, num_pairs, tokens, num_experts, hidden, inter, down.stride(0), down.stride(1),
-        down.stride(2), s_down.stride(0), s_down.stride(1), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=down_n, BLOCK_K=down_k, IEEE=ieee, SHARED=shared is not None, PDL=on,
-        num_warps=warps, num_stages=stages, launch_pdl=on,
+        h, ids, down, s_down, out, total, arrived[MAX_PAIRS + (num_experts + 1) * triton.cdiv(inter, 16):],
+        num_pairs, tokens, num_experts, hidden, inter, down.stride(0), down.stride(1), down.stride(2),
+        s_down.stride(0), s_down.stride(1), out.stride(0), total.stride(0),
+        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=down_n, BLOCK_K=down_k, IEEE=ieee, SHARED=shared is not None,
+        SUM=summed, PDL=on, num_warps=warps, num_stages=stages, launch_pdl=on,
     )
-    routed = out[:num_pairs] if top_k == 1 else out[:num_pairs].view(tokens, top_k, hidden).sum(dim=1)
-    # eager torch adds the two bf16 outputs: the same single rounding here
-    return routed if shared is None else out[num_pairs:] + routed
+    return total

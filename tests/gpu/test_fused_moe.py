@@ -17,7 +17,7 @@ if not (torch.cuda.is_available() or INTERPRET):
     pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from hybridkv.kernels.fused_moe import MAX_PAIRS, fused_moe, route  # noqa: E402
+from hybridkv.kernels.fused_moe import MAX_PAIRS, fused_moe, fused_moe_counters, route  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 
@@ -52,7 +52,10 @@ def relative_error(got, want):
     (16, 1, 32, 256, 128, True),   # every expert likely busy, one split; MAX_PAIRS rows with the shared ones
     (8, 2, 32, 128, 64, False),    # MAX_PAIRS (token, choice) rows
 ])
-def test_matches_reference(dtype, experts, top_k, tokens, hidden, inter, with_shared):
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_matches_reference(dtype, experts, top_k, tokens, hidden, inter, with_shared, splits):
+    """``splits``: the gate/up kernel's K-splits (None: its own choice); with several, the last split of a tile
+    sums them and applies SiLU. The down kernel's last program of a column tile adds each token's rows."""
     if INTERPRET and dtype == torch.bfloat16:
         pytest.skip("Triton 3.6's interpreter gets bf16 dots wrong (any tl.dot of two bf16 tiles)")
     torch.manual_seed(experts * 100 + tokens)
@@ -67,10 +70,15 @@ def test_matches_reference(dtype, experts, top_k, tokens, hidden, inter, with_sh
         shared = ((torch.randn(2 * inter, hidden) / hidden**0.5).to(dtype),
                   (torch.randn(hidden, inter) / inter**0.5).to(dtype))
     on_device = [t.to(DEVICE) for t in (x, gates, ids, gate_up, down)]
-    got = fused_moe(*on_device, shared=tuple(w.to(DEVICE) for w in shared) if shared else None).cpu()
+    arrived = fused_moe_counters(experts, inter, hidden, DEVICE)
+    shared_on = tuple(w.to(DEVICE) for w in shared) if shared else None
+    got = fused_moe(*on_device, arrived, shared=shared_on, splits=splits)
+    assert not arrived.any()  # left as found: the next launch's counters start at zero
     assert got.shape == x.shape and got.dtype == dtype and torch.isfinite(got).all()
-    err = relative_error(got, reference(x, gates, ids, gate_up, down, shared))
+    err = relative_error(got.cpu(), reference(x, gates, ids, gate_up, down, shared))
     assert err < (1e-5 if dtype == torch.float32 else 1.5e-2), err
+    # the splits are summed in split order whichever program finishes last: the same bits every time
+    assert torch.equal(fused_moe(*on_device, arrived, shared=shared_on, splits=splits), got)
 
 
 def test_unrouted_expert_weights_are_not_read():
@@ -83,7 +91,8 @@ def test_unrouted_expert_weights_are_not_read():
     gate_up = torch.randn(experts, hidden, 2 * inter) / hidden**0.5
     down = torch.randn(experts, inter, hidden) / inter**0.5
     gate_up[1], down[1], gate_up[3], down[3] = float("nan"), float("nan"), float("nan"), float("nan")
-    got = fused_moe(*(t.to(DEVICE) for t in (x, gates, ids, gate_up, down))).cpu()
+    arrived = fused_moe_counters(experts, inter, hidden, DEVICE)
+    got = fused_moe(*(t.to(DEVICE) for t in (x, gates, ids, gate_up, down)), arrived).cpu()
     assert relative_error(got, reference(x, gates, ids, gate_up, down)) < 1e-5
 
 
@@ -91,7 +100,16 @@ def test_too_many_pairs_is_refused():
     x = torch.zeros(MAX_PAIRS + 1, 16, device=DEVICE)
     ids = torch.zeros(MAX_PAIRS + 1, 1, dtype=torch.long, device=DEVICE)
     with pytest.raises(ValueError, match=f"at most {MAX_PAIRS}"):
-        fused_moe(x, x[:, :1], ids, torch.zeros(1, 16, 32, device=DEVICE), torch.zeros(1, 16, 16, device=DEVICE))
+        fused_moe(x, x[:, :1], ids, torch.zeros(1, 16, 32, device=DEVICE), torch.zeros(1, 16, 16, device=DEVICE),
+                  fused_moe_counters(1, 16, 16, DEVICE))
+
+
+def test_too_few_counters_is_refused():
+    x = torch.zeros(1, 16, device=DEVICE)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="arrival counters"):
+        fused_moe(x, x[:, :1], ids, torch.zeros(1, 16, 32, device=DEVICE), torch.zeros(1, 16, 16, device=DEVICE),
+                  torch.zeros(MAX_PAIRS, dtype=torch.int32, device=DEVICE))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -114,3 +132,50 @@ def test_route_matches_topk_of_the_router(dtype, experts, top_k, tokens):
     if dtype == torch.float32:
         assert torch.equal(ids.cpu(), want_ids)
     torch.testing.assert_close(gates.cpu().float(), torch.sigmoid(picked), rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.skipif(INTERPRET, reason="programmatic dependent launch needs a GPU")
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_layers_chained_in_a_graph_match_launches_one_at_a_time(tokens):
+    """A Scout-like MoE block repeated in a CUDA graph, launched programmatically dependent: norm, router, gate/up
+    (its shared-expert programs read x before waiting for the router), down (the last program of a column tile
+    adds the rows), the next norm adding the output to the residual. Bit for bit what the same launches give one
+    at a time, with the arrival counters back at zero."""
+    from hybridkv.kernels.launch import pdl
+    from hybridkv.kernels.rms_norm import rms_norm
+
+    torch.manual_seed(5)
+    experts, hidden, inter, layers = 16, 1024, 256, 12
+    dt = torch.bfloat16
+    router = (torch.randn(experts, hidden, device="cuda") / hidden**0.5).to(dt)
+    gate_up = (torch.randn(experts, hidden, 2 * inter, device="cuda") / hidden**0.5).to(dt)
+    down = (torch.randn(experts, inter, hidden, device="cuda") / inter**0.5).to(dt)
+    shared = ((torch.randn(2 * inter, hidden, device="cuda") / hidden**0.5).to(dt),
+              (torch.randn(hidden, inter, device="cuda") / inter**0.5).to(dt))
+    arrived = fused_moe_counters(experts, inter, hidden, "cuda")
+    x0, r0 = (torch.randn(tokens, hidden, device="cuda", dtype=dt) for _ in range(2))
+    assert pdl(x0)
+
+    def block(x, residual):
+        h = rms_norm(x, 1e-5, residual=residual)
+        ids, gates = route(h, router, 1, arrived)
+        return fused_moe(h, gates, ids, gate_up, down, arrived, shared=shared, splits=4)
+
+    want, want_r = x0.clone(), r0.clone()
+    for _ in range(layers):  # compiles the kernels too, before the graph captures them
+        want = block(want, want_r)
+        torch.cuda.synchronize()
+    static_x, static_r = x0.clone(), r0.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = static_x
+        for _ in range(layers):
+            out = block(out, static_r)
+    for _ in range(3):
+        static_x.copy_(x0)
+        static_r.copy_(r0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want) and torch.equal(static_r, want_r)
+    assert not arrived.any()
+    assert torch.isfinite(want).all() and not torch.equal(want_r, r0)

@@ -302,7 +302,7 @@ class MoE(nn.Module):
         local = self.experts.down_proj.shape[1]
         self._grouped_mm_ok = hasattr(F, "grouped_mm") and all(
             (n * item) % 16 == 0 for n in (cfg.hidden_size, local, 2 * local))
-        self._arrived: torch.Tensor | None = None  # the fused router's arrival counters (zero between launches)
+        self._arrived: torch.Tensor | None = None  # the fused kernels' arrival counters (zero between launches)
 
     # the shared expert joins the fused kernels up to this many rows (tokens x (top_k + 1)): a Scout rank's batch
     # 1 step 4.50 -> 4.06 ms on an H200; at batch 32 cuBLAS reads it faster (benchmarks/gpu/decode.py)
@@ -316,16 +316,18 @@ class MoE(nn.Module):
     def _fused_decode(self, x: torch.Tensor) -> torch.Tensor:
         """Decode sizes: the router in one launch, then the selected experts (with the shared expert, for few
         tokens once its gate/up is one weight) in three more; no host sync, so a CUDA graph holds it."""
-        from hybridkv.kernels.fused_moe import fused_moe, route
+        from hybridkv.kernels.fused_moe import fused_moe, fused_moe_counters, route
 
+        experts = self.experts
         if self._arrived is None or self._arrived.device != x.device:
-            self._arrived = torch.zeros(fused_moe_max_pairs(), dtype=torch.int32, device=x.device)
+            num_experts, inter, hidden = experts.down_proj.shape
+            self._arrived = fused_moe_counters(num_experts, inter, hidden, x.device)
         top_ids, gates = route(x, self.router.weight, self.top_k, self._arrived)
         shared = self.shared_expert
         if shared.gate_up.weight is None or x.shape[0] * (self.top_k + 1) > self.SHARED_IN_FUSED_ROWS:
-            routed = fused_moe(x, gates, top_ids, self.experts.gate_up_proj, self.experts.down_proj)
+            routed = fused_moe(x, gates, top_ids, experts.gate_up_proj, experts.down_proj, self._arrived)
             return shared(x) + routed
-        return fused_moe(x, gates, top_ids, self.experts.gate_up_proj, self.experts.down_proj,
+        return fused_moe(x, gates, top_ids, experts.gate_up_proj, experts.down_proj, self._arrived,
                          shared=(shared.gate_up.weight, shared.down_proj.weight))
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
