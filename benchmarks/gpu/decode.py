@@ -117,66 +117,93 @@ def kernels_per_step(engine, top: int = 0) -> tuple[int, list[list[str]]]:
     return round(len(kernels) / 5), rows
 
 
-def projection_rows(model, rows_list=(1, 8, 32)) -> list[list[str]]:
-    """Each distinct projection weight of a layer at decode batch sizes through cuBLAS (``F.linear``):
-    microseconds, and the weight's bytes over that time against the copy bandwidth."""
+def graph_us(fn, calls: int = 20) -> float:
+    """Microseconds per call of ``fn`` replayed from a CUDA graph of ``calls`` back-to-back calls: at decode sizes
+    a Python launch outlasts the kernel, and in the engine's graphs kernels follow each other like this."""
     import triton.testing
+
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
+    return 1000 * ms / calls
+
+
+# (columns, K, programs per SM, warps, stages) of kernels/skinny_gemm.py
+SKINNY_TILES = [(16, 256, 4, 4, 3), (16, 256, 8, 4, 3), (16, 512, 4, 4, 3), (32, 256, 4, 4, 3), (16, 128, 8, 4, 4),
+                (32, 128, 4, 4, 4), (16, 256, 2, 4, 3), (64, 128, 4, 4, 3), (16, 256, 4, 2, 4)]
+
+
+def projection_rows(model, rows_list=(1, 8, 16)) -> list[list[str]]:
+    """Each distinct projection weight of a layer at decode batch sizes, through cuBLAS (``F.linear``) and
+    through ``kernels/skinny_gemm.py`` per tile (its result checked against cuBLAS's first): microseconds per call
+    replayed from a graph, and the weight's bytes over that time."""
+    from hybridkv.kernels.skinny_gemm import skinny_gemm, skinny_gemm_counters
 
     layer = model.layers[0]
     shapes = {"q/k/v": layer.self_attn.qkv.weight, "o": layer.self_attn.o_proj.weight,
               "shared gate/up": layer.mlp.shared_expert.gate_up.weight,
-              "shared down": layer.mlp.shared_expert.down_proj.weight, "router": layer.mlp.router.weight,
+              "shared down": layer.mlp.shared_expert.down_proj.weight,
               "LM head": (model.lm_head or model.embed_tokens).weight}
     rows = []
     for name, w in shapes.items():
+        arrived = skinny_gemm_counters(w.shape[0], w.device)
         for m in rows_list:
             x = torch.randn(m, w.shape[1], device="cuda", dtype=w.dtype)
-            ms = triton.testing.do_bench(lambda: torch.nn.functional.linear(x, w), warmup=20, rep=200,
-                                         return_mode="median")
-            rows.append([name, f"{tuple(w.shape)}", f"{m}", f"{1000 * ms:.1f}",
-                         f"{w.numel() * w.element_size() / (ms / 1000) / 1e9:,.0f}"])
+            ref = torch.nn.functional.linear(x, w)
+            runs = [("cuBLAS", lambda: torch.nn.functional.linear(x, w))]
+            for tile in SKINNY_TILES:
+                got = skinny_gemm(x, w, None, arrived, tile)
+                assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2, (name, tile)
+                runs.append((f"{tile}", lambda tile=tile: skinny_gemm(x, w, None, arrived, tile)))
+            for kernel, fn in runs:
+                us = graph_us(fn)
+                rows.append([name, f"{tuple(w.shape)}", f"{m}", kernel, f"{us:.1f}",
+                             f"{w.numel() * w.element_size() / (us / 1e6) / 1e9:,.0f}"])
     return rows
 
 
 # (columns, K, warps, stages): each kernel's choices, timed with the other kernel at the default
 GATE_UP_TILES = [(64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 5), (32, 256, 4, 4)]
 DOWN_TILES = [(64, 128, 4, 3), (64, 256, 4, 3), (64, 256, 8, 2), (128, 128, 8, 3), (64, 64, 4, 5), (32, 256, 4, 4),
-              (64, 512, 8, 2)]
+              (64, 512, 8, 2), (32, 128, 4, 3)]
+SPLITS = [None, 2, 4, 8, 16]
 
 
 def moe_tile_rows(model, batches=(1, 8, 32)) -> list[list[str]]:
-    """The fused MoE kernels of one layer (routed and shared experts) alone at each batch size and tile choice:
-    microseconds, and the touched experts' bytes over that time (each result checked against the default tiles'
-    first)."""
+    """The fused MoE kernels of one layer (routed and shared experts) alone at each batch size, tile choice and
+    gate/up K-split count: microseconds per call replayed from a graph, and the touched experts' bytes over that
+    time (each result checked against the default choices' first)."""
     import triton
-    import triton.testing
 
-    from hybridkv.kernels.fused_moe import fused_moe, route
+    from hybridkv.kernels.fused_moe import fused_moe, fused_moe_counters, route
 
     moe = model.layers[0].mlp
     gate_up, down = moe.experts.gate_up_proj, moe.experts.down_proj
     per_expert = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()  # the shared expert's size too
+    arrived = fused_moe_counters(down.shape[0], down.shape[1], down.shape[2], down.device)
     rows = []
     for batch in batches:
         x = torch.randn(batch, gate_up.shape[1], device="cuda", dtype=gate_up.dtype)
-        ids, gates = route(x, moe.router.weight, moe.top_k, torch.zeros(batch, dtype=torch.int32, device="cuda"))
+        ids, gates = route(x, moe.router.weight, moe.top_k, arrived)
         touched = len(ids.unique())
         shared = (moe.shared_expert.gate_up.weight, moe.shared_expert.down_proj.weight)
-        ref = fused_moe(x, gates, ids, gate_up, down, shared)
-        tiles = [(gu, (64, 128, 4, 3)) for gu in GATE_UP_TILES] + [((64, 128, 4, 3), dn) for dn in DOWN_TILES]
-        for gu, dn in tiles:
+        ref = fused_moe(x, gates, ids, gate_up, down, arrived, shared)
+        default = (64, 128, 4, 3)
+        choices = ([(gu, default, None) for gu in GATE_UP_TILES] + [(default, dn, None) for dn in DOWN_TILES]
+                   + [(None, None, s) for s in SPLITS[1:]])
+        for gu, dn, splits in choices:
             try:
-                got = fused_moe(x, gates, ids, gate_up, down, shared, gu, dn)
+                got = fused_moe(x, gates, ids, gate_up, down, arrived, shared, gu, dn, splits)
             except triton.runtime.errors.OutOfResources:
-                rows.append([f"{batch}", f"{touched}", f"{gu}", f"{dn}", "too much shared memory", ""])
+                rows.append([f"{batch}", f"{touched}", f"{gu}", f"{dn}", f"{splits}", "too much shared memory", ""])
                 continue
             assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):  # replayed: at batch 1 the launches outlast the kernels
-                fused_moe(x, gates, ids, gate_up, down, shared, gu, dn)
-            ms = triton.testing.do_bench(graph.replay, warmup=20, rep=100, return_mode="median")
-            rows.append([f"{batch}", f"{touched}", f"{gu}", f"{dn}", f"{1000 * ms:.1f}",
-                        f"{(touched + 1) * per_expert / (ms / 1000) / 1e9:,.0f}"])
+            us = graph_us(lambda: fused_moe(x, gates, ids, gate_up, down, arrived, shared, gu, dn, splits), 10)
+            rows.append([f"{batch}", f"{touched}", f"{gu or 'default'}", f"{dn or 'default'}", f"{splits or 'auto'}",
+                         f"{us:.1f}", f"{(touched + 1) * per_expert / (us / 1e6) / 1e9:,.0f}"])
     return rows
 
 
@@ -189,8 +216,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also print the top kernels of a batch-1 step")
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per row (median)")
     ap.add_argument("--projections", action="store_true",
-                    help="also time each projection shape alone (cuBLAS) against the bytes it reads")
-    ap.add_argument("--moe-tiles", action="store_true", help="also time the fused MoE kernels' tile choices")
+                    help="also time each projection shape alone (cuBLAS, skinny_gemm's tiles) against its bytes")
+    ap.add_argument("--moe-tiles", action="store_true",
+                    help="also time the fused MoE kernels' tile and K-split choices")
     args = ap.parse_args()
 
     bandwidth = copy_bandwidth()
@@ -245,11 +273,12 @@ def main() -> None:
     print(markdown_table(["KV", "batch", "context", "step ms", "GB to read", "floor ms", "of floor",
                           "kernels/step"], rows))
     if projections:
-        print("\nProjections alone through cuBLAS:")
-        print(markdown_table(["projection", "weight", "rows", "us", "weight GB/s"], projections))
+        print("\nProjections alone, cuBLAS against kernels/skinny_gemm.py by tile (columns, K, programs per SM, "
+              "warps, stages):")
+        print(markdown_table(["projection", "weight", "rows", "kernel", "us", "weight GB/s"], projections))
     if tiles:
-        print("\nFused MoE alone, by tiles (columns, K) of the gate/up and down kernels:")
-        print(markdown_table(["batch", "experts", "gate/up tile", "down tile", "us", "GB/s"], tiles))
+        print("\nFused MoE alone, by tiles (columns, K, warps, stages) of the gate/up and down kernels and K-splits:")
+        print(markdown_table(["batch", "experts", "gate/up tile", "down tile", "splits", "us", "GB/s"], tiles))
     if top_rows:
         print("\nTop kernels of a batch-1 step (5 steps profiled):")
         print(markdown_table(["kernel", "per step", "ms per step", "share"], top_rows))

@@ -167,6 +167,25 @@ def shard_for_rank(model: nn.Module, name: str, source: Any) -> torch.Tensor:
     return read_whole(source) if load_shard is None else load_shard(leaf, source)
 
 
+class DecodeGemm:
+    """``F.linear`` of one weight, through ``kernels/skinny_gemm.py`` for decode-sized CUDA inputs (a few rows),
+    where cuBLAS's split-K GEMM and its reduce read the weight at a fraction of the memory bandwidth and stop the
+    decode kernels' programmatic dependent launches. Holds that kernel's arrival counters."""
+
+    def __init__(self) -> None:
+        self.arrived: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.is_cuda and x.dim() == 2:
+            from hybridkv.kernels.skinny_gemm import skinny_gemm, skinny_gemm_counters, skinny_gemm_fits
+
+            if skinny_gemm_fits(x, weight):
+                if self.arrived is None or self.arrived.device != x.device:
+                    self.arrived = skinny_gemm_counters(weight.shape[0], x.device)
+                return skinny_gemm(x, weight, bias, self.arrived)
+        return F.linear(x, weight, bias)
+
+
 class ColumnParallelLinear(nn.Linear):
     """Output features split in ``count`` parts; this rank holds part ``index``. No communication."""
 
@@ -177,6 +196,10 @@ class ColumnParallelLinear(nn.Linear):
         if out_features % self.count:
             raise ValueError(f"{out_features} output features cannot be split in {self.count}")
         super().__init__(in_features, out_features // self.count, bias=bias, dtype=dtype)
+        self.gemm = DecodeGemm()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemm(x, self.weight, self.bias)
 
     def load_shard(self, name: str, source: Any) -> torch.Tensor:
         n = self.out_features
@@ -197,6 +220,7 @@ class FusedColumns:
         self.sizes = [linear.out_features for linear in linears]
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
+        self.gemm = DecodeGemm()
 
     @torch.no_grad()
     def fuse(self) -> None:
@@ -220,7 +244,7 @@ class FusedColumns:
 
     def joint(self, x: torch.Tensor) -> torch.Tensor | None:
         """The linears' outputs side by side (one tensor, in their order), or None before ``fuse()``."""
-        return None if self.weight is None else F.linear(x, self.weight, self.bias)
+        return None if self.weight is None else self.gemm(x, self.weight, self.bias)
 
 
 def fuse_columns(model: nn.Module) -> None:
@@ -243,12 +267,13 @@ class RowParallelLinear(nn.Linear):
         self.tp, self.reduce = tp, reduce
         _, local = tp.part(in_features, "input features")
         super().__init__(local, out_features, bias=bias, dtype=dtype)
+        self.gemm = DecodeGemm()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return super().forward(x)
+            return self.gemm(x, self.weight, self.bias)
         # the bias joins the sum once, from rank 0 (also right while the sum is deferred: nothing follows it here)
-        y = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        y = self.gemm(x, self.weight, self.bias if self.tp.rank == 0 else None)
         return self.tp.all_reduce(y) if self.reduce else y
 
     def load_shard(self, name: str, source: Any) -> torch.Tensor:
