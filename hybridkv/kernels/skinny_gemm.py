@@ -1,16 +1,17 @@
 """``x @ W^T (+ b)`` for decode-sized inputs (a few rows): the weight read once, split along K over enough programs.
 
 At decode a projection reads a weight of megabytes for one to a few token rows. cuBLAS runs such shapes as a split-K
-GEMM and a separate reduce (a Scout rank's q/k/v: 896 x 5120, 11 us for 9.2 MB on an H200, 0.8 TB/s), and neither
-of its kernels takes part in programmatic dependent launch, so the Triton kernels around them wait for a full drain.
+GEMM and a separate reduce (a Scout rank's q/k/v: 896 x 5120, 7.2 us for 9.2 MB in a CUDA graph on an H200,
+1.3 TB/s), and neither of its kernels takes part in programmatic dependent launch, so the Triton kernels around them
+wait for a full drain.
 
 Here program (column tile n, K-split s) multiplies the rows by ``W[n tile, s's K range]`` and stores a float32
 partial; the last program of a column tile to finish (an arrival counter, reset after use) sums the splits in
 split order, adds the bias, rounds to the output's dtype and stores. The sum's order is fixed: every run gives the
 same bits.
 
-E.g. q/k/v of a Scout rank at batch 1, 16-column tiles: 56 tiles x 10 splits of 512 = 560 programs of 16 KB each;
-the tenth program of each tile to finish writes its 16 outputs.
+E.g. q/k/v of a Scout rank at batch 1 on an H200's 132 SMs, 32-column tiles: 28 tiles x 14 splits of 384 = 392
+programs of 24 KB each; the fourteenth program of each tile to finish writes its 32 outputs (7.2 -> 4.9 us).
 """
 
 from __future__ import annotations
