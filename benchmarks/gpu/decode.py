@@ -11,7 +11,10 @@ context (decode timing on zeros flatters). Random weights route tokens to expert
 B tokens is counted as touching E * (1 - (1 - 1/E)^B) experts per MoE layer.
 
     python benchmarks/gpu/decode.py [--contexts 16384,1048576,10000000] [--batches 1,8,32]
-        [--batch-context 131072] [--kv-dtypes bfloat16,fp8_e4m3] [--profile]
+        [--batch-context 131072] [--kv-dtypes bfloat16,fp8_e4m3] [--profile] [--async-scheduling]
+
+``--async-scheduling`` times every row a second time with ``EngineConfig.async_scheduling`` on, in the same engine:
+each step returns with the next one already running, so those steps are timed back to back (their mean).
 """
 
 from __future__ import annotations
@@ -219,6 +222,8 @@ def main() -> None:
                     help="also time each projection shape alone (cuBLAS, skinny_gemm's tiles) against its bytes")
     ap.add_argument("--moe-tiles", action="store_true",
                     help="also time the fused MoE kernels' tile and K-split choices")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="also time each row with EngineConfig.async_scheduling (steps back to back, their mean)")
     args = ap.parse_args()
 
     bandwidth = copy_bandwidth()
@@ -234,6 +239,7 @@ def main() -> None:
     # there costs more host time (a decode graph's launch: 0.6 ms instead of 0.01), so the kernels are counted in a
     # second pass over fresh engines.
     timed: dict[tuple[str, int, int], float] = {}
+    timed_async: dict[tuple[str, int, int], float] = {}
     for kv_dtype in dtypes:
         engine = engine_for(loaded, kv_dtype, max_num_seqs=max(b for b, _ in cases))
         if args.projections and not projections:
@@ -246,6 +252,16 @@ def main() -> None:
                     engine, batch, context, cfg["vocab_size"], args.steps + 8):
                 timed[kv_dtype, batch, context] = median_step_ms(engine, args.steps, drain=True)
                 print(kv_dtype, batch, context, f"{timed[kv_dtype, batch, context]:.2f} ms", flush=True)
+                if args.async_scheduling:
+                    engine.config.async_scheduling = True
+                    start_decoding(engine, batch, context, cfg["vocab_size"], args.steps + 8)
+                    ahead = engine.steps_launched_ahead
+                    timed_async[kv_dtype, batch, context] = median_step_ms(engine, args.steps, back_to_back=True)
+                    engine.config.async_scheduling = False
+                    if engine.steps_launched_ahead - ahead < args.steps:
+                        raise RuntimeError("async scheduling launched fewer steps ahead than it timed")
+                    print(kv_dtype, batch, context, f"async {timed_async[kv_dtype, batch, context]:.2f} ms",
+                          flush=True)
         del engine
         torch.cuda.empty_cache()
     rows, top_rows = [], []
@@ -255,7 +271,8 @@ def main() -> None:
         for batch, context in cases:
             ms = timed.get((kv_dtype, batch, context))
             if ms is None:
-                rows.append([kv_dtype, f"{batch}", f"{context:,}", "does not fit", "", "", "", ""])
+                rows.append([kv_dtype, f"{batch}", f"{context:,}", "does not fit", "", "", "", ""]
+                            + ["", ""] * args.async_scheduling)
                 continue
             start_decoding(engine, batch, context, cfg["vocab_size"], 5 + 8)
             count, top = kernels_per_step(engine, 25 if args.profile and batch == 1 and not top_rows else 0)
@@ -264,14 +281,19 @@ def main() -> None:
                 engine.step()
             need = step_bytes(model, cfg, batch, context, kv_value_bytes)
             floor_ms = 1000 * need / bandwidth
-            rows.append([kv_dtype, f"{batch}", f"{context:,}", f"{ms:.2f}", f"{need / 1e9:.2f}", f"{floor_ms:.2f}",
-                         f"{100 * floor_ms / ms:.0f}%", f"{count}"])
+            row = [kv_dtype, f"{batch}", f"{context:,}", f"{ms:.2f}", f"{need / 1e9:.2f}", f"{floor_ms:.2f}",
+                   f"{100 * floor_ms / ms:.0f}%", f"{count}"]
+            if args.async_scheduling:
+                fast = timed_async[kv_dtype, batch, context]
+                row += [f"{fast:.2f}", f"{100 * floor_ms / fast:.0f}%"]
+            rows.append(row)
         del engine
         torch.cuda.empty_cache()
     print(f"\n{torch.cuda.get_device_name()}: Llama-4-Scout TP-8 rank decode, CUDA graphs, "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (measured in this run)")
+    extra = ["async scheduling: step ms", "of floor"] if args.async_scheduling else []
     print(markdown_table(["KV", "batch", "context", "step ms", "GB to read", "floor ms", "of floor",
-                          "kernels/step"], rows))
+                          "kernels/step", *extra], rows))
     if projections:
         print("\nProjections alone, cuBLAS against kernels/skinny_gemm.py by tile (columns, K, programs per SM, "
               "warps, stages):")

@@ -91,7 +91,7 @@ BLOCK_SIZE = 64
 def engine_for(loaded: LoadedModel | None, kv_dtype: str, block_size: int = BLOCK_SIZE, **overrides) -> LLMEngine:
     config = EngineConfig(device="cuda", dtype="bfloat16", kv_cache_dtype=kv_dtype, block_size=block_size,
                           max_num_batched_tokens=16384, max_num_seqs=8, enable_prefix_caching=False,
-                          gpu_memory_utilization=0.92)
+                          gpu_memory_utilization=0.92, async_scheduling=False)  # steps timed one by one
     for key, value in overrides.items():
         setattr(config, key, value)
     return LLMEngine(config, loaded)
@@ -497,8 +497,20 @@ def plot_panels(steps: dict[str, tuple[list[int], list[float]]], measured: dict[
                   prefill_series)]
 
 
-def median_step_ms(engine: LLMEngine, steps: int, drain: bool = True) -> float:
-    """Median wall time of the next ``steps`` engine steps; then runs the engine dry (``drain``)."""
+def median_step_ms(engine: LLMEngine, steps: int, drain: bool = True, back_to_back: bool = False) -> float:
+    """Median wall time of the next ``steps`` engine steps; then runs the engine dry (``drain``).
+    ``back_to_back`` (async scheduling, whose step returns with the next one running): their mean, the GPU
+    waited for only at the ends."""
+    if back_to_back:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        ms = 1000 * (time.perf_counter() - start) / steps
+        while drain and engine.has_unfinished_requests():
+            engine.step()
+        return ms
     times = []
     for _ in range(steps):
         torch.cuda.synchronize()

@@ -26,7 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
         flag, kind = "--" + f.name.replace("_", "-"), _value_type(hints[f.name])
         help_text = f.metadata["help"]
         if kind is bool:
-            action = argparse.BooleanOptionalAction if f.default else "store_true"
+            # on by default, or decided by the device (None): --flag and --no-flag
+            action = argparse.BooleanOptionalAction if f.default or f.default is None else "store_true"
             p.add_argument(flag, action=action, default=f.default, help=help_text)
         else:
             p.add_argument(flag, type=kind, default=f.default, help=help_text)

@@ -71,13 +71,19 @@ class EngineConfig:
     prefill_overlap_tokens: int = knob(
         4096, "tensor parallelism: a step of at least this many tokens runs in two halves, each half's all-reduces "
               "travelling while the other half computes (0: off)")
+    # vLLM's name
+    async_scheduling: bool | None = knob(
+        None, "schedule and launch the next decode step before this step's tokens reach the host, so the host's "
+              "work of a step overlaps the GPU's (greedy decode steps on one rank; others run as before). Default: "
+              "on with CUDA; off on the CPU, where nothing overlaps and a stop would be found a step late")
     # the CLI names it in GiB (--kv-offload-gib, see args.py), like vLLM's --kv-offloading-size
     kv_offload_bytes: int = knob(0, "host-memory tier of the prefix cache, bytes per rank (0: off); see kv/host_tier.py",
                                  cli=False)
 
 
 def resolve_step_budget(config: EngineConfig, device: str) -> EngineConfig:
-    """``config`` with its step knobs (left None) set to ``device``'s defaults; explicit values are checked."""
+    """``config`` with its step knobs (left None: the step budget, the prompt chunk cap, async scheduling) set to
+    ``device``'s defaults; explicit values are checked."""
     on_cpu = device == "cpu"
     step = config.max_num_batched_tokens
     if step is None:
@@ -91,4 +97,6 @@ def resolve_step_budget(config: EngineConfig, device: str) -> EngineConfig:
         raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: no cap), got {cap}")
     if config.prefill_overlap_tokens < 0:
         raise ValueError(f"prefill_overlap_tokens must be >= 0 (0: off), got {config.prefill_overlap_tokens}")
-    return replace(config, max_num_batched_tokens=step, long_prefill_token_threshold=cap)
+    asynchronous = config.async_scheduling if config.async_scheduling is not None else not on_cpu
+    return replace(config, max_num_batched_tokens=step, long_prefill_token_threshold=cap,
+                   async_scheduling=asynchronous)

@@ -97,10 +97,15 @@ class DecodeGraphs:
             return None
         return next(b for b in self.buckets if b >= n)
 
-    def replay(self, size: int, input_ids: np.ndarray, seqs: list) -> torch.Tensor | None:
-        """Logits of a decode step from graph ``size`` (None on tensor-parallel ranks other than 0)."""
+    def replay(self, size: int, input_ids: np.ndarray, seqs: list,
+               device_input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits of a decode step from graph ``size`` (None on tensor-parallel ranks other than 0).
+        ``device_input_ids`` (async scheduling): the token ids, on the device, copied over ``input_ids`` after the
+        step's metadata copy."""
         n = len(seqs)
         self.backend.begin_static_decode(seqs, size, input_ids)
+        if device_input_ids is not None:
+            self.input_ids[:n].copy_(device_input_ids)
         self.graphs[size].replay()
         self.replays += 1
         out = self.outputs[size]

@@ -2,6 +2,9 @@
 
 ``LLM.generate`` -> ``LLMEngine.add_request`` -> ``step()``: ``Scheduler.schedule`` -> ``ModelRunner.run``
 (model forward, ``TorchPagedAttention`` over the hybrid cache) -> ``Sampler`` -> output processing.
+
+With async scheduling (``EngineConfig.async_scheduling``, on with CUDA) a greedy decode step schedules and launches
+the next one before its tokens reach the host: ``docs/design/decode.md#async-scheduling``.
 """
 
 from __future__ import annotations
@@ -18,10 +21,10 @@ from hybridkv.engine.config import EngineConfig, resolve_step_budget
 from hybridkv.engine.model_runner import ModelRunner, StepOutput
 from hybridkv.engine.output_processing import Logprobs, PromptLogprobs, PromptScores, RequestOutputState
 from hybridkv.engine.runtime import build_runtime, rank_layout
-from hybridkv.engine.sampler import Sampler, TokenScores, make_generator
+from hybridkv.engine.sampler import Sampler, SamplerOutput, TokenScores, make_generator
 from hybridkv.engine.sampling_params import RequestOutputKind, SamplingParams
 from hybridkv.engine.scheduler import Scheduler, SchedulerOutput
-from hybridkv.engine.sequence import Sequence
+from hybridkv.engine.sequence import Sequence, SequenceStatus
 from hybridkv.engine.structured_output import StructuredOutputs
 from hybridkv.kv.capacity import longest_fitting
 from hybridkv.kv.capacity import step_reserve_bytes as _step_reserve_formula
@@ -41,6 +44,8 @@ from hybridkv.model.loading.tokenizer import Tokenizer
 log = logging.getLogger("hybridkv")
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+# stands for a sampled token still on the device (async scheduling): never a real id, never hashed or fed as one
+PLACEHOLDER = -1
 
 
 @dataclass(slots=True)
@@ -65,6 +70,15 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # with ``SamplingParams.prompt_logprobs``
+
+
+@dataclass(slots=True)
+class _Ahead:
+    """The next step, scheduled while this step's tokens were still on the device (``async_scheduling``), and its
+    result when it was launched then too (``None``: it runs when ``execute`` gets it, as any step)."""
+
+    out: SchedulerOutput
+    result: StepOutput | None
 
 
 @dataclass(slots=True)
@@ -188,6 +202,8 @@ class LLMEngine:
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.model.cfg.vocab_size, self.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[str, _Request] = {}  # by ``Sequence.request_id``
+        self._ahead: _Ahead | None = None
+        self.steps_launched_ahead = 0  # async scheduling: decode steps launched before the step before was sampled
         self._arrivals = itertools.count()
 
     def _host_blocks(self) -> int:
@@ -358,6 +374,7 @@ class LLMEngine:
             if not seq.state.finished:
                 seq.state.finish_reason = "abort"
             self.scheduler.finish(seq)
+        self._drop_dead_ahead()
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -370,23 +387,48 @@ class LLMEngine:
 
     def schedule(self) -> SchedulerOutput:
         """The first half of ``step()``: pick this step's tokens and allocate their KV blocks (the server reads its
-        gauges between the halves, so they show the step in flight)."""
+        gauges between the halves, so they show the step in flight). With ``async_scheduling`` it may be the step
+        the previous ``execute`` scheduled (and launched) ahead."""
+        if self._ahead is not None:
+            return self._ahead.out
         return self.scheduler.schedule()
 
     def execute(self, out: SchedulerOutput) -> list[RequestOutput]:
         """The second half of ``step()``: the forward pass over ``out``, sampling, outputs."""
+        ahead, live = self._ahead, None
+        if ahead is not None:
+            if ahead.out is not out:
+                raise RuntimeError("execute() takes the step schedule() returned: one was scheduled ahead")
+            self._ahead = None
+            # requests that finished (or were aborted) after it was scheduled have no next token
+            live = [s.seq.status is SequenceStatus.RUNNING for s in out.scheduled]
+            if ahead.result is None:
+                out.scheduled = [s for s, ok in zip(out.scheduled, live) if ok]
+                live = None
         if not out.scheduled:
             if self.scheduler.has_unfinished:
                 raise RuntimeError("the scheduler could not schedule any request: KV cache accounting is broken")
             return []
-        result = self.runner.run(out)
-        if result.scores is not None:
-            _add_prompt_scores(out, result.scores)
-        # until the sampler reads the logits, a GPU is still computing them: the host's bookkeeping goes here
-        self.scheduler.on_step_done(out)
-        seqs = [s.seq for s in out.scheduled if s.samples]
+        if live is not None:
+            result = ahead.result  # launched ahead; its tokens were counted computed when the step before sampled
+        else:
+            result = self.runner.run(out)
+            if result.scores is not None:
+                _add_prompt_scores(out, result.scores)
+            # until the sampler reads the logits, a GPU is still computing them: the host's bookkeeping goes here
+            self.scheduler.on_step_done(out)
+        seqs = [s.seq for s, ok in zip(out.scheduled, live or itertools.repeat(True)) if s.samples and ok]
+        if live is not None and not all(live):
+            result.logits = result.logits[torch.tensor(live, device=result.logits.device)]
         self._catch_up_text(seqs)
-        touched = self._sample(seqs, result) if seqs else ()
+        tokens = None
+        if seqs and self._may_go_ahead(out, result, seqs):
+            on_device = result.logits.argmax(dim=-1)  # the next step's input, where it is
+            tokens = _start_copy_to_host(on_device)  # queued before the next step, not behind it
+            self._ahead = self._schedule_ahead(seqs, on_device)
+        touched = self._sample(seqs, result, tokens() if tokens else None) if seqs else ()
+        if self._ahead is not None:
+            self._after_sampling_ahead()
         outputs = []
         for req in touched:
             finished = req.finished
@@ -396,9 +438,55 @@ class LLMEngine:
                 self._forget(req)
         return outputs
 
-    def _sample(self, seqs: list[Sequence], step: StepOutput) -> list[_Request]:
-        """Sample a token for each of ``seqs``, record it; the requests with news (an output to give this step)."""
-        if step.argmax_only:  # no grammar either: ``SamplingParams.argmax_only`` excludes one
+    # ---- async scheduling ------------------------------------------------------------------------------
+    def _may_go_ahead(self, out: SchedulerOutput, result: StepOutput, seqs: list[Sequence]) -> bool:
+        """Whether the next step can be scheduled before this one's tokens are read: a greedy step on one rank in
+        which every running sequence samples, each of them sure to take one more token (not at max_tokens), no
+        request waiting, and the free pool holding a new block per sequence and group (so scheduling it preempts
+        nobody: a preempted sequence's placeholder would be hashed into its blocks)."""
+        if not (self.config.async_scheduling and self.workers is None and result.argmax_only
+                and result.scores is None and not self.scheduler.waiting):
+            return False
+        if len(seqs) != len(out.scheduled) or len(seqs) != len(self.scheduler.running):
+            return False
+        if self.kv.pool.num_free_blocks < len(seqs) * self.kv.num_groups:
+            return False
+        return all(s.num_output_tokens + 1 < s.max_tokens for s in seqs)
+
+    def _schedule_ahead(self, seqs: list[Sequence], tokens: torch.Tensor) -> _Ahead:
+        """Schedule the next step with a placeholder for each sequence's token; launch it at once, its input ids
+        taken from ``tokens`` on the device, when it is a decode step of the same sequences in the same order."""
+        for seq in seqs:
+            seq.append_token(PLACEHOLDER)
+        out = self.scheduler.schedule()
+        same = (not out.preempted and len(out.scheduled) == len(seqs)
+                and all(s.seq is seq and s.num_new_tokens == 1 for s, seq in zip(out.scheduled, seqs)))
+        if not same:
+            return _Ahead(out, None)
+        self.steps_launched_ahead += 1
+        return _Ahead(out, self.runner.run(out, tokens))
+
+    def _after_sampling_ahead(self) -> None:
+        """This step's tokens replaced the placeholders: the step launched ahead counts its tokens computed (which
+        hashes full blocks: the real ids are in place now)."""
+        if self._drop_dead_ahead() and self._ahead.result is not None:
+            self.scheduler.on_step_done(self._ahead.out)
+
+    def _drop_dead_ahead(self) -> bool:
+        """Forget the step scheduled ahead if every request in it has finished (launched or not, nothing of it is
+        wanted); whether one is left."""
+        if self._ahead is not None and not any(s.seq.status is SequenceStatus.RUNNING
+                                               for s in self._ahead.out.scheduled):
+            self._ahead = None
+        return self._ahead is not None
+
+    def _sample(self, seqs: list[Sequence], step: StepOutput, tokens: list[int] | None = None) -> list[_Request]:
+        """Sample a token for each of ``seqs``, record it; the requests with news (an output to give this step).
+        ``tokens``: the step's argmax, taken before the step after it was launched; each replaces its sequence's
+        placeholder."""
+        if tokens is not None:
+            result = SamplerOutput(tokens, None)
+        elif step.argmax_only:  # no grammar either: ``SamplingParams.argmax_only`` excludes one
             result = self.sampler.argmax(step.logits)
         else:
             grammars = [s.grammar for s in seqs]
@@ -417,7 +505,10 @@ class LLMEngine:
         logprobs = result.logprobs
         final_only = RequestOutputKind.FINAL_ONLY
         for i, (seq, token) in enumerate(zip(seqs, result.token_ids)):
-            seq.append_token(token)
+            if tokens is not None:
+                seq.all_token_ids[-1] = token
+            else:
+                seq.append_token(token)
             state = seq.state
             lp = logprobs[i] if logprobs is not None else None
             finish = state.append_token(token, lp, eos_token_ids=eos, max_model_len=max_len)
@@ -464,6 +555,22 @@ class LLMEngine:
         prompt_logprobs = None if scores is None else scores.build()
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, finished, cached,
                              prompt_logprobs)
+
+
+def _start_copy_to_host(t: torch.Tensor) -> Callable[[], list[int]]:
+    """Start copying ``t`` to the host now, so that it queues before later launches on the stream rather than
+    behind them; the call returned waits for the copy and gives the values."""
+    if not t.is_cuda:
+        return t.tolist
+    host = t.to("cpu", non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def values() -> list[int]:
+        copied.synchronize()
+        return host.tolist()
+
+    return values
 
 
 def _add_prompt_scores(out: SchedulerOutput, scores: TokenScores) -> None:

@@ -43,6 +43,9 @@ class StepInput:
     score_top_k: int = 0
     # every sampled row takes the plain argmax of its logits (``SamplingParams.argmax_only``)
     argmax_only: bool = False
+    # async scheduling: the token ids, still on the device, that stand in for ``input_ids``' placeholders (a decode
+    # step launched before the step before it was sampled: row i's token is that step's sampled row i)
+    device_input_ids: torch.Tensor | None = None
 
     def positions(self) -> np.ndarray:
         """Each token row's position: its sequence's context length plus its index among the sequence's rows (one
@@ -100,13 +103,16 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.backend, max_num_seqs, max_model_len)
         return True
 
-    def run(self, out: SchedulerOutput) -> StepOutput:
+    def run(self, out: SchedulerOutput, device_input_ids: torch.Tensor | None = None) -> StepOutput:
         """Compute every scheduled token; return float32 logits ``[num sampling sequences, vocab]`` and the
         scores of the prompt positions asked for (``ScheduledSequence.prompt_score_positions``, in order).
 
         Logits rows follow ``out.scheduled`` order, skipping sequences in the middle of a chunked prefill.
+        ``device_input_ids``: see ``StepInput`` (one rank only).
         """
-        return self.execute(self.prepare(out))
+        step = self.prepare(out)
+        step.device_input_ids = device_input_ids
+        return self.execute(step)
 
     def prepare(self, out: SchedulerOutput) -> StepInput:
         input_ids, seqs, last, score_rows, score_ids = [], [], [], [], []
@@ -141,8 +147,11 @@ class ModelRunner:
             self.copier.run(step.block_ops)
         bucket = self.graph_bucket(step)
         if bucket is not None:  # logits None on tensor-parallel ranks other than 0, as eager
-            return StepOutput(self.graphs.replay(bucket, step.input_ids, step.seqs), argmax_only=step.argmax_only)
-        input_ids = torch.from_numpy(step.input_ids).to(self.device)
+            return StepOutput(self.graphs.replay(bucket, step.input_ids, step.seqs, step.device_input_ids),
+                              argmax_only=step.argmax_only)
+        input_ids = step.device_input_ids
+        if input_ids is None:
+            input_ids = torch.from_numpy(step.input_ids).to(self.device)
         positions = torch.from_numpy(step.positions()).to(self.device)
         halves = self._begin_step(step)
         if halves:

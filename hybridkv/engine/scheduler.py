@@ -133,11 +133,13 @@ class Scheduler:
         self.num_preemptions += 1
 
     def on_step_done(self, out: SchedulerOutput) -> None:
-        """Record the computed tokens (before sampled tokens are appended)."""
-        computed = self.kv.on_tokens_computed
+        """Record the computed tokens (before sampled tokens are appended). A sequence that finished since the
+        step was scheduled (async scheduling: the step was launched ahead) has given its blocks back: skipped."""
+        computed, running = self.kv.on_tokens_computed, SequenceStatus.RUNNING
         for s in out.scheduled:
-            s.seq.num_computed_tokens = s.context_len + s.num_new_tokens
-            computed(s.seq)
+            if s.seq.status is running:
+                s.seq.num_computed_tokens = s.context_len + s.num_new_tokens
+                computed(s.seq)
 
     def finish(self, seq: Sequence) -> None:
         """A finished or aborted sequence leaves the scheduler and gives back every block it held."""

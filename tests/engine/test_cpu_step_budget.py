@@ -21,6 +21,10 @@ def greedy(n):
 def test_step_defaults_differ_by_device_and_explicit_values_stay():
     cpu = resolve_step_budget(EngineConfig(), "cpu")
     assert (cpu.max_num_batched_tokens, cpu.long_prefill_token_threshold) == (CPU_STEP_TOKENS, CPU_STEP_TOKENS // 2)
+    # async scheduling: on where a GPU computes while the host works, off on the CPU; an explicit choice stays
+    assert (cpu.async_scheduling, resolve_step_budget(EngineConfig(), "cuda").async_scheduling) == (False, True)
+    assert resolve_step_budget(EngineConfig(async_scheduling=True), "cpu").async_scheduling is True
+    assert resolve_step_budget(EngineConfig(async_scheduling=False), "cuda").async_scheduling is False
     gpu = resolve_step_budget(EngineConfig(), "cuda")
     assert (gpu.max_num_batched_tokens, gpu.long_prefill_token_threshold) == (GPU_STEP_TOKENS, 0)
     mine = resolve_step_budget(EngineConfig(max_num_batched_tokens=300, long_prefill_token_threshold=0), "cpu")

@@ -43,7 +43,7 @@ def _other_value(f: dataclasses.Field):
     """A value of the field's type that is not its default."""
     samples = {"model": "m", "dtype": "bfloat16", "prefix_caching_hash_algo": "sha256", "max_model_len": 77,
                "kv_cache_memory_bytes": 12345, "attention_backend": "torch", "load_format": "dummy",
-               "kv_cache_dtype": "fp8_e4m3", "device": "cpu"}
+               "kv_cache_dtype": "fp8_e4m3", "device": "cpu", "async_scheduling": False}
     if f.name in samples:
         return samples[f.name]
     if isinstance(f.default, bool):
@@ -56,7 +56,7 @@ def test_every_flag_reaches_its_config_field():
     for f in engine_flags():
         value = _other_value(f)
         flag = "--" + f.name.replace("_", "-")
-        if isinstance(f.default, bool):
+        if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
         else:
             argv += [flag, str(value)]

@@ -33,6 +33,11 @@ def test_gpu_greedy_is_token_exact_with_the_cpu_path(tiny_model, name, block_siz
             lp_w = torch.tensor([lp for row in w.outputs[0].logprobs for _, lp in row])
             torch.testing.assert_close(lp_g, lp_w, atol=1e-4, rtol=0)
     assert gpu.engine.kv.stats.hit_tokens > 0
+    # without logprobs the GPU engine schedules ahead (async scheduling, its default there): the same tokens
+    plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    got = gpu.generate([{"prompt_token_ids": p} for p in prompts], plain, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert gpu.engine.steps_launched_ahead >= 10
 
 
 def first_token_logprobs(model, prompts, backend: str, kv_dtype: str, **config):
@@ -110,9 +115,11 @@ def test_gpu_hopper_fp8_compute_moves_logprobs_no_more_than_the_fp8_cache_itself
     assert (fp8_compute_error <= 1.5 * cache_error + 0.1).all(), (fp8_compute_error, cache_error)
 
 
-@pytest.mark.parametrize("name", ["llama4", "llama3", "gemma3"])
-def test_decode_from_cuda_graphs_is_token_exact_with_eager(tiny_model, name):
-    """Decode steps replayed from CUDA graphs (batches padded to buckets) give exactly the eager result."""
+@pytest.mark.parametrize("name,async_scheduling", [("llama4", False), ("llama3", False), ("gemma3", False),
+                                                    ("llama4", True)])
+def test_decode_from_cuda_graphs_is_token_exact_with_eager(tiny_model, name, async_scheduling):
+    """Decode steps replayed from CUDA graphs (batches padded to buckets) give exactly the eager result; with async
+    scheduling too, each graph's input ids copied from the step before's argmax on the device."""
     model = tiny_model(name)
     # three sequences: bucket 4 with one padding row (the tiny Llama-4's 4 experts allow graphs up to 4 tokens)
     prompts = [{"prompt_token_ids": p} for p in random_prompts([70, 23, 150], seed=21)]
@@ -120,7 +127,7 @@ def test_decode_from_cuda_graphs_is_token_exact_with_eager(tiny_model, name):
     common = dict(model=str(model.path), device="cuda", dtype="float32", kv_cache_memory_bytes=64 << 20,
                   max_num_seqs=8)
     eager = LLM(enforce_eager=True, **common)
-    graphed = LLM(**common)
+    graphed = LLM(async_scheduling=async_scheduling, **common)
     assert eager.engine.runner.graphs is None and graphed.engine.runner.graphs is not None
     want = eager.generate(prompts, params, use_tqdm=False)
     got = graphed.generate(prompts, params, use_tqdm=False)
@@ -129,6 +136,11 @@ def test_decode_from_cuda_graphs_is_token_exact_with_eager(tiny_model, name):
     lp_w = torch.tensor([lp for o in want for row in o.outputs[0].logprobs for _, lp in row])
     torch.testing.assert_close(lp_g, lp_w, atol=1e-4, rtol=0)
     assert graphed.engine.runner.graphs.replays >= 15  # the decode steps really came from the graphs
+    if async_scheduling:  # with logprobs asked for, no step goes ahead: the same requests without them
+        plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        got = graphed.generate(prompts, plain, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert graphed.engine.steps_launched_ahead >= 15
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -1,0 +1,117 @@
+"""Async scheduling (``EngineConfig.async_scheduling``): the next decode step is scheduled and launched before this
+step's tokens are read, its input ids taken from the device. On the CPU nothing overlaps, but every piece of the
+bookkeeping runs: these tests hold it to the synchronous engine's tokens, cache hits and freed blocks."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import random_prompts
+
+from hybridkv import LLM, SamplingParams
+from hybridkv.engine.llm_engine import PLACEHOLDER
+
+
+def greedy(n, **kw):
+    return SamplingParams(temperature=0, max_tokens=n, **kw)
+
+
+def engines(model, **kw):
+    common = dict(model=str(model.path), block_size=4, max_num_batched_tokens=32, **kw)
+    return LLM(**common), LLM(async_scheduling=True, **common)
+
+
+def assert_all_blocks_free(llm):
+    kv = llm.engine.kv
+    assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks
+    assert not llm.engine.has_unfinished_requests() and llm.engine._ahead is None
+
+
+@pytest.mark.parametrize("name", ["llama4", "gemma3"])
+def test_async_greedy_matches_transformers_and_the_synchronous_engine(tiny_model, name):
+    """Requests of different lengths finish at different steps (while the step after theirs is in flight); the
+    second round's prompts continue the first round's outputs, so their prefix-cache hits reach into blocks that
+    decode steps filled: those must have been hashed from the real tokens, not the placeholders."""
+    model = tiny_model(name)
+    prompts = random_prompts([21, 9, 30], seed=5)
+    lengths = [7, 12, 3]
+    params = [greedy(n, ignore_eos=True) for n in lengths]
+    sync, ahead = engines(model)
+    for round_ in range(2):
+        if round_:
+            prompts = [p + out for p, out in zip(prompts, expected)]
+        expected = [model.greedy(p, n) for p, n in zip(prompts, lengths)]
+        batch = [{"prompt_token_ids": p} for p in prompts]
+        want = sync.generate(batch, params, use_tqdm=False)
+        got = ahead.generate(batch, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == expected, f"round {round_}"
+        assert [o.outputs[0].token_ids for o in want] == expected
+        assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+        assert [o.num_cached_tokens for o in got] == [o.num_cached_tokens for o in want], f"round {round_}"
+    # the hits of the second round reach past the first round's prompts
+    first_round = [21, 9, 30]
+    assert sum(o.num_cached_tokens > n for o, n in zip(got, first_round)) >= 2, [o.num_cached_tokens for o in got]
+    assert ahead.engine.kv.stats.hit_tokens == sync.engine.kv.stats.hit_tokens
+    # most decode steps went ahead: 3 requests of up to 12 tokens, two rounds
+    assert ahead.engine.steps_launched_ahead >= 12
+    assert sync.engine.steps_launched_ahead == 0
+    for llm in (sync, ahead):
+        assert_all_blocks_free(llm)
+
+
+def test_async_stops_on_eos_and_stop_tokens_one_step_late_without_a_trace(tiny_model):
+    """A stop found when the tokens are read: the step launched after it computed a row for nothing, which is
+    dropped; the output ends where the synchronous engine's does."""
+    model = tiny_model("llama4")
+    prompts = random_prompts([15, 22, 8, 17], seed=6)
+    free_run = [model.greedy(p, 16) for p in prompts]
+    # stop on each request's 4th greedy token, or the 9th for the second one (stop_token_ids, as vLLM)
+    params = [greedy(16, stop_token_ids=[run[3 if i != 1 else 8]]) for i, run in enumerate(free_run)]
+    sync, ahead = engines(model)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    want = sync.generate(batch, params, use_tqdm=False)
+    got = ahead.generate(batch, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in want]
+    assert all(o.outputs[0].finish_reason == "stop" for o in got)
+    assert ahead.engine.steps_launched_ahead > 0
+    assert_all_blocks_free(ahead)
+
+
+def test_async_steps_fall_back_to_synchronous_ones_where_they_cannot_go_ahead(tiny_model):
+    """Sampled and logprob requests, requests waiting for a slot (max_num_seqs 2) and max_tokens 1 and 2 all run
+    through the same engine: each step goes ahead only when it may, and the results are the synchronous ones."""
+    model = tiny_model("llama3")
+    prompts = random_prompts([12, 19, 7, 25, 10], seed=7)
+    params = [greedy(1), greedy(2), SamplingParams(temperature=0.8, seed=3, max_tokens=9),
+              greedy(8, logprobs=2), greedy(11)]
+    sync, ahead = engines(model, max_num_seqs=2)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    want = sync.generate(batch, params, use_tqdm=False)
+    got = ahead.generate(batch, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [len(o.outputs[0].token_ids) for o in got] == [1, 2, 9, 8, 11]
+    assert got[3].outputs[0].logprobs == want[3].outputs[0].logprobs
+    assert ahead.engine.steps_launched_ahead > 0
+    assert_all_blocks_free(ahead)
+
+
+def test_aborting_a_request_whose_next_step_is_in_flight_frees_its_blocks(tiny_model):
+    model = tiny_model("llama4")
+    prompts = random_prompts([14, 11], seed=8)
+    expected = model.greedy(prompts[1], 10)
+    _, ahead = engines(model)
+    engine = ahead.engine
+    engine.add_request("a", prompts[0], greedy(10, ignore_eos=True))
+    engine.add_request("b", prompts[1], greedy(10, ignore_eos=True))
+    while engine._ahead is None or engine._ahead.result is None:
+        engine.step()
+    # between steps every sampled token is in place: only the step in flight has yet to give its own
+    seqs = [s.seq for s in engine._ahead.out.scheduled]
+    assert len(seqs) == 2 and all(PLACEHOLDER not in s.all_token_ids for s in seqs)
+    assert engine.abort_request("a")
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+    assert "a" not in done and done["b"].outputs[0].token_ids == expected
+    assert_all_blocks_free(ahead)
