@@ -17,7 +17,7 @@ def greedy(n, **kw):
 
 def engines(model, **kw):
     common = dict(model=str(model.path), block_size=4, max_num_batched_tokens=32, **kw)
-    return LLM(**common), LLM(async_scheduling=True, **common)
+    return LLM(async_scheduling=False, **common), LLM(async_scheduling=True, **common)
 
 
 def assert_all_blocks_free(llm):
