@@ -274,11 +274,18 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
     return ids, gates
 
 
+def _counter_offsets(num_experts: int, inter: int, hidden: int) -> tuple[int, int, int]:
+    """Where the gate/up kernel's and the down kernel's arrival counters start, and how many there are in all:
+    ``route``'s MAX_PAIRS first, then one per (expert or shared expert, gate/up column tile), then one per down
+    column tile, for any tile of 16 columns or more."""
+    down = MAX_PAIRS + (num_experts + 1) * triton.cdiv(inter, 16)
+    return MAX_PAIRS, down, down + triton.cdiv(hidden, 16)
+
+
 def fused_moe_counters(num_experts: int, inter: int, hidden: int, device: torch.device) -> torch.Tensor:
-    """The arrival counters ``route`` (the first MAX_PAIRS) and ``fused_moe`` (the rest) need for experts of this
-    size, for any tile choice of 16 columns or more (zeros; each kernel leaves them zero)."""
-    return torch.zeros(MAX_PAIRS + (num_experts + 1) * triton.cdiv(inter, 16) + triton.cdiv(hidden, 16),
-                       dtype=torch.int32, device=device)
+    """The arrival counters ``route`` and ``fused_moe`` need for experts of this size (zeros; each kernel leaves
+    them zero)."""
+    return torch.zeros(_counter_offsets(num_experts, inter, hidden)[2], dtype=torch.int32, device=device)
 
 
 def fused_moe(x: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
@@ -300,7 +307,7 @@ def fused_moe(x: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor, gate_up: 
         raise ValueError(f"fused_moe takes at most {MAX_PAIRS} rows ((token, choice) pairs and shared-expert "
                          f"tokens), got {num_rows}")
     num_experts, hidden, inter = down.shape[0], down.shape[2], down.shape[1]
-    need = MAX_PAIRS + (num_experts + 1) * triton.cdiv(inter, 16) + triton.cdiv(hidden, 16)
+    gate_up_at, down_at, need = _counter_offsets(num_experts, inter, hidden)
     if arrived.numel() < need:
         raise ValueError(f"fused_moe needs {need} arrival counters (fused_moe_counters), got {arrived.numel()}")
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -328,7 +335,7 @@ def fused_moe(x: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor, gate_up: 
     ieee = x.dtype == torch.float32
     on = pdl(x)
     gate_up_kernel[(programs, col_tiles, splits)](
-        x, gates, ids, gate_up, s_gate_up, part, h, arrived[MAX_PAIRS:], num_pairs, tokens, num_experts, hidden,
+        x, gates, ids, gate_up, s_gate_up, part, h, arrived[gate_up_at:], num_pairs, tokens, num_experts, hidden,
         inter, k_per_split, x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
         s_gate_up.stride(0), s_gate_up.stride(1), part.stride(0), part.stride(1),
         TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, IEEE=ieee,
@@ -340,7 +347,7 @@ def fused_moe(x: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor, gate_up: 
     total = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device) if summed else out
     down_n, down_k, warps, stages = down_tile or ((64, 128, 4, 3) if x.element_size() == 2 else (64, 64, 4, 2))
     down_kernel[(programs, triton.cdiv(hidden, down_n))](
-        h, ids, down, s_down, out, total, arrived[MAX_PAIRS + (num_experts + 1) * triton.cdiv(inter, 16):],
+        h, ids, down, s_down, out, total, arrived[down_at:],
         num_pairs, tokens, num_experts, hidden, inter, down.stride(0), down.stride(1), down.stride(2),
         s_down.stride(0), s_down.stride(1), out.stride(0), total.stride(0),
         TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=down_n, BLOCK_K=down_k, IEEE=ieee, SHARED=shared is not None,
