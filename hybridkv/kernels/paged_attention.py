@@ -246,9 +246,9 @@ def paged_attention_kernel(
     FP8_DOT (an e4m3 cache, prefill): each query row is quantized to e4m3 with its own scale (its max |q| maps to
     448), folded with the softmax scale and ``k_scale`` into a per-row score factor; K is read from the e4m3
     pages, V from the transposed e4m3 copy ``vt_ptr`` / ``vt_desc`` (``[kv_heads * D, columns]``, its block table
-    ``vt_table_ptr``)."""
-    if PDL:
-        pdl_start()
+    ``vt_table_ptr``).
+
+    PDL (decode): the step's metadata is read before the wait (no kernel writes it), q and the cache after."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -267,12 +267,6 @@ def paged_attention_kernel(
     # head dims below 16 or not a power of two are padded with zeros (tensor-core dots need K >= 16)
     d = tl.arange(0, D_PAD)
     d_ok = d < D
-    q = tl.load(q_ptr + (q_loc + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if FP16_DOT:
-        # decode over an FP8 cache: the dots run in fp16 (1M keys on an H200: 131 us vs 145 in bf16). fp16 holds
-        # every e4m3 value and every bf16 query exactly, up to its range (clamped beyond); P is finer than in bf16.
-        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     # keys this tile can see: [lo, hi). Tiles start on BLOCK_N boundaries, but nothing below lo is read:
     # those blocks may be dropped (null) or reused by another request.
@@ -288,6 +282,14 @@ def paged_attention_kernel(
     # interior tiles: every query of the tile sees every key of the tile, so no mask is computed
     inner_lo = tl.minimum(tl.maximum(tl.cdiv(_type_lo(last, KIND, REACH), BLOCK_N) * BLOCK_N, start), end)
     inner_hi = tl.maximum(tl.minimum(start + ((first + 1 - start) // BLOCK_N) * BLOCK_N, end), inner_lo)
+    if PDL:
+        pdl_start()
+    q = tl.load(q_ptr + (q_loc + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if FP16_DOT:
+        # decode over an FP8 cache: the dots run in fp16 (1M keys on an H200: 131 us vs 145 in bf16). fp16 holds
+        # every e4m3 value and every bf16 query exactly, up to its range (clamped beyond); P is finer than in bf16.
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     m_i = tl.full([ROWS], -1.0e30, tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
@@ -329,8 +331,10 @@ def paged_attention_kernel(
         out_ptrs = part_out_ptr + row_base[:, None] + d[None, :]
         lse_ptrs = part_lse_ptr + split * stride_ls + t_idx * stride_lt + head
         if ACCUMULATE:
-            prev = tl.load(out_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
             prev_lse = tl.load(lse_ptrs, mask=row_ok, other=float("-inf"))
+            # a slot whose earlier segments saw no key holds no partial (stored only with a finite LSE, below)
+            seen = row_ok & (prev_lse > float("-inf"))
+            prev = tl.load(out_ptrs, mask=seen[:, None] & d_ok[None, :], other=0.0)
             m = tl.maximum(prev_lse, lse)
             m = tl.where(m > float("-inf"), m, 0.0)
             w_prev = tl.exp(prev_lse - m)
@@ -338,7 +342,9 @@ def paged_attention_kernel(
             total = w_prev + w_new
             out = (prev * w_prev[:, None] + out * w_new[:, None]) / tl.maximum(total, 1e-30)[:, None]
             lse = tl.where(total > 0, m + tl.log(tl.maximum(total, 1e-30)), float("-inf"))
-        tl.store(out_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
+        # a row that saw no key (a split past the reach: at 16K, half of a graph's 256) writes only its -inf
+        # LSE, and the combine does not read its partial
+        tl.store(out_ptrs, out, mask=(row_ok & (lse > float("-inf")))[:, None] & d_ok[None, :])
         tl.store(lse_ptrs, lse, mask=row_ok)
 
 
@@ -350,7 +356,9 @@ def combine_splits_kernel(
     PDL: tl.constexpr = False,
 ):
     """One program per (token, query head, slice of the head dim): softmax-weighted sum of the splits' partial
-    outputs, CHUNK splits at a time. Slicing the head dim spreads a long decode's few rows over more programs."""
+    outputs, CHUNK splits at a time. Slicing the head dim spreads a long decode's few rows over more programs.
+
+    A split whose LSE is -inf saw no key and left its partial unwritten: it is not read."""
     if PDL:
         pdl_start()
     t = tl.program_id(0).to(tl.int64)
@@ -364,9 +372,10 @@ def combine_splits_kernel(
     for c in range(0, NUM_SPLITS, CHUNK):
         s = c + tl.arange(0, CHUNK)
         lse = tl.load(lse_ptr + s * stride_ls)
-        w = tl.where(lse > float("-inf"), tl.exp(lse - m), 0.0)
+        live = lse > float("-inf")
+        w = tl.where(live, tl.exp(lse - m), 0.0)
         parts = tl.load(part_out_ptr + s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
-                        mask=d_ok[None, :], other=0.0)
+                        mask=live[:, None] & d_ok[None, :], other=0.0)
         acc += tl.sum(parts * w[:, None], 0)
         total += tl.sum(w, 0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (acc / total).to(out_ptr.dtype.element_ty), mask=d_ok)

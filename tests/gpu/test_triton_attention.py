@@ -145,6 +145,33 @@ def test_split_kv_decode_matches_reference(block_size):
     assert all(e <= bound for e in worst.values()), worst
 
 
+class _TorchWithNaNEmpty:
+    """torch, except that float tensors from ``empty`` come filled with NaN: a read of an unwritten element shows."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        t = torch.empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_splits_past_the_reach_leave_no_partial_and_none_is_read(block_size, monkeypatch):
+    """64 splits for at most 11 key tiles (a decode graph's split count is fixed by max_model_len): the splits
+    without a key write only a -inf LSE, and the combine reads no partial of theirs (buffers start as NaN)."""
+    from hybridkv.model.attention import triton_paged
+
+    monkeypatch.setattr(triton_paged, "torch", _TorchWithNaNEmpty())
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    kv_dtype = "float32" if INTERPRET else "bfloat16"
+    worst = _drive(block_size, kv_dtype, dtype, LONG_DECODE, num_sms=64, splits=64)
+    assert worst.pop("max_splits") == 64
+    bound = 1e-4 if INTERPRET else 1e-2
+    assert all(e <= bound for e in worst.values()), worst
+
+
 def test_prefill_over_long_context_splits_into_whole_waves_and_matches_reference():
     # 100 new tokens over 4,200 cached: 9 tiles of 12 tokens on 4 "SMs" fill 3 waves 75%; 4 splits fill 9 waves
     # (splits pay off from 256 key tiles of reach: 16-key tiles here).
