@@ -4,25 +4,28 @@ The MoE's (token, choice) pairs are few at decode (batch x top_k), and each pair
 naive graph-capturable way gathers ``gate_up_proj[ids]`` into a copy per pair and multiplies the copy: three
 passes over an expert's bytes (read, write, read). Here the kernels read the weights in place:
 
-1. ``gate_up_kernel``: program (expert e, column tile n, K-split s) finds the pairs routed to ``e`` (a mask over
-   all pairs, no sorting: a program whose expert nobody picked returns before touching a weight), multiplies
-   their gated inputs ``x * gate`` (Llama-4 scales the expert's input) by ``W_gate_up[e, ks, n]`` and writes the
-   float32 partial sums of split ``s``. Splitting K keeps enough programs streaming at batch 1, where only one
+1. ``gate_up_kernel``: program (slot j, column tile n, K-split s) takes the j-th distinct expert ``e`` the pairs
+   picked and the pairs routed to it (a mask over all pairs, no sorting; there are min(experts, pairs) slots, and
+   a slot past the last picked expert returns before touching a weight), multiplies their gated inputs
+   ``x * gate`` (Llama-4 scales the expert's input) by ``W_gate_up[e, ks, n]`` and writes the float32 partial
+   sums of split ``s``. Splitting K keeps enough programs streaming at batch 1, where only one
    expert's 16 column tiles have work. The last split of a tile to finish sums the splits and writes
    ``silu(gate) * up`` (an arrival counter per tile: no kernel of its own, and none of the down kernel's programs
    holds every split's tiles in registers, which spilled);
-2. ``down_kernel``: program (expert e, column tile n) multiplies the pairs of ``e`` by ``W_down[e, :, n]``;
-   the last program of a column tile to finish adds each token's rows (its top_k choices, its shared-expert row).
+2. ``down_kernel``: program (slot j, column tile n) multiplies the pairs of slot j's expert ``e`` by
+   ``W_down[e, :, n]``; the last program of a column tile to finish adds each token's rows (its top_k choices,
+   its shared-expert row).
 
 Before them, ``route_kernel`` computes the router's logits, top-k and gates in one launch.
 
-The shared expert (Llama-4's, ungated, on every token) can run as one more expert in the gate/up and down kernels: its
-nn.Linear weights are read transposed in place (K-contiguous), and each token gets one more output row, added to
-its routed ones at the end.
+The shared expert (Llama-4's, ungated, on every token) can run as one more expert, the last slot, in the gate/up
+and down kernels: its nn.Linear weights are read transposed in place (K-contiguous), and each token gets one more
+output row, added to its routed ones at the end.
 
-E.g. 2 tokens, top-1, ids [3, 3], 16 experts, I = 1024, 64-column tiles, 4 splits: 16 x 16 x 4 programs start,
-the 64 of expert 3 each read a [H/4, 64] tile of gate and of up for both rows at once; 960 return at once; the
-fourth of expert 3's programs on column tile n to finish writes h[0:2, 64n:64n + 64].
+E.g. 2 tokens, top-1, ids [3, 3], 16 experts, I = 1024, 64-column tiles, 4 splits: 2 x 16 x 4 programs start;
+slot 0's 64 (expert 3) each read a [H/4, 64] tile of gate and of up for both rows at once, slot 1's 64 find no
+second expert and return; the fourth of slot 0's programs on column tile n to finish writes h[0:2, 64n:64n + 64].
+(A grid over all 16 experts would launch 1,024 programs, 960 of them idle.)
 
 The kernels take any float dtype; float32 weights use IEEE dots (Triton's default for float32 is tf32), so the
 tiny float32 test models stay exact to rounding.
@@ -45,24 +48,37 @@ MAX_PAIRS = 64
 def route_kernel(
     x_ptr, w_ptr, logits_ptr, arrived_ptr, ids_ptr, gates_ptr, hidden, num_experts, stride_xt, stride_we,
     E_PAD: tl.constexpr, PER_PROGRAM: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False,
+    ONE_TILE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (token t, p): router logits of experts [p * PER_PROGRAM, ...) for token t, rounded to the model's
     dtype as nn.Linear's output is. The token's last program to finish (an arrival counter, reset after use)
     picks the top_k experts (the first index among equal logits) and their gates ``sigmoid(logit)``. Spreading
-    the router's rows over programs keeps a 16-expert router from being one SM's serial read."""
-    if PDL:
-        pdl_start()
+    the router's rows over programs keeps a 16-expert router from being one SM's serial read.
+
+    ONE_TILE (hidden <= BLOCK_K): the program's weight rows are read before the PDL wait (no kernel writes them),
+    so only x's read follows it."""
     t = tl.program_id(0).to(tl.int64)
     es = tl.program_id(1) * PER_PROGRAM + tl.arange(0, PER_PROGRAM)
     e_ok = es < num_experts
-    acc = tl.zeros((PER_PROGRAM,), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
+    if ONE_TILE:
+        ks = tl.arange(0, BLOCK_K)
         k_ok = ks < hidden
-        x = tl.load(x_ptr + t * stride_xt + ks, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + es[:, None] * stride_we + ks[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+        if PDL:
+            pdl_start()
+        x = tl.load(x_ptr + t * stride_xt + ks, mask=k_ok, other=0.0).to(tl.float32)
+        acc = tl.sum(w.to(tl.float32) * x[None, :], 1)
+    else:
+        if PDL:
+            pdl_start()
+        acc = tl.zeros((PER_PROGRAM,), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < hidden
+            x = tl.load(x_ptr + t * stride_xt + ks, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + es[:, None] * stride_we + ks[None, :], mask=e_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
     dtype = gates_ptr.dtype.element_ty
     tl.store(logits_ptr + t * E_PAD + es, acc.to(dtype).to(tl.float32), mask=e_ok)
     # release our logits, acquire the others' (acq_rel): the last to arrive sees every program's stores
@@ -77,6 +93,16 @@ def route_kernel(
             tl.store(gates_ptr + t * TOP_K + j, tl.sigmoid(best).to(dtype))
             logits = tl.where(all_es == pick, float("-inf"), logits)
         tl.store(arrived_ptr + t, 0)
+
+
+@triton.jit
+def _slot_expert(ids, routed, slot, num_experts, E_PAD: tl.constexpr):
+    """The expert of grid slot ``slot``: the slot-th distinct expert among the routed rows' ``ids``, in expert
+    order; ``num_experts + 1`` (nobody's) past the last. E.g. ids [5, 2, 5], slots 0, 1, 2 -> experts 2, 5, none."""
+    es = tl.arange(0, E_PAD)
+    picked = tl.max(((ids[:, None] == es[None, :]) & routed[:, None]).to(tl.int32), 0)
+    hit = (picked > 0) & (tl.cumsum(picked, 0) == slot + 1)
+    return tl.where(tl.sum(hit.to(tl.int32), 0) > 0, tl.sum(tl.where(hit, es, 0), 0), num_experts + 1)
 
 
 @triton.jit
@@ -113,10 +139,10 @@ def gate_up_kernel(
     num_pairs, num_tokens, num_experts, hidden, inter, k_per_split,
     stride_xt, stride_we, stride_wk, stride_wn, stride_swk, stride_swn, stride_ps, stride_pp,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-    IEEE: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr = False,
+    IEEE: tl.constexpr, SHARED: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Rows 0..num_pairs are the (token, choice) pairs; with SHARED, rows num_pairs.. are each token once more for
-    the shared expert (program e == num_experts, gate 1).
+    the shared expert (the last slot, gate 1).
 
     With SPLITS > 1 each program stores its float32 partial sums; the last split of an (expert, column tile) to
     finish (an arrival counter, reset after use) sums them in split order. That program, or the only one, writes
@@ -127,7 +153,7 @@ def gate_up_kernel(
     before): this kernel starts only once every router program has passed its own wait, so x (the router's input
     too) is complete. They wait before their first store, as the buffers they write may be memory the router still
     reads. The routed experts' programs wait first: the ids and gates are the router's output."""
-    e = tl.program_id(0)
+    slot = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     split = tl.program_id(2)
     rows = tl.arange(0, BLOCK_M)
@@ -136,7 +162,8 @@ def gate_up_kernel(
     col_ok = cols < inter
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, hidden)
-    if SHARED and e == num_experts:
+    e = num_experts  # the shared expert's counters follow the routed experts'
+    if SHARED and slot == tl.num_programs(0) - 1:
         mine = (rows >= num_pairs) & (rows < num_pairs + num_tokens)
         tokens = (rows - num_pairs).to(tl.int64)
         gate = tl.full((BLOCK_M,), 1.0, tl.float32)
@@ -148,7 +175,8 @@ def gate_up_kernel(
         if PDL:
             pdl_start()
         ids = tl.load(ids_ptr + rows, mask=routed, other=-1)
-        mine = ids == e
+        e = _slot_expert(ids, routed, slot, num_experts, E_PAD)
+        mine = routed & (ids == e)
         if tl.sum(mine.to(tl.int32), 0) == 0:
             return
         tokens = (rows // TOP_K).to(tl.int64)
@@ -202,27 +230,29 @@ def down_kernel(
     num_pairs, num_tokens, num_experts, hidden, inter,
     stride_we, stride_wk, stride_wn, stride_swk, stride_swn, stride_op, stride_st,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-    SHARED: tl.constexpr, SUM: tl.constexpr, PDL: tl.constexpr = False,
+    SHARED: tl.constexpr, SUM: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Output rows are the pairs (and the shared expert's rows), rounded to the output's dtype. With SUM, the last
     program of a column tile to finish (every program arrives, idle ones too) adds each token's rows as eager torch
     does: its top_k routed rows summed in float32 and rounded, then the shared expert's row added and rounded."""
     if PDL:
         pdl_start()
-    e = tl.program_id(0)
+    slot = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     rows = tl.arange(0, BLOCK_M)
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     out = out_ptr + rows[:, None].to(tl.int64) * stride_op + cols[None, :]
-    if SHARED and e == num_experts:
+    if SHARED and slot == tl.num_programs(0) - 1:
         mine = (rows >= num_pairs) & (rows < num_pairs + num_tokens)
         acc = _down_dots(h_ptr, mine, rows, sw_ptr, stride_swk, stride_swn, inter, cols, col_ok, BLOCK_M, BLOCK_N,
                          BLOCK_K, IEEE)
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mine[:, None] & col_ok[None, :])
     else:
-        ids = tl.load(ids_ptr + rows, mask=rows < num_pairs, other=-1)
-        mine = ids == e
+        pair = rows < num_pairs
+        ids = tl.load(ids_ptr + rows, mask=pair, other=-1)
+        e = _slot_expert(ids, pair, slot, num_experts, E_PAD)
+        mine = pair & (ids == e)
         if tl.sum(mine.to(tl.int32), 0) > 0:
             acc = _down_dots(h_ptr, mine, rows, w_ptr + e.to(tl.int64) * stride_we, stride_wk, stride_wn, inter,
                              cols, col_ok, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
@@ -263,13 +293,16 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
             raise ValueError(f"route needs an arrival counter per token ({tokens}), got {arrived.numel()}")
         e_pad = triton.next_power_of_2(num_experts)
         per_program = max(1, e_pad // 16)
+        # a Scout rank's router row (5,120 values) in one tile, read before the PDL wait
+        one_tile = per_program * triton.next_power_of_2(hidden) <= 8192
+        block_k = triton.next_power_of_2(hidden) if one_tile else 2048
         logits = torch.empty((tokens, e_pad), dtype=torch.float32, device=x.device)
         x = x if x.stride(-1) == 1 else x.contiguous()
         on = pdl(x)
         route_kernel[(tokens, triton.cdiv(num_experts, per_program))](
             x, router_weight, logits, arrived, ids, gates, hidden, num_experts, x.stride(0),
-            router_weight.stride(0), E_PAD=e_pad, PER_PROGRAM=per_program, TOP_K=top_k, BLOCK_K=2048,
-            PDL=on, num_warps=4, launch_pdl=on,
+            router_weight.stride(0), E_PAD=e_pad, PER_PROGRAM=per_program, TOP_K=top_k, BLOCK_K=block_k,
+            ONE_TILE=one_tile, PDL=on, num_warps=4, launch_pdl=on,
         )
     return ids, gates
 
@@ -315,7 +348,10 @@ def fused_moe(x: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor, gate_up: 
     gates = gates.reshape(-1)
     # the shared expert's weights read as w[k, n]: its [2I, H] gate/up and [H, I] down transposed in place
     s_gate_up, s_down = (shared[0].t(), shared[1].t()) if shared is not None else (gate_up[0], down[0])
-    programs = num_experts + (shared is not None)
+    # one grid slot per expert the rows can touch (the slot-th picked, found by each program), the shared expert
+    # last: at batch 1, 2 slots instead of 17 (a Scout rank), so no wave of idle programs queues before the busy
+    programs = min(num_experts, num_pairs) + (shared is not None)
+    e_pad = triton.next_power_of_2(num_experts)
     block_m = max(16, triton.next_power_of_2(num_rows))
     # longer K tiles once several experts share the SMs (a Scout rank's batch 8 with its shared expert: 67.5 us
     # instead of 71.6); at 64 rows, or in float32, they no longer fit in shared memory
@@ -339,7 +375,7 @@ def fused_moe(x: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor, gate_up: 
         inter, k_per_split, x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
         s_gate_up.stride(0), s_gate_up.stride(1), part.stride(0), part.stride(1),
         TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, IEEE=ieee,
-        SHARED=shared is not None, PDL=on, num_warps=warps, num_stages=stages, launch_pdl=on,
+        SHARED=shared is not None, E_PAD=e_pad, PDL=on, num_warps=warps, num_stages=stages, launch_pdl=on,
     )
     out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
     # one row per token at the end: the routed rows summed and the shared row added, by the down kernel itself
@@ -351,6 +387,6 @@ def fused_moe(x: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor, gate_up: 
         num_pairs, tokens, num_experts, hidden, inter, down.stride(0), down.stride(1), down.stride(2),
         s_down.stride(0), s_down.stride(1), out.stride(0), total.stride(0),
         TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=down_n, BLOCK_K=down_k, IEEE=ieee, SHARED=shared is not None,
-        SUM=summed, PDL=on, num_warps=warps, num_stages=stages, launch_pdl=on,
+        SUM=summed, E_PAD=e_pad, PDL=on, num_warps=warps, num_stages=stages, launch_pdl=on,
     )
     return total

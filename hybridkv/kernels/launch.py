@@ -6,7 +6,9 @@ running: its programs start, wait at ``gdc_wait`` until the first kernel has fin
 and only then read or write anything, so what it computes is unchanged. Each kernel lets its own successor launch
 as soon as every one of its programs has started (``gdc_launch_dependents``).
 
-A kernel launched this way must call ``pdl_start`` before its first load or store. A kernel launched without PDL
+A kernel launched this way must call ``pdl_start`` before its first store and before its first load of anything
+a kernel of the step writes. What none of them writes (weights, the step's metadata, copied in before its first
+kernel) may be read before it, so that those reads overlap the kernel before. A kernel launched without PDL
 (cuBLAS, torch's own) waits for its predecessor as usual, and so does a PDL kernel after one of those.
 """
 

@@ -96,6 +96,28 @@ def test_unrouted_expert_weights_are_not_read():
     assert relative_error(got, reference(x, gates, ids, gate_up, down)) < 1e-5
 
 
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_slots_take_the_picked_experts_in_order(with_shared):
+    """Top-2 of 3 tokens picking experts 2, 5 and 9 (repeats included): 6 grid slots, the first three take experts
+    2, 5, 9 and the rest return; every other expert is NaN-poisoned, so a slot that read one would show."""
+    torch.manual_seed(2)
+    experts, hidden, inter = 16, 128, 64
+    x = torch.randn(3, hidden)
+    ids = torch.tensor([[5, 2], [5, 9], [2, 5]])
+    gates = torch.rand(3, 2)
+    gate_up = torch.randn(experts, hidden, 2 * inter) / hidden**0.5
+    down = torch.randn(experts, inter, hidden) / inter**0.5
+    for e in set(range(experts)) - {2, 5, 9}:
+        gate_up[e], down[e] = float("nan"), float("nan")
+    shared = (torch.randn(2 * inter, hidden) / hidden**0.5, torch.randn(hidden, inter) / inter**0.5)
+    shared = shared if with_shared else None
+    arrived = fused_moe_counters(experts, inter, hidden, DEVICE)
+    got = fused_moe(*(t.to(DEVICE) for t in (x, gates, ids, gate_up, down)), arrived,
+                    shared=tuple(w.to(DEVICE) for w in shared) if shared else None).cpu()
+    assert not arrived.any()
+    assert relative_error(got, reference(x, gates, ids, gate_up, down, shared)) < 1e-5
+
+
 def test_too_many_pairs_is_refused():
     x = torch.zeros(MAX_PAIRS + 1, 16, device=DEVICE)
     ids = torch.zeros(MAX_PAIRS + 1, 1, dtype=torch.long, device=DEVICE)
@@ -113,11 +135,13 @@ def test_too_few_counters_is_refused():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("experts,top_k,tokens", [(16, 1, 1), (16, 1, 33), (5, 2, 7), (128, 4, 3), (40, 2, 2)])
-def test_route_matches_topk_of_the_router(dtype, experts, top_k, tokens):
+@pytest.mark.parametrize("experts,top_k,tokens,hidden", [
+    (16, 1, 1, 300), (16, 1, 33, 300), (5, 2, 7, 300), (128, 4, 3, 300), (40, 2, 2, 300),
+    (16, 1, 2, 9000),  # rows longer than one tile: the K loop after the wait
+])
+def test_route_matches_topk_of_the_router(dtype, experts, top_k, tokens, hidden):
     """Ids as torch.topk of the router's (rounded) logits, gates as sigmoid of them."""
     torch.manual_seed(experts + tokens)
-    hidden = 300
     x = torch.randn(tokens, hidden).to(dtype)
     w = (torch.randn(experts, hidden) / hidden**0.5).to(dtype)
     logits = (x.double() @ w.double().T).to(dtype)
