@@ -1,0 +1,175 @@
+"""Where a Scout rank's decode step goes, stage by stage, from its CUDA graph alone (GPU time, no host).
+
+`benchmarks/gpu/decode.py`'s model and engine (random bf16 weights, a random-filled cache), then:
+
+- ``--replay``: the median replay of the step's graph per (batch, context); run it from two checkouts to set two
+  builds side by side (``cd other && PYTHONPATH=. python ../tools/kernel_dev/decode_stages.py --replay``).
+- ``--stages``: the graph captured again with one stage taken out (its output replaced by its input, so the
+  step's results are wrong on purpose) and replayed at batch 1, ``--context``. What the step loses is what the
+  stage costs in the chain of dependent kernels, beyond the bytes it reads.
+- ``--splits``: one full layer's attention and split combine at ``--context``, by split count, from graphs of
+  20 calls; and the attention alone (the combine left out).
+
+    PYTHONPATH=. python tools/kernel_dev/decode_stages.py --stages base,no_norm,no_rope,no_kv_write,no_combine,\\
+        no_attention,no_attention_full,no_attention_chunked,no_router,no_moe --context 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"))
+from decode import start_decoding  # noqa: E402
+from scout_rank import engine_for, fill_random, rank_config, random_model  # noqa: E402
+
+import hybridkv.kernels.fused_moe as fused_moe  # noqa: E402
+from hybridkv.model.architectures import llama  # noqa: E402
+from hybridkv.model.attention.triton_paged import TritonPagedAttention  # noqa: E402
+from hybridkv.model.loading.checkpoint import LoadedModel  # noqa: E402
+from hybridkv.model.loading.tokenizer import word_tokenizer  # noqa: E402
+
+
+class _Skip:
+    """A kernel table whose named kernels launch nothing."""
+
+    def __init__(self, kernels, names: set[str]) -> None:
+        self.kernels, self.names = kernels, names
+
+    def __getattr__(self, name):
+        if name in self.names:
+            return _NoLaunch()
+        return getattr(self.kernels, name)
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+class Patches:
+    """Attributes replaced for one stage's run, put back by ``undo``."""
+
+    def __init__(self) -> None:
+        self.saved: list[tuple[object, str, object]] = []
+
+    def set(self, obj, name: str, value) -> None:
+        self.saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def undo(self) -> None:
+        for obj, name, value in reversed(self.saved):
+            setattr(obj, name, value)
+        self.saved.clear()
+
+
+def take_out(stage: str, engine, model, patches: Patches) -> None:
+    backend = engine.runner.backend
+    if stage == "no_norm":
+        patches.set(llama.RMSNorm, "add_forward", lambda self, x, residual, tp=None: (x, residual))
+        patches.set(llama.RMSNorm, "forward", lambda self, x: x)
+    elif stage == "no_rope":
+        patches.set(llama.Attention, "_position_encode", lambda self, q, k, tables: (q, k))
+    elif stage in ("no_kv_write", "no_combine"):
+        name = "kv_write_kernel" if stage == "no_kv_write" else "combine_splits_kernel"
+        patches.set(backend, "kernels", _Skip(backend.kernels, {name}))
+    elif stage == "no_attention":  # KV write, attention and combine
+        patches.set(TritonPagedAttention, "attend", lambda self, layer_id, q, k, v, scale: q)
+    elif stage in ("no_attention_full", "no_attention_chunked"):
+        attend, chunked = TritonPagedAttention.attend, stage == "no_attention_chunked"
+
+        def some(self, layer_id, q, k, v, scale):
+            return q if model.cfg.uses_rope(layer_id) == chunked else attend(self, layer_id, q, k, v, scale)
+
+        patches.set(TritonPagedAttention, "attend", some)
+    elif stage == "no_router":  # the first step's routing, replayed
+        route, first = fused_moe.route, {}
+
+        def routed_once(x, w, top_k, arrived):
+            first.setdefault("ids", route(x, w, top_k, arrived))
+            return first["ids"]
+
+        patches.set(fused_moe, "route", routed_once)
+    elif stage == "no_moe":
+        patches.set(llama.MoE, "forward", lambda self, x: x)
+    elif stage != "base":
+        raise SystemExit(f"unknown stage {stage!r}")
+
+
+def replay_ms(engine, batch: int) -> list[float]:
+    graphs = engine.runner.graphs
+    graph = graphs.graphs[next(b for b in graphs.buckets if b >= batch)]
+    return [triton.testing.do_bench(graph.replay, warmup=20, rep=300, return_mode="median") for _ in range(3)]
+
+
+def graph_us(fn, calls: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return 1000 * triton.testing.do_bench(graph.replay, warmup=10, rep=200, return_mode="median") / calls
+
+
+def split_rows(engine, context: int) -> None:
+    backend = engine.runner.backend
+    engine.step()
+    layer_id = 3  # a full layer of Llama-4
+    layer = backend.cache.layers[layer_id]
+    captured = backend.step_state.groups[layer.group_id]
+    q = torch.randn(1, 5, 128, dtype=torch.bfloat16, device="cuda")
+    kernels = backend.kernels
+    for splits in (512, 256, 128, 64, 32, 16, 8):
+        meta = dataclasses.replace(captured, num_splits=splits)
+        both = graph_us(lambda: backend._attention(q, layer, meta, 0.088, 1.0, 1.0))
+        backend.kernels = _Skip(kernels, {"combine_splits_kernel"})
+        alone = graph_us(lambda: backend._attention(q, layer, meta, 0.088, 1.0, 1.0))
+        backend.kernels = kernels
+        print(f"context {context} full layer, {splits} splits: attention and combine {both:.2f} us, "
+              f"attention alone {alone:.2f} us", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--replay", action="store_true", help="graph replay per (batch, context) of --cases")
+    ap.add_argument("--cases", default="1x16384,1x131072,1x1048576,8x131072,32x131072")
+    ap.add_argument("--stages", default="", help="comma-separated: base, no_norm, no_rope, no_kv_write, ...")
+    ap.add_argument("--splits", action="store_true", help="a full layer's attention by split count")
+    ap.add_argument("--context", type=int, default=16384, help="batch-1 context of --stages and --splits")
+    args = ap.parse_args()
+
+    cfg = rank_config(8)
+    model = random_model(cfg)
+    loaded = LoadedModel("scout-rank (random weights)", model, word_tokenizer(cfg["vocab_size"]), cfg)
+    engine = engine_for(loaded, "bfloat16", max_num_seqs=32 if args.replay else 1)
+    fill_random(engine)
+    if args.replay:
+        for case in args.cases.split(","):
+            batch, context = map(int, case.split("x"))
+            start_decoding(engine, batch, context, cfg["vocab_size"], 400)
+            print(f"batch {batch} context {context}: graph replay "
+                  + " ".join(f"{ms:.3f}" for ms in replay_ms(engine, batch)) + " ms", flush=True)
+            for b in range(batch):
+                engine.abort_request(f"decode-{context}-{b}")
+    if args.stages or args.splits:
+        start_decoding(engine, 1, args.context, cfg["vocab_size"], 400)
+    patches = Patches()
+    for stage in filter(None, args.stages.split(",")):
+        take_out(stage, engine, model, patches)
+        engine.runner.capture_decode_graphs(1, engine.max_model_len)
+        engine.step()
+        engine.step()
+        print(f"{stage}: graph replay " + " ".join(f"{ms:.3f}" for ms in replay_ms(engine, 1)) + " ms", flush=True)
+        patches.undo()
+    if args.splits:
+        split_rows(engine, args.context)
+
+
+if __name__ == "__main__":
+    main()
