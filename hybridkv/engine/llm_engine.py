@@ -423,7 +423,7 @@ class LLMEngine:
         self._catch_up_text(seqs)
         tokens = None
         if seqs and self._may_go_ahead(out, result, seqs):
-            on_device = result.logits.argmax(dim=-1)  # the next step's input, where it is
+            on_device = self._tokens_on_device(seqs, result)  # the next step's input, where it is
             tokens = _start_copy_to_host(on_device)  # queued before the next step, not behind it
             self._ahead = self._schedule_ahead(seqs, on_device)
         touched = self._sample(seqs, result, tokens() if tokens else None) if seqs else ()
@@ -440,13 +440,18 @@ class LLMEngine:
 
     # ---- async scheduling ------------------------------------------------------------------------------
     def _may_go_ahead(self, out: SchedulerOutput, result: StepOutput, seqs: list[Sequence]) -> bool:
-        """Whether the next step can be scheduled before this one's tokens are read: a greedy step on one rank in
-        which every running sequence samples, each of them sure to take one more token (not at max_tokens), no
-        request waiting, and the free pool holding a new block per sequence and group (so scheduling it preempts
-        nobody: a preempted sequence's placeholder would be hashed into its blocks)."""
-        if not (self.config.async_scheduling and self.workers is None and result.argmax_only
-                and result.scores is None and not self.scheduler.waiting):
+        """Whether the next step can be scheduled before this one's tokens are read: a step on one rank in which
+        every running sequence samples and none asks for logprobs, each of them sure to take one more token (not at
+        max_tokens), no request waiting, and the free pool holding a new block per sequence and group (so
+        scheduling it preempts nobody: a preempted sequence's placeholder would be hashed into its blocks).
+
+        Sampled rows go ahead too: this step's penalties, grammar masks and min_tokens read the tokens up to the
+        step before, all in place by now, and the sampler leaves its tokens on the device."""
+        if not (self.config.async_scheduling and self.workers is None and result.scores is None
+                and not self.scheduler.waiting):
             return False
+        if any(s.state.params.logprobs is not None for s in seqs):
+            return False  # their values would be read behind the next step
         if len(seqs) != len(out.scheduled) or len(seqs) != len(self.scheduler.running):
             return False
         if self.kv.pool.num_free_blocks < len(seqs) * self.kv.num_groups:
@@ -489,17 +494,7 @@ class LLMEngine:
         elif step.argmax_only:  # no grammar either: ``SamplingParams.argmax_only`` excludes one
             result = self.sampler.argmax(step.logits)
         else:
-            grammars = [s.grammar for s in seqs]
-            bitmask = self.structured_outputs.bitmask(grammars) if any(g is not None for g in grammars) else None
-            result = self.sampler(
-                step.logits,
-                [s.state.params for s in seqs],
-                [s.prompt_token_ids for s in seqs],
-                [s.state.token_ids for s in seqs],  # = output_token_ids, without slicing a copy per step
-                [s.generator for s in seqs],
-                self.eos_token_ids,
-                bitmask,
-            )
+            result = self.sampler(step.logits, *self._sampler_inputs(seqs))
         touched: dict[str, _Request] = {}
         eos, max_len, by_seq = self.eos_token_ids, self.max_model_len, self._by_seq
         logprobs = result.logprobs
@@ -521,6 +516,20 @@ class LLMEngine:
             req = by_seq[seq.request_id]
             touched[req.request_id] = req
         return list(touched.values())
+
+    def _tokens_on_device(self, seqs: list[Sequence], step: StepOutput) -> torch.Tensor:
+        """The step's tokens as ``_sample`` would draw them, left on the device (async scheduling)."""
+        if step.argmax_only:
+            return step.logits.argmax(dim=-1)
+        return self.sampler.tokens_on_device(step.logits, *self._sampler_inputs(seqs))
+
+    def _sampler_inputs(self, seqs: list[Sequence]) -> tuple:
+        """What the sampler takes besides the logits: params, prompts, outputs, generators, EOS ids, grammar mask."""
+        grammars = [s.grammar for s in seqs]
+        bitmask = self.structured_outputs.bitmask(grammars) if any(g is not None for g in grammars) else None
+        return ([s.state.params for s in seqs], [s.prompt_token_ids for s in seqs],
+                [s.state.token_ids for s in seqs],  # = output_token_ids, without slicing a copy per step
+                [s.generator for s in seqs], self.eos_token_ids, bitmask)
 
     @staticmethod
     def _catch_up_text(seqs: list[Sequence]) -> None:

@@ -85,6 +85,32 @@ class Sampler:
         assert len(params) == len(prompt_ids) == len(output_ids) == len(generators) == batch
         if token_bitmask is None and all(p.argmax_only(len(ids)) for p, ids in zip(params, output_ids)):
             return self.argmax(logits)
+        tokens, raw_logprobs = self._tokens(logits, params, prompt_ids, output_ids, generators, eos_token_ids,
+                                            token_bitmask)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, _gather_logprobs(raw_logprobs, params, token_list))
+
+    def tokens_on_device(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+        eos_token_ids: Collection[int] = (),
+        token_bitmask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The tokens ``__call__`` would sample, int64 [B] left on the logits' device (async scheduling: the next
+        step's input ids), for rows that ask no logprobs."""
+        if any(p.logprobs is not None for p in params):
+            raise ValueError("tokens_on_device gives no logprobs: sample rows that ask for them with __call__")
+        if token_bitmask is None and all(p.argmax_only(len(ids)) for p, ids in zip(params, output_ids)):
+            return logits.argmax(dim=-1)
+        return self._tokens(logits, params, prompt_ids, output_ids, generators, eos_token_ids, token_bitmask)[0]
+
+    def _tokens(self, logits, params, prompt_ids, output_ids, generators, eos_token_ids,
+                token_bitmask) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the sampled tokens on the logits' device, the raw logprobs where a row asks for them)."""
         logits = logits.to(torch.float32, copy=True)
         if token_bitmask is not None:
             from hybridkv.engine.structured_output import apply_token_bitmask
@@ -102,9 +128,7 @@ class Sampler:
             random_tokens = self._sample_random(logits, params, generators, greedy)
             greedy_mask = torch.tensor(greedy, device=logits.device)
             tokens = torch.where(greedy_mask, tokens, random_tokens)
-
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, _gather_logprobs(raw_logprobs, params, token_list))
+        return tokens, raw_logprobs
 
     @staticmethod
     def argmax(logits: torch.Tensor) -> SamplerOutput:
@@ -309,10 +333,11 @@ def apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
     """In place: set logits outside each row's top-k / top-p set to -inf."""
     vocab = logits.shape[1]
     dev = logits.device
+    # decided on the host: no device round trip (with async scheduling the GPU may be a step ahead)
+    if all(not 0 < p.top_k < vocab and p.top_p >= 1.0 for p in params):
+        return
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
     top_p = torch.tensor([p.top_p for p in params], device=dev)
-    if bool((top_k == vocab).all() & (top_p >= 1.0).all()):
-        return
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     positions = torch.arange(vocab, device=dev).unsqueeze(0)
     sorted_logits.masked_fill_(positions >= top_k.unsqueeze(1), float("-inf"))
@@ -327,9 +352,9 @@ def apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
 
 def apply_min_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
     """In place: drop tokens with prob < min_p * (the row's max prob)."""
-    min_p = torch.tensor([p.min_p for p in params], device=logits.device)
-    if bool((min_p == 0.0).all()):
+    if all(p.min_p == 0.0 for p in params):
         return
+    min_p = torch.tensor([p.min_p for p in params], device=logits.device)
     probs = torch.softmax(logits, dim=-1)
     threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
     logits.masked_fill_(probs < threshold, float("-inf"))

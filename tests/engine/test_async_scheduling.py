@@ -4,6 +4,8 @@ bookkeeping runs: these tests hold it to the synchronous engine's tokens, cache 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from tiny_models import random_prompts
 
@@ -79,7 +81,8 @@ def test_async_stops_on_eos_and_stop_tokens_one_step_late_without_a_trace(tiny_m
 
 def test_async_steps_fall_back_to_synchronous_ones_where_they_cannot_go_ahead(tiny_model):
     """Sampled and logprob requests, requests waiting for a slot (max_num_seqs 2) and max_tokens 1 and 2 all run
-    through the same engine: each step goes ahead only when it may, and the results are the synchronous ones."""
+    through the same engine: each step goes ahead only when it may (not while a row asks for logprobs), and the
+    results are the synchronous ones."""
     model = tiny_model("llama3")
     prompts = random_prompts([12, 19, 7, 25, 10], seed=7)
     params = [greedy(1), greedy(2), SamplingParams(temperature=0.8, seed=3, max_tokens=9),
@@ -92,6 +95,67 @@ def test_async_steps_fall_back_to_synchronous_ones_where_they_cannot_go_ahead(ti
     assert [len(o.outputs[0].token_ids) for o in got] == [1, 2, 9, 8, 11]
     assert got[3].outputs[0].logprobs == want[3].outputs[0].logprobs
     assert ahead.engine.steps_launched_ahead > 0
+    assert_all_blocks_free(ahead)
+
+
+def test_async_sampled_requests_go_ahead_and_match_the_synchronous_engine(tiny_model):
+    """Temperature, top-k, top-p, min-p, penalties, min_tokens and logit_bias, seeded rows and an unseeded one (the
+    two engines' samplers share a seed): each step is sampled before the next is launched, from the tokens up to
+    the step before, so the tokens are the synchronous engine's."""
+    model = tiny_model("llama4")
+    prompts = random_prompts([13, 20, 9, 16], seed=9)
+    params = [
+        SamplingParams(temperature=0.8, seed=1, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=1.2, top_k=5, top_p=0.9, seed=2, max_tokens=14, repetition_penalty=1.3,
+                       ignore_eos=True),
+        SamplingParams(temperature=0.7, min_p=0.1, frequency_penalty=0.5, presence_penalty=0.3, min_tokens=6,
+                       max_tokens=12, logit_bias={5: 2.0}),
+        greedy(9, ignore_eos=True),
+    ]
+    sync, ahead = engines(model, seed=4)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    want = sync.generate(batch, params, use_tqdm=False)
+    got = ahead.generate(batch, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    assert len(got[1].outputs[0].token_ids) == 14 and len(got[2].outputs[0].token_ids) >= 6
+    # every decode step of the 14-token request but its first and last could go ahead
+    assert ahead.engine.steps_launched_ahead >= 10, ahead.engine.steps_launched_ahead
+    assert_all_blocks_free(ahead)
+
+
+def test_async_json_mode_follows_its_schema_token_for_token_with_the_synchronous_engine():
+    """A grammar's mask for a step comes from the tokens up to the step before, all in place when the step is
+    sampled: the real model's JSON output under async scheduling is the synchronous one, sampled or greedy."""
+    from hybridkv import StructuredOutputsParams
+
+    common = dict(max_model_len=256, kv_cache_memory_bytes=32 << 20, seed=5)
+    sync, ahead = LLM(async_scheduling=False, **common), LLM(async_scheduling=True, **common)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    params = [SamplingParams(temperature=t, seed=7, max_tokens=40, structured_outputs=StructuredOutputsParams(
+        json=schema)) for t in (0.9, 0)]
+    prompts = ["Describe a person as JSON.", "A person, as JSON:"]
+    want = sync.generate(prompts, params, use_tqdm=False)
+    got = ahead.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for o in got:
+        assert o.outputs[0].finish_reason == "stop", o.outputs[0].text
+        assert set(json.loads(o.outputs[0].text)) == {"name", "age"}
+    assert ahead.engine.steps_launched_ahead > 0
+    assert_all_blocks_free(ahead)
+
+
+def test_async_rows_asking_for_logprobs_keep_their_steps_synchronous(tiny_model):
+    """Their values would be read behind the next step: no step goes ahead while such a row runs."""
+    model = tiny_model("llama4")
+    prompt = random_prompts([11], seed=10)[0]
+    params = SamplingParams(temperature=0.9, seed=2, max_tokens=8, logprobs=3, ignore_eos=True)
+    sync, ahead = engines(model)
+    want = sync.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    got = ahead.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+    assert ahead.engine.steps_launched_ahead == 0
     assert_all_blocks_free(ahead)
 
 

@@ -291,3 +291,24 @@ def test_greedy_rows_take_the_argmax_only_when_nothing_moves_it():
     assert out.logprobs[0] == [] and out.logprobs[4][0][0] == 0  # the logprobs row still gets its logprobs
     alone = run(Sampler(), logits[:1], params[:1])  # the argmax alone: same token, no logprobs
     assert alone.token_ids == [0] and alone.logprobs is None
+
+
+def test_tokens_on_device_are_the_tokens_call_samples():
+    """Async scheduling samples through ``tokens_on_device``: the same tokens as ``__call__`` (the same generator
+    states, penalties, min_tokens), left as a tensor; rows asking for logprobs are refused."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.3, top_k=7, top_p=0.8, seed=2),
+              SamplingParams(temperature=0.6, min_p=0.05, repetition_penalty=1.4, min_tokens=3, seed=3),
+              SamplingParams(temperature=0)]
+    prompts, outputs = [[1, 2, 3]] * 4, [[4, 5], [], [6], [7]]
+    calls = []
+    for _ in range(2):
+        gens = [make_generator(p.seed) for p in params]
+        calls.append((Sampler(seed=5), gens))
+    want = run(calls[0][0], logits, params, prompts, outputs, calls[0][1], eos=(0,)).token_ids
+    got = calls[1][0].tokens_on_device(logits, params, prompts, outputs, calls[1][1], (0,))
+    assert isinstance(got, torch.Tensor) and got.tolist() == want
+    assert got[3] == logits[3].argmax()
+    with pytest.raises(ValueError, match="no logprobs"):
+        Sampler().tokens_on_device(logits[:1], [SamplingParams(logprobs=2)], [[]], [[]], [None])
