@@ -119,7 +119,8 @@ def test_gpu_hopper_fp8_compute_moves_logprobs_no_more_than_the_fp8_cache_itself
                                                     ("llama4", True)])
 def test_decode_from_cuda_graphs_is_token_exact_with_eager(tiny_model, name, async_scheduling):
     """Decode steps replayed from CUDA graphs (batches padded to buckets) give exactly the eager result; with async
-    scheduling too, each graph's input ids copied from the step before's argmax on the device."""
+    scheduling too, each graph's input ids copied from the step before's tokens on the device (greedy and
+    sampled)."""
     model = tiny_model(name)
     # three sequences: bucket 4 with one padding row (the tiny Llama-4's 4 experts allow graphs up to 4 tokens)
     prompts = [{"prompt_token_ids": p} for p in random_prompts([70, 23, 150], seed=21)]
@@ -141,6 +142,13 @@ def test_decode_from_cuda_graphs_is_token_exact_with_eager(tiny_model, name, asy
         got = graphed.generate(prompts, plain, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
         assert graphed.engine.steps_launched_ahead >= 15
+        # sampled steps go ahead too, each sampled on the device before the next is launched
+        sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=20, ignore_eos=True)
+        want = eager.generate(prompts, sampled, use_tqdm=False)
+        ahead = graphed.engine.steps_launched_ahead
+        got = graphed.generate(prompts, sampled, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert graphed.engine.steps_launched_ahead - ahead >= 15
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
