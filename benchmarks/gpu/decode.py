@@ -12,6 +12,7 @@ B tokens is counted as touching E * (1 - (1 - 1/E)^B) experts per MoE layer.
 
     python benchmarks/gpu/decode.py [--contexts 16384,1048576,10000000] [--batches 1,8,32]
         [--batch-context 131072] [--kv-dtypes bfloat16,fp8_e4m3] [--profile] [--async-scheduling]
+        [--temperature 0.8]
 
 ``--async-scheduling`` times every row a second time with ``EngineConfig.async_scheduling`` on, in the same engine:
 each step returns with the next one already running, so those steps are timed back to back (their mean).
@@ -70,12 +71,12 @@ def step_bytes(model, cfg: dict, batch: int, context: int, kv_bytes_per_value: i
     return weights + kv
 
 
-def start_decoding(engine, batch: int, context: int, vocab: int, steps: int) -> bool:
+def start_decoding(engine, batch: int, context: int, vocab: int, steps: int, temperature: float = 0.0) -> bool:
     """``batch`` sequences with ``context`` tokens of random KV each, then their first decode steps; False (and
-    nothing left running) when their KV does not fit the pool."""
+    nothing left running) when their KV does not fit the pool. ``temperature`` > 0: sampled (seeded) requests."""
     for b in range(batch):
         engine.add_request(f"decode-{context}-{b}", prompt(context, vocab, 7 + b), SamplingParams(
-            temperature=0, max_tokens=steps + 2, ignore_eos=True))
+            temperature=temperature, seed=b if temperature else None, max_tokens=steps + 2, ignore_eos=True))
     seqs = [engine.scheduler.waiting.popleft() for _ in range(batch)]
     piece = SLOT_PIECE
     for seq in seqs:
@@ -224,6 +225,8 @@ def main() -> None:
                     help="also time the fused MoE kernels' tile and K-split choices")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="also time each row with EngineConfig.async_scheduling (steps back to back, their mean)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample the tokens at this temperature (seeded) instead of taking the argmax")
     args = ap.parse_args()
 
     bandwidth = copy_bandwidth()
@@ -249,12 +252,12 @@ def main() -> None:
         fill_random(engine)
         for batch, context in cases:
             if context + args.steps + 8 <= engine.max_model_len and start_decoding(
-                    engine, batch, context, cfg["vocab_size"], args.steps + 8):
+                    engine, batch, context, cfg["vocab_size"], args.steps + 8, args.temperature):
                 timed[kv_dtype, batch, context] = median_step_ms(engine, args.steps, drain=True)
                 print(kv_dtype, batch, context, f"{timed[kv_dtype, batch, context]:.2f} ms", flush=True)
                 if args.async_scheduling:
                     engine.config.async_scheduling = True
-                    start_decoding(engine, batch, context, cfg["vocab_size"], args.steps + 8)
+                    start_decoding(engine, batch, context, cfg["vocab_size"], args.steps + 8, args.temperature)
                     ahead = engine.steps_launched_ahead
                     timed_async[kv_dtype, batch, context] = median_step_ms(engine, args.steps, back_to_back=True)
                     engine.config.async_scheduling = False
@@ -274,7 +277,7 @@ def main() -> None:
                 rows.append([kv_dtype, f"{batch}", f"{context:,}", "does not fit", "", "", "", ""]
                             + ["", ""] * args.async_scheduling)
                 continue
-            start_decoding(engine, batch, context, cfg["vocab_size"], 5 + 8)
+            start_decoding(engine, batch, context, cfg["vocab_size"], 5 + 8, args.temperature)
             count, top = kernels_per_step(engine, 25 if args.profile and batch == 1 and not top_rows else 0)
             top_rows = top_rows or top
             while engine.has_unfinished_requests():
@@ -289,7 +292,8 @@ def main() -> None:
             rows.append(row)
         del engine
         torch.cuda.empty_cache()
-    print(f"\n{torch.cuda.get_device_name()}: Llama-4-Scout TP-8 rank decode, CUDA graphs, "
+    sampled = f", tokens sampled at temperature {args.temperature}" if args.temperature else ""
+    print(f"\n{torch.cuda.get_device_name()}: Llama-4-Scout TP-8 rank decode, CUDA graphs{sampled}, "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (measured in this run)")
     extra = ["async scheduling: step ms", "of floor"] if args.async_scheduling else []
     print(markdown_table(["KV", "batch", "context", "step ms", "GB to read", "floor ms", "of floor",

@@ -42,6 +42,20 @@ class SamplerOutput:
     logprobs: list[Logprobs] | None
 
 
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``. To a GPU through pinned memory and a non-blocking copy: an ordinary copy from
+    pageable memory waits for everything queued on the stream, so sampling a step would wait for the step in
+    flight, where async scheduling wants to launch the next one first."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A short host list as a tensor on ``device`` (``host_to_device``)."""
+    return host_to_device(torch.tensor(values, dtype=dtype), device)
+
+
 def make_generator(seed: int | None) -> torch.Generator | None:
     """A request's private generator; create once per sequence and keep it."""
     if seed is None:
@@ -126,7 +140,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         if not all(greedy):
             random_tokens = self._sample_random(logits, params, generators, greedy)
-            greedy_mask = torch.tensor(greedy, device=logits.device)
+            greedy_mask = to_device(greedy, torch.bool, logits.device)
             tokens = torch.where(greedy_mask, tokens, random_tokens)
         return tokens, raw_logprobs
 
@@ -145,13 +159,12 @@ class Sampler:
     ) -> torch.Tensor:
         # Greedy rows go through with temperature 1 (their result is discarded)
         # so the division never sees ~0.
-        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
-                             device=logits.device)
+        temps = to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, logits.device)
         logits.div_(temps.unsqueeze(1))
         apply_top_k_top_p(logits, params)
         apply_min_p(logits, params)
         probs = torch.softmax(logits, dim=-1)
-        q = self._exponentials(probs.shape, generators, greedy).to(probs.device)
+        q = host_to_device(self._exponentials(probs.shape, generators, greedy), probs.device)
         return probs.div_(q).argmax(dim=-1)
 
     def _exponentials(
@@ -239,8 +252,8 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     """In place: add each row's ``logit_bias`` to its tokens' logits (before penalties, as vLLM)."""
     for i, p in enumerate(params):
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), device=logits.device)
-            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
+            ids = to_device(list(p.logit_bias), torch.long, logits.device)
+            logits[i, ids] += to_device(list(p.logit_bias.values()), torch.float32, logits.device)
 
 
 def apply_penalties(
@@ -257,9 +270,9 @@ def apply_penalties(
     if all(p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0 for p in params):
         return
     dev = logits.device
-    rep = torch.tensor([p.repetition_penalty for p in params], device=dev)
-    freq = torch.tensor([p.frequency_penalty for p in params], device=dev)
-    pres = torch.tensor([p.presence_penalty for p in params], device=dev)
+    rep = to_device([p.repetition_penalty for p in params], torch.float32, dev)
+    freq = to_device([p.frequency_penalty for p in params], torch.float32, dev)
+    pres = to_device([p.presence_penalty for p in params], torch.float32, dev)
     out_counts = _token_counts(output_ids, logits.shape[1], dev)
     out_mask = out_counts > 0
     # Repetition penalty (CTRL-style) covers prompt and output; the OpenAI
@@ -291,7 +304,7 @@ class PromptTokens:
         for prompt in prompts:
             hit = self._by_id.get(id(prompt))
             if hit is None or hit[0] is not prompt or hit[1].device != device:
-                hit = (prompt, torch.unique(torch.as_tensor(prompt, dtype=torch.long)).to(device))
+                hit = (prompt, host_to_device(torch.unique(torch.as_tensor(prompt, dtype=torch.long)), device))
             kept[id(prompt)] = hit
         self._by_id = kept
         return [kept[id(p)][1] for p in prompts]
@@ -306,7 +319,7 @@ def _token_counts(ids: Sequence[Sequence[int]], vocab: int, device: torch.device
         if row:
             padded[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
     counts = torch.zeros(len(ids), vocab + 1, device=device)
-    counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
+    counts.scatter_add_(1, host_to_device(padded, device), torch.ones(padded.shape, device=device))
     return counts[:, :vocab]
 
 
@@ -326,7 +339,7 @@ def apply_min_tokens(
             blocked.update(eos_token_ids)
         blocked = [t for t in blocked if 0 <= t < vocab]
         if blocked:
-            logits[i, blocked] = float("-inf")
+            logits[i, to_device(blocked, torch.long, logits.device)] = float("-inf")
 
 
 def apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
@@ -336,8 +349,8 @@ def apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
     # decided on the host: no device round trip (with async scheduling the GPU may be a step ahead)
     if all(not 0 < p.top_k < vocab and p.top_p >= 1.0 for p in params):
         return
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
-    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    top_k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.long, dev)
+    top_p = to_device([p.top_p for p in params], torch.float32, dev)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     positions = torch.arange(vocab, device=dev).unsqueeze(0)
     sorted_logits.masked_fill_(positions >= top_k.unsqueeze(1), float("-inf"))
@@ -354,7 +367,7 @@ def apply_min_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
     """In place: drop tokens with prob < min_p * (the row's max prob)."""
     if all(p.min_p == 0.0 for p in params):
         return
-    min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+    min_p = to_device([p.min_p for p in params], torch.float32, logits.device)
     probs = torch.softmax(logits, dim=-1)
     threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
     logits.masked_fill_(probs < threshold, float("-inf"))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hybridkv.engine.sampler import host_to_device
 from hybridkv.engine.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -101,7 +102,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """In place: -inf for every token whose bit is clear (``logits`` float32, [rows, vocab])."""
     import xgrammar as xgr
 
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), vocab_size=logits.shape[1])
+    xgr.apply_token_bitmask_inplace(logits, host_to_device(bitmask, logits.device), vocab_size=logits.shape[1])
 
 
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> xgrammar.TokenizerInfo:
