@@ -25,7 +25,7 @@ that the GPU waits for (deferred text aside).
 Each number is the mean over the timed steps, the least of ``--rounds`` rounds (a shared machine only adds time).
 
     python benchmarks/engine_host.py [--batches 1,8,32] [--context 16384] [--steps 64] [--rounds 5]
-        [--layout scout|full] [--final-only] [--no-prefix-caching]
+        [--layout scout|full] [--final-only] [--no-prefix-caching] [--vocab 202048] [--temperature 0.8]
 
 ``benchmarks/gpu/serve_smollm2.py``'s decode steps (256 requests of 512 prompt tokens, ``LLM.generate``, no prefix
 cache) on the host::
@@ -58,23 +58,23 @@ BLOCK = 16
 PHASES = ["schedule", "prepare", "execute", "static decode meta", "sample", "output"]
 
 
-def tiny_scout(layout: str = "scout") -> dict:
+def tiny_scout(layout: str = "scout", vocab: int = VOCAB) -> dict:
     """Scout's layer pattern at toy width; ``layout="full"``: the same layers, every one full attention."""
     cfg = json.loads(CONFIG.read_text())
     cfg.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=16, intermediate_size=32,
                intermediate_size_mlp=64, num_hidden_layers=4, num_local_experts=2, moe_layers=[],
-               no_rope_layers=[1, 1, 1, 0], vocab_size=VOCAB, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+               no_rope_layers=[1, 1, 1, 0], vocab_size=vocab, bos_token_id=0, eos_token_id=1, pad_token_id=2)
     if layout == "full":
         cfg.update(attention_chunk_size=None, no_rope_layers=[1, 1, 1, 1])
     return cfg
 
 
 def build_engine(max_seqs: int, max_model_len: int, layout: str = "scout",
-                 prefix_caching: bool = True) -> LLMEngine:
-    cfg = tiny_scout(layout)
+                 prefix_caching: bool = True, vocab: int = VOCAB) -> LLMEngine:
+    cfg = tiny_scout(layout, vocab)
     torch.manual_seed(0)
     model = LlamaForCausalLM(ModelConfig.from_hf(cfg), dtype=torch.float32).eval()
-    loaded = LoadedModel(f"tiny-{layout}", model, word_tokenizer(VOCAB), cfg)
+    loaded = LoadedModel(f"tiny-{layout}", model, word_tokenizer(vocab), cfg)
     config = EngineConfig(device="cpu", block_size=BLOCK, max_num_seqs=max_seqs, max_model_len=max_model_len,
                           kv_cache_memory_bytes=max_seqs * (max_model_len + 64) * 4 * 2 * 16 * 4, cpu_threads=1,
                           enable_prefix_caching=prefix_caching)
@@ -132,13 +132,15 @@ class PhaseClock:
             self.totals["static decode meta"] += time.perf_counter() - start
 
 
-def start_decoding(engine: LLMEngine, batch: int, context: int, steps: int, final_only: bool = False) -> None:
-    """``batch`` greedy requests with ``context`` tokens of KV allocated (not computed), then their first steps."""
+def start_decoding(engine: LLMEngine, batch: int, context: int, steps: int, final_only: bool = False,
+                   temperature: float = 0.0) -> None:
+    """``batch`` requests (greedy, or sampled at ``temperature``) with ``context`` tokens of KV allocated (not
+    computed), then their first steps."""
     g = torch.Generator().manual_seed(batch)
     kind = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE
-    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, output_kind=kind)
+    params = SamplingParams(temperature=temperature, max_tokens=steps, ignore_eos=True, output_kind=kind)
     for b in range(batch):
-        ids = torch.randint(3, VOCAB, (context,), generator=g).tolist()
+        ids = torch.randint(3, engine.model.cfg.vocab_size, (context,), generator=g).tolist()
         engine.add_request(f"r{batch}-{b}", ids, params)
     seqs = [engine.scheduler.waiting.popleft() for _ in range(batch)]
     for seq in seqs:
@@ -152,11 +154,11 @@ def start_decoding(engine: LLMEngine, batch: int, context: int, steps: int, fina
 
 
 def measure(engine: LLMEngine, clock: PhaseClock, batch: int, context: int, steps: int, rounds: int,
-            final_only: bool = False) -> dict:
+            final_only: bool = False, temperature: float = 0.0) -> dict:
     """Per phase, its least mean over ``rounds`` rounds (``host``: the sum of those)."""
     best: dict[str, float] = {}
     for _ in range(rounds):
-        start_decoding(engine, batch, context, steps + 4, final_only)
+        start_decoding(engine, batch, context, steps + 4, final_only, temperature)
         clock.totals.clear()
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -185,14 +187,17 @@ def main() -> None:
                     help="scout: 3 chunked + 1 full layer group; full: one full-attention group (SmolLM2)")
     ap.add_argument("--final-only", action="store_true", help="final outputs only, as LLM.generate asks")
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size (Llama-4: 202048)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (0: greedy)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b]
     max_model_len = args.context + args.steps + 16
-    engine = build_engine(max(batches), max_model_len, args.layout, not args.no_prefix_caching)
+    engine = build_engine(max(batches), max_model_len, args.layout, not args.no_prefix_caching, args.vocab)
     clock = PhaseClock(engine, static_backend(engine, max(batches)))
     rows = []
     for batch in batches:
-        per = measure(engine, clock, batch, args.context, args.steps, args.rounds, args.final_only)
+        per = measure(engine, clock, batch, args.context, args.steps, args.rounds, args.final_only,
+                      args.temperature)
         rows.append([f"{batch}", *(f"{per.get(k, 0.0):,.0f}" for k in PHASES), f"{per['host']:,.0f}",
                      f"{per.get('text', 0.0):,.0f}", f"{per.get('forward', 0.0):,.0f}",
                      f"{per.get('cpu attn meta', 0.0):,.0f}"])
@@ -200,7 +205,8 @@ def main() -> None:
     print(f"Decode step host time, µs per step, context {args.context:,} tokens, block {BLOCK}, "
           f"{args.steps} steps (least of {args.rounds} rounds); tiny Llama-4 width, {groups} layer group(s), "
           f"{'final outputs only' if args.final_only else 'an output every step'}, prefix cache "
-          f"{'off' if args.no_prefix_caching else 'on'}, CPU")
+          f"{'off' if args.no_prefix_caching else 'on'}, vocabulary {args.vocab:,}, "
+          f"{f'sampled at temperature {args.temperature}' if args.temperature else 'greedy'}, CPU")
     print(markdown_table(["batch", *PHASES, "host", "deferred text", "forward", "cpu attn meta"], rows))
 
 

@@ -312,3 +312,16 @@ def test_tokens_on_device_are_the_tokens_call_samples():
     assert got[3] == logits[3].argmax()
     with pytest.raises(ValueError, match="no logprobs"):
         Sampler().tokens_on_device(logits[:1], [SamplingParams(logprobs=2)], [[]], [[]], [None])
+
+
+def test_inverse_cdf_picks_by_cumulative_probability_and_never_a_zero():
+    from hybridkv.engine.sampler import inverse_cdf
+
+    probs = torch.tensor([[0.5, 0.0, 0.5]] * 4 + [[0.3, 0.7, 0.0, 0.0][:3]])
+    u = torch.tensor([0.0, 0.4999, 0.5, 0.6, 1 - 2.0**-53], dtype=torch.float64)
+    # u 0.5 lands on the cumulative 0.5 that tokens 0 and 1 share: the next token with any probability is taken
+    assert inverse_cdf(probs, u).tolist() == [0, 0, 2, 2, 1]
+    # rows need not sum to 1; masked (zero) tokens are never picked whatever u
+    masked = torch.tensor([[0.0, 2.0, 0.0, 6.0, 0.0]]).expand(1000, 5)
+    picks = inverse_cdf(masked, torch.rand(1000, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
+    assert set(picks.tolist()) == {1, 3} and 650 < (picks == 3).sum() < 850  # 3/4 of the draws
