@@ -12,7 +12,8 @@ one per vocabulary entry: the exponential race (``argmax(probs / q)``, ``q`` dra
 per entry on the CPU) took 3.8 ms of CPU per row and step for Llama-4's 202,048
 tokens (``benchmarks/engine_host.py``).  Each seeded row draws its ``u`` from its
 own generator, on the CPU, so its samples depend only on its seed and its own
-history, never on what else is in the batch or on the device.
+history, never on what else is in the batch; its draws are the same on every
+device.
 """
 
 from __future__ import annotations
