@@ -191,9 +191,10 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = probs.to(torch.float64).cumsum(dim=-1)
     target = (u.to(torch.float64) * cdf[:, -1]).unsqueeze(1)
     picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    # u * sum may round up to the sum itself: stay on the last token that has any probability
+    # u * sum may round up to the sum itself: stay on the last token that has any probability (token 0 where
+    # none has, e.g. every logit -inf: as the argmax of NaNs would give, a valid id)
     positions = torch.arange(probs.shape[1], device=probs.device)
-    last = torch.where(probs > 0, positions, -1).amax(dim=-1)
+    last = torch.where(probs > 0, positions, -1).amax(dim=-1).clamp_min(0)
     return torch.minimum(picked, last)
 
 

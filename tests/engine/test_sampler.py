@@ -325,3 +325,6 @@ def test_inverse_cdf_picks_by_cumulative_probability_and_never_a_zero():
     masked = torch.tensor([[0.0, 2.0, 0.0, 6.0, 0.0]]).expand(1000, 5)
     picks = inverse_cdf(masked, torch.rand(1000, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
     assert set(picks.tolist()) == {1, 3} and 650 < (picks == 3).sum() < 850  # 3/4 of the draws
+    # a row with no probability anywhere (every logit -inf, softmax NaN) still gives a valid id
+    nowhere = torch.full((2, 4), float("nan"))
+    assert inverse_cdf(nowhere, torch.tensor([0.3, 0.9], dtype=torch.float64)).tolist() == [0, 0]
