@@ -1,0 +1,133 @@
+"""The decode path's Triton kernels compile for Hopper (sm_90), with the configurations a Scout rank's decode step
+launches, on the CPU: no GPU needed.
+
+The GPU tests run the kernels and the Triton interpreter runs their arithmetic on the CPU, but the interpreter does
+not type-check: a variable that one branch of a kernel redefines with another type runs there and fails to compile
+on a GPU. This compiles each kernel to a cubin through Triton's own NVIDIA backend, as a GPU would, and checks that
+a kernel launched with programmatic dependent launch waits where it must."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from hybridkv.kernels import fused_moe, paged_attention, rms_norm, rope, skinny_gemm  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+FLOATS = {"scale", "k_scale", "v_scale", "eps"}
+
+
+def compile_for_hopper(kernel, constexprs: dict, types: dict, num_warps: int = 4, num_stages: int = 3) -> str:
+    """The kernel's PTX for sm_90. A parameter is a constexpr (``constexprs``, else its default), a type named in
+    ``types``, a bf16 pointer if its name says pointer, a float32 if it is a scale or epsilon, else an int32."""
+    signature, values = {}, {}
+    for p in kernel.params:
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+            values[p.name] = constexprs[p.name] if p.name in constexprs else p.default
+        elif p.name in types:
+            signature[p.name] = types[p.name]
+        elif p.name.endswith(("_ptr", "_out", "_desc")):
+            signature[p.name] = "*bf16"
+        else:
+            signature[p.name] = "fp32" if p.name in FLOATS else "i32"
+    try:
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=values), target=HOPPER,
+                                  options={"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": True})
+    except RuntimeError as e:
+        if "ptxas" in str(e).lower() and "not found" in str(e).lower():
+            pytest.skip(f"this Triton has no ptxas: {e}")
+        raise
+    return compiled.asm["ptx"]
+
+
+GLOBAL_WRITE = re.compile(r"^(@!?%p\d+\s+)?(st\.global|atom\.|red\.)")  # a store or atomic, predicated or not
+
+
+def waits_before_its_first_store(ptx: str) -> bool:
+    lines = [line.strip() for line in ptx.splitlines()]
+    wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait"))
+    return wait < next(i for i, line in enumerate(lines) if GLOBAL_WRITE.match(line))
+
+
+I32, I64, F32 = "*i32", "*i64", "*fp32"
+METADATA = dict.fromkeys(("table_ptr", "vt_table_ptr", "tile_seq_ptr", "tile_q0_ptr", "q_loc_ptr", "q_len_ptr",
+                          "ctx_len_ptr", "slot_block_ptr", "slot_offset_ptr"), I32)
+
+
+@pytest.mark.parametrize("kind,reach,splits,fp8", [(0, 1, 256, False), (2, 8192, 16, False), (0, 1, 256, True)])
+def test_decode_attention_and_its_split_combine(kind, reach, splits, fp8):
+    """A full layer (256 splits) and a chunked one (16) over bf16 pages, and a full one over an FP8 cache."""
+    cache = "*fp8e4nv" if fp8 else "*bf16"
+    ptx = compile_for_hopper(
+        paged_attention.paged_attention_kernel,
+        dict(KIND=kind, REACH=reach, BLOCK_SIZE=64, GROUP=5, ROWS=16, TOKENS=1, D=128, D_PAD=128, BLOCK_N=128,
+             NUM_SPLITS=splits, PRECISION="tf32", QUANT=fp8, FP16_DOT=fp8, SEGMENTED=False, ACCUMULATE=False,
+             PDL=True),
+        {**METADATA, "part_out_ptr": F32, "part_lse_ptr": F32, "cache_ptr": cache, "kv_desc": cache,
+         "vt_ptr": cache, "vt_desc": cache})
+    assert waits_before_its_first_store(ptx)
+    ptx = compile_for_hopper(paged_attention.combine_splits_kernel,
+                             dict(NUM_SPLITS=splits, CHUNK=min(splits, 128), D=128, D_SLICE=32, PDL=True),
+                             {"part_out_ptr": F32, "part_lse_ptr": F32})
+    assert waits_before_its_first_store(ptx)
+    ptx = compile_for_hopper(paged_attention.kv_write_kernel, dict(HD=128, HD_PAD=128, TOKENS=32, QUANT=fp8, PDL=True),
+                             {**METADATA, "cache_ptr": cache})
+    assert waits_before_its_first_store(ptx)
+
+
+def test_attention_over_widened_segments():
+    """The prefill kernel's segmented path, each segment merged into the partials the one before left."""
+    compile_for_hopper(
+        paged_attention.paged_attention_kernel,
+        dict(KIND=0, REACH=1, BLOCK_SIZE=64, GROUP=5, ROWS=256, TOKENS=51, D=128, D_PAD=128, BLOCK_N=64,
+             NUM_SPLITS=2, PRECISION="tf32", QUANT=False, FP16_DOT=False, SEGMENTED=True, ACCUMULATE=True),
+        {**METADATA, "part_out_ptr": F32, "part_lse_ptr": F32}, num_warps=8)
+
+
+@pytest.mark.parametrize("rotate,temperature", [(True, False), (False, True)])
+def test_rope_and_norms(rotate, temperature):
+    ptx = compile_for_hopper(rope.rope_qk_kernel, dict(D=128, ROTATE=rotate, INTERLEAVED=True, QK_NORM=rotate,
+                                                       TEMPERATURE=temperature, PDL=True),
+                             {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "scale_ptr": "*fp32"}, num_warps=1)
+    assert waits_before_its_first_store(ptx)
+    ptx = compile_for_hopper(rms_norm.rms_norm_kernel, dict(N=5120, BLOCK=8192, ROWS=1, HAS_WEIGHT=True, ADD=True,
+                                                            PDL=True), {}, num_warps=8)
+    assert waits_before_its_first_store(ptx)
+
+
+def test_skinny_gemm():
+    ptx = compile_for_hopper(skinny_gemm.skinny_gemm_kernel,
+                             dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLITS=4, BIAS=False, IEEE=False, PDL=True),
+                             {"part_ptr": F32, "arrived_ptr": I32})
+    assert waits_before_its_first_store(ptx)
+
+
+@pytest.mark.parametrize("one_tile", [True, False])
+def test_router(one_tile):
+    ptx = compile_for_hopper(fused_moe.route_kernel, dict(E_PAD=16, PER_PROGRAM=1, TOP_K=1,
+                                                          BLOCK_K=8192 if one_tile else 2048, ONE_TILE=one_tile,
+                                                          PDL=True),
+                             {"logits_ptr": F32, "arrived_ptr": I32, "ids_ptr": I64})
+    assert waits_before_its_first_store(ptx)
+
+
+@pytest.mark.parametrize("top_k,splits,shared", [(1, 4, True), (2, 1, False), (1, 1, False)])
+def test_fused_moe(top_k, splits, shared):
+    """Batch 1 with the shared expert and its K split over 4 programs; top-2 (its rows summed by the down
+    kernel); top-1 alone (no sum)."""
+    types = {"ids_ptr": I64, "part_ptr": F32, "arrived_ptr": I32}
+    ptx = compile_for_hopper(fused_moe.gate_up_kernel,
+                             dict(TOP_K=top_k, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLITS=splits, IEEE=False,
+                                  SHARED=shared, E_PAD=16, PDL=True), types)
+    assert waits_before_its_first_store(ptx)
+    ptx = compile_for_hopper(fused_moe.down_kernel,
+                             dict(TOP_K=top_k, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, IEEE=False, SHARED=shared,
+                                  SUM=shared or top_k > 1, E_PAD=16, PDL=True), types)
+    assert waits_before_its_first_store(ptx)
