@@ -131,3 +131,15 @@ def test_fused_moe(top_k, splits, shared):
                              dict(TOP_K=top_k, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, IEEE=False, SHARED=shared,
                                   SUM=shared or top_k > 1, E_PAD=16, PDL=True), types)
     assert waits_before_its_first_store(ptx)
+
+
+def test_one_shot_sum_and_norm_of_tensor_parallelism():
+    """Rank 0 of 2: parts stored into the peer's slots, the peer's read back until they land, then the norm."""
+    import triton.language as tl
+
+    from hybridkv.kernels import one_shot_norm
+
+    compile_for_hopper(one_shot_norm.one_shot_add_norm_kernel,
+                       dict(RANK=0, WORLD=2, N=5120, BLOCK=8192, SLOT=1 << 19, BITS=tl.int16, NAN_BITS=0x7FC0,
+                            GENS=one_shot_norm.GENERATIONS),
+                       {"peers_ptr": I64, "counter_ptr": I32}, num_warps=8)
