@@ -101,7 +101,7 @@ class Sampler:
         """
         batch = logits.shape[0]
         assert len(params) == len(prompt_ids) == len(output_ids) == len(generators) == batch
-        if token_bitmask is None and all(p.argmax_only(len(ids)) for p, ids in zip(params, output_ids)):
+        if _argmax_only(params, output_ids, token_bitmask):
             return self.argmax(logits)
         tokens, raw_logprobs = self._tokens(logits, params, prompt_ids, output_ids, generators, eos_token_ids,
                                             token_bitmask)
@@ -122,7 +122,7 @@ class Sampler:
         step's input ids), for rows that ask no logprobs."""
         if any(p.logprobs is not None for p in params):
             raise ValueError("tokens_on_device gives no logprobs: sample rows that ask for them with __call__")
-        if token_bitmask is None and all(p.argmax_only(len(ids)) for p, ids in zip(params, output_ids)):
+        if _argmax_only(params, output_ids, token_bitmask):
             return logits.argmax(dim=-1)
         return self._tokens(logits, params, prompt_ids, output_ids, generators, eos_token_ids, token_bitmask)[0]
 
@@ -182,6 +182,12 @@ class Sampler:
             if gen is not None and not greedy[i]:
                 u[i] = torch.rand(1, dtype=torch.float64, generator=gen)
         return u
+
+
+def _argmax_only(params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]],
+                 token_bitmask: torch.Tensor | None) -> bool:
+    """Every row's token is its logits' argmax: nothing the sampler does would move it."""
+    return token_bitmask is None and all(p.argmax_only(len(ids)) for p, ids in zip(params, output_ids))
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

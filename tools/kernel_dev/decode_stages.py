@@ -25,7 +25,7 @@ import torch
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"))
-from decode import start_decoding  # noqa: E402
+from decode import graph_us, start_decoding  # noqa: E402
 from scout_rank import engine_for, fill_random, rank_config, random_model  # noqa: E402
 
 import hybridkv.kernels.fused_moe as fused_moe  # noqa: E402
@@ -105,16 +105,6 @@ def replay_ms(engine, batch: int) -> list[float]:
     graphs = engine.runner.graphs
     graph = graphs.graphs[next(b for b in graphs.buckets if b >= batch)]
     return [triton.testing.do_bench(graph.replay, warmup=20, rep=300, return_mode="median") for _ in range(3)]
-
-
-def graph_us(fn, calls: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return 1000 * triton.testing.do_bench(graph.replay, warmup=10, rep=200, return_mode="median") / calls
 
 
 def split_rows(engine, context: int) -> None:
