@@ -42,6 +42,13 @@ from hybridkv.kernels.launch import pdl, pdl_start
 # the most rows one launch takes ((token, choice) pairs, plus one per token for the shared expert): rows of a
 # program's tiles (register and shared-memory use grow with it)
 MAX_PAIRS = 64
+# the gate/up kernel splits K until about this many programs have work (see ``fused_moe``): two per SM. A Scout
+# rank's batch-1 step on an H200 (graph replay, `tools/kernel_dev/decode_stages.py --variants`): 2.49 -> 2.42 ms
+# at 16K with 256 (8 splits) instead of 128 (4), 2.45 with 512
+SPLIT_PROGRAMS = 256
+# up to this many rows the down kernel's pipeline is deeper (5 stages, not 3): the batch-1 step 2.42 -> 2.38 ms,
+# where batch 8 went 6.51 -> 6.71 and batch 32 15.99 -> 16.14
+FEW_ROWS = 4
 
 
 @triton.jit
@@ -332,7 +339,8 @@ def fused_moe(x: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor, gate_up: 
     ``gate_up`` [E, H, 2I] (gate columns first), ``down`` [E, I, H]: transformers' Llama-4 layout; ``arrived``
     from ``fused_moe_counters``. The caller guarantees ``T * top_k`` (plus T with ``shared``) <= MAX_PAIRS. The
     tiles (columns, K, warps, pipeline stages) and the gate/up kernel's K-splits are
-    ``benchmarks/gpu/decode.py --moe-tiles``'s best on an H200."""
+    ``benchmarks/gpu/decode.py --moe-tiles``'s best on an H200, and at batch 1 what the whole step's graph replays
+    fastest with (``SPLIT_PROGRAMS``, ``FEW_ROWS``)."""
     tokens, top_k = ids.shape
     num_pairs = tokens * top_k
     num_rows = num_pairs + (tokens if shared is not None else 0)
@@ -363,7 +371,7 @@ def fused_moe(x: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor, gate_up: 
     if splits is None:
         # enough programs with work to keep ~128 SMs streaming: rows touch at most min(experts, rows) experts
         busy = min(programs, num_rows) * col_tiles
-        splits = max(1, min(16, 128 // busy, triton.cdiv(hidden, 4 * block_k)))
+        splits = max(1, min(16, SPLIT_PROGRAMS // busy, triton.cdiv(hidden, 4 * block_k)))
     k_per_split = triton.cdiv(triton.cdiv(hidden, splits), block_k) * block_k
     splits = triton.cdiv(hidden, k_per_split)
     part = torch.empty((splits, num_rows, 2 * inter), dtype=torch.float32, device=x.device)
@@ -381,7 +389,9 @@ def fused_moe(x: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor, gate_up: 
     # one row per token at the end: the routed rows summed and the shared row added, by the down kernel itself
     summed = shared is not None or top_k > 1
     total = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device) if summed else out
-    down_n, down_k, warps, stages = down_tile or ((64, 128, 4, 3) if x.element_size() == 2 else (64, 64, 4, 2))
+    if down_tile is None:
+        down_tile = (64, 64, 4, 2) if x.element_size() != 2 else (64, 128, 4, 5 if num_rows <= FEW_ROWS else 3)
+    down_n, down_k, warps, stages = down_tile
     down_kernel[(programs, triton.cdiv(hidden, down_n))](
         h, ids, down, s_down, out, total, arrived[down_at:],
         num_pairs, tokens, num_experts, hidden, inter, down.stride(0), down.stride(1), down.stride(2),

@@ -9,9 +9,16 @@
   stage costs in the chain of dependent kernels, beyond the bytes it reads.
 - ``--splits``: one full layer's attention and split combine at ``--context``, by split count, from graphs of
   20 calls; and the attention alone (the combine left out).
+- ``--variants``: the graph captured again with a tile choice changed (the results stay right) and replayed at
+  each of ``--variant-cases``: ``attn=ROWSxBLOCK_NxWARPSxSTAGES`` (the decode attention's tiles, any batch),
+  ``moe_gu=NxKxWARPSxSTAGES`` / ``moe_dn=...`` (the fused MoE's gate/up and down tiles), ``moe_splits=S``,
+  ``moe_programs=P`` (``fused_moe.SPLIT_PROGRAMS``); ``a+b`` both at once.
 
-    PYTHONPATH=. python tools/kernel_dev/decode_stages.py --stages base,no_norm,no_rope,no_kv_write,no_combine,\\
-        no_attention,no_attention_full,no_attention_chunked,no_router,no_moe --context 16384
+    PYTHONPATH=. python tools/kernel_dev/decode_stages.py --stages base,no_norm,no_rope,no_combine,no_attention,\\
+        no_attention_full,no_attention_chunked,no_router,no_moe --context 16384
+
+(``no_rope`` takes out the kernel that encodes q and k and stores k and v in the cache; ``no_kv_write`` is for
+builds whose KV write was a kernel of its own.)
 """
 
 from __future__ import annotations
@@ -74,7 +81,7 @@ def take_out(stage: str, engine, model, patches: Patches) -> None:
         patches.set(llama.RMSNorm, "add_forward", lambda self, x, residual, tp=None: (x, residual))
         patches.set(llama.RMSNorm, "forward", lambda self, x: x)
     elif stage == "no_rope":
-        patches.set(llama.Attention, "_position_encode", lambda self, q, k, tables: (q, k))
+        patches.set(llama.Attention, "_position_encode", lambda self, q, k, tables, v=None, slots=None: (q, k))
     elif stage in ("no_kv_write", "no_combine"):
         name = "kv_write_kernel" if stage == "no_kv_write" else "combine_splits_kernel"
         patches.set(backend, "kernels", _Skip(backend.kernels, {name}))
@@ -99,6 +106,34 @@ def take_out(stage: str, engine, model, patches: Patches) -> None:
         patches.set(llama.MoE, "forward", lambda self, x: x)
     elif stage != "base":
         raise SystemExit(f"unknown stage {stage!r}")
+
+
+def vary(variant: str, engine, patches: Patches) -> None:
+    """Patch one tile choice of the decode path (see ``--variants``)."""
+    backend = engine.runner.backend
+    if variant == "base":
+        return
+    if "+" in variant:
+        for part in variant.split("+"):
+            vary(part, engine, patches)
+        return
+    name, _, value = variant.partition("=")
+    numbers = tuple(int(v) for v in value.split("x"))
+    if name == "attn":
+        rows, block_n, warps, stages = numbers
+        config = dataclasses.replace(backend.decode, rows=rows, block_n=block_n, num_warps=warps, num_stages=stages)
+        patches.set(backend, "decode", config)
+        patches.set(backend, "decode_few", config)
+        patches.set(backend._static, "steps", {})  # step states hold the config they were built with
+    elif name in ("moe_gu", "moe_dn", "moe_splits"):
+        fused = fused_moe.fused_moe
+        key = {"moe_gu": "gate_up_tile", "moe_dn": "down_tile", "moe_splits": "splits"}[name]
+        arg = numbers[0] if name == "moe_splits" else numbers
+        patches.set(fused_moe, "fused_moe", lambda *a, **k: fused(*a, **{**k, key: arg}))
+    elif name == "moe_programs":
+        patches.set(fused_moe, "SPLIT_PROGRAMS", numbers[0])
+    else:
+        raise SystemExit(f"unknown variant {variant!r}")
 
 
 def replay_ms(engine, batch: int) -> list[float]:
@@ -129,15 +164,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--replay", action="store_true", help="graph replay per (batch, context) of --cases")
     ap.add_argument("--cases", default="1x16384,1x131072,1x1048576,8x131072,32x131072")
-    ap.add_argument("--stages", default="", help="comma-separated: base, no_norm, no_rope, no_kv_write, ...")
+    ap.add_argument("--stages", default="", help="comma-separated: base, no_norm, no_rope, no_combine, ...")
     ap.add_argument("--splits", action="store_true", help="a full layer's attention by split count")
     ap.add_argument("--context", type=int, default=16384, help="batch-1 context of --stages and --splits")
+    ap.add_argument("--variants", default="", help="comma-separated: base, attn=16x128x4x2, moe_splits=8, ...")
+    ap.add_argument("--variant-cases", default="1x16384,1x1048576", help="(batch)x(context) of --variants")
     args = ap.parse_args()
 
     cfg = rank_config(8)
     model = random_model(cfg)
     loaded = LoadedModel("scout-rank (random weights)", model, word_tokenizer(cfg["vocab_size"]), cfg)
-    engine = engine_for(loaded, "bfloat16", max_num_seqs=32 if args.replay else 1)
+    engine = engine_for(loaded, "bfloat16", max_num_seqs=32 if args.replay or args.variants else 1)
     fill_random(engine)
     if args.replay:
         for case in args.cases.split(","):
@@ -159,6 +196,21 @@ def main() -> None:
         patches.undo()
     if args.splits:
         split_rows(engine, args.context)
+    if args.variants:
+        engine.abort_request(f"decode-{args.context}-0")
+        for case in args.variant_cases.split(","):
+            batch, context = map(int, case.split("x"))
+            start_decoding(engine, batch, context, cfg["vocab_size"], 400)
+            for variant in args.variants.split(","):
+                vary(variant, engine, patches)
+                engine.runner.capture_decode_graphs(batch, engine.max_model_len)
+                engine.step()
+                engine.step()
+                print(f"batch {batch} context {context} {variant}: graph replay "
+                      + " ".join(f"{ms:.3f}" for ms in replay_ms(engine, batch)) + " ms", flush=True)
+                patches.undo()
+            for b in range(batch):
+                engine.abort_request(f"decode-{context}-{b}")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,11 @@ class KernelConfig:
 # with 256x64 tiles (299 with 128x64); decode 1M 3.4 TB/s with 128-key tiles and 256 splits (1.8 TB/s with 64).
 PREFILL = KernelConfig(rows=256, block_n=64, num_warps=8, num_stages=3)
 DECODE = KernelConfig(rows=16, block_n=128, num_warps=4, num_stages=3)
+# Decode steps of at most FEW_SEQS sequences: 64-key tiles. Graph replays of a Scout rank's step on an H200
+# (`tools/kernel_dev/decode_stages.py --variants`): batch 1 at 16K 2.62 -> 2.49 ms and at 1M 4.06 -> 3.99 with
+# them, while batch 32 at 128K went 14.54 -> 15.97 (its splits are few and long: 128-key tiles stream better).
+DECODE_FEW = KernelConfig(rows=16, block_n=64, num_warps=4, num_stages=3)
+FEW_SEQS = 2
 # Hopper (sm_90), pages of 64+ tokens: K/V tiles by TMA, one warpgroup of 128 rows per program and two programs
 # per SM, which desynchronise so one's softmax overlaps the other's dots. `benchmarks/gpu/attention.py --sweep`
 # on an H200: 32K one-shot 466 TFLOP/s, 16K step over 1M 498 (PREFILL: 382 / 450).
@@ -267,6 +272,7 @@ class TritonPagedAttention:
     def __init__(self, layout: KVLayout, num_blocks: int, kv_dtype: str, num_q_heads: int,
                  device: torch.device | str = "cuda", kv_scales: dict[int, tuple[float, float]] | None = None,
                  num_sms: int | None = None, prefill: KernelConfig = PREFILL, decode: KernelConfig = DECODE,
+                 decode_few: KernelConfig | None = None,
                  max_splits: int = MAX_SPLITS, segment_bytes: int = SEGMENT_BYTES, fp8_compute: bool = False,
                  hopper_kernel: bool = True) -> None:
         from hybridkv.kernels import paged_attention as kernels  # triton is only needed on GPU
@@ -289,9 +295,12 @@ class TritonPagedAttention:
         self.pdl = pdl(self.cache.buffer)  # the decode path's kernels launch programmatically dependent
         hopper = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] == 9
         default_prefill = prefill is PREFILL
+        if decode_few is None:  # a decode config given alone serves every decode step
+            decode_few = DECODE_FEW if decode is DECODE else decode
         if max(g.spec.head_dim for g in layout.groups) > 128:
             prefill = WIDE_HEAD_PREFILL if prefill is PREFILL else prefill
             decode = WIDE_HEAD_DECODE if decode is DECODE else decode
+            decode_few = WIDE_HEAD_DECODE if decode_few is DECODE_FEW else decode_few
         elif hopper and prefill is PREFILL and layout.block_size % HOPPER_PREFILL.block_n == 0 and all(
                 g.spec.head_dim in (64, 128) for g in layout.groups):
             prefill = HOPPER_PREFILL
@@ -310,7 +319,7 @@ class TritonPagedAttention:
         if self.hopper is not None and bs >= 64 and bs & (bs - 1) == 0:
             self._v_columns = torch.tensor(hopper_attention.page_columns(bs), dtype=torch.int64, device=self.device)
         self._v_in_order = torch.arange(bs, dtype=torch.int64, device=self.device)  # Triton's FP8 V^T columns
-        self.prefill, self.decode, self.max_splits = prefill, decode, max_splits
+        self.prefill, self.decode, self.decode_few, self.max_splits = prefill, decode, decode_few, max_splits
         self.segment_bytes = segment_bytes
         # graphs need CUDA (a CPU device only happens under Triton's interpreter)
         self.capabilities = replace(self.declare(kv_dtype, segment_bytes), cuda_graphs=self.device.type == "cuda")
@@ -318,8 +327,9 @@ class TritonPagedAttention:
         if self.fp8_compute and self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
             name = torch.cuda.get_device_name(self.device)
             raise ValueError(f"FP8 attention compute needs FP8 tensor cores (compute capability 8.9+); {name} has none")
-        if self.group > decode.rows:
-            raise ValueError(f"{self.group} query heads per KV head: more than one tile's {decode.rows} rows")
+        rows = min(decode.rows, decode_few.rows)
+        if self.group > rows:
+            raise ValueError(f"{self.group} query heads per KV head: more than one tile's {rows} rows")
         self.step_state: TritonStepState | None = None
 
     def _load_hopper_kernel(self):
@@ -341,7 +351,7 @@ class TritonPagedAttention:
         q_lens = np.array([s.query_len for s in seqs], dtype=np.int32)
         ctx = np.array([s.context_len for s in seqs], dtype=np.int32)
         q_loc = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
-        config = self.decode if int(q_lens.max()) == 1 else self.prefill
+        config = self._decode_config(len(seqs)) if int(q_lens.max()) == 1 else self.prefill
         tokens = config.rows // self.group
         tile_seq, tile_q0 = query_tiles(q_lens, ctx, tokens)
         as_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)  # noqa: E731
@@ -448,8 +458,8 @@ class TritonPagedAttention:
     def _static_step(self, padded: int) -> TritonStepState:
         """The step state of a decode graph of ``padded`` rows: views of the static buffers, built once."""
         st = self._static
-        self.step_state = TritonStepState(self.decode, self.decode.rows // self.group, padded,
-                                          [buf[:padded] for buf in st.seq])
+        config = self._decode_config(padded)
+        self.step_state = TritonStepState(config, config.rows // self.group, padded, [buf[:padded] for buf in st.seq])
         for g, group in enumerate(self.layout.groups):
             reach = st.max_model_len
             if group.spec.reach:
@@ -460,6 +470,12 @@ class TritonPagedAttention:
                                                      st.slot_offset(g)[:padded], splits))
         st.steps[padded] = self.step_state
         return self.step_state
+
+    def _decode_config(self, num_seqs: int) -> KernelConfig:
+        return self.decode_few if num_seqs <= FEW_SEQS else self.decode
+
+    def _is_decode(self, config: KernelConfig) -> bool:
+        return config is self.decode or config is self.decode_few
 
     def _num_splits(self, longest_reach: int, kv_heads: int) -> int:
         """Split the KV range only when too few programs would run otherwise (decode of few long sequences)."""
@@ -585,7 +601,7 @@ class TritonPagedAttention:
         if vt is not None and kv_desc is not None:
             vt_desc = self._vt_descriptor(config, vt, spec)
             kv_desc = kv_desc if vt_desc is not None else None  # both by TMA, or both gathered
-        decode_pdl = self.pdl and config is self.decode  # prefill's launches are long: nothing to gain
+        decode_pdl = self.pdl and self._is_decode(config)  # prefill's launches are long: nothing to gain
         self.kernels.paged_attention_kernel[(step.num_tiles, spec.num_kv_heads, splits)](
             q, out, out if part is None else part, out if lse is None else lse, cache,
             cache if kv_desc is None else kv_desc, table,
@@ -598,7 +614,7 @@ class TritonPagedAttention:
             KIND=kind, REACH=max(reach, 1), BLOCK_SIZE=self.block_size, GROUP=q.shape[1] // spec.num_kv_heads,
             ROWS=config.rows, TOKENS=step.tokens, D=spec.head_dim, D_PAD=max(16, _next_pow2(spec.head_dim)),
             BLOCK_N=config.block_n, NUM_SPLITS=splits, QUANT=quant,
-            FP16_DOT=quant and q.dtype == torch.bfloat16 and step.config is self.decode,
+            FP16_DOT=quant and q.dtype == torch.bfloat16 and self._is_decode(step.config),
             SEGMENTED=segmented, ACCUMULATE=accumulate,
             TMA=kv_desc is not None, FP8_DOT=vt is not None,
             # float32 models stay exact (token parity with the CPU path); TF32 would round to 10 mantissa bits
