@@ -69,3 +69,54 @@ def test_temperature_scales_q_only():
                            temperature=temperature.to(DEVICE))
     torch.testing.assert_close(got_q.cpu(), (q * temperature).to(q.dtype), **EXACT_ROUNDING)
     assert got_k.data_ptr() == k.to(DEVICE).data_ptr() or torch.equal(got_k.cpu(), k)
+
+
+def paged_cache(blocks, block_size, kv_heads, d, dtype):
+    """A layer's cache as the paged layout holds it: [blocks, K then V, block_size, kv heads, d], NaN-filled so a
+    value nobody stored shows."""
+    return torch.full((blocks, 2, block_size, kv_heads, d), float("nan")).to(dtype).to(DEVICE)
+
+
+def slots_for(cache, blocks, offsets, k_scale=1.0, v_scale=1.0):
+    from hybridkv.model.attention.base import KVSlots
+
+    _, _, block_size, kv_heads, d = cache.shape
+    as_int = lambda a: torch.tensor(a, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    return KVSlots(cache.view(-1), as_int(blocks), as_int(offsets), cache.stride(0), block_size * kv_heads * d,
+                   k_scale, v_scale, cache.dtype == torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("rotate,temperature", [(True, False), (False, True), (False, False)])
+def test_k_and_v_stored_in_their_slots(kv_dtype, rotate, temperature):
+    """With the cache's slots the kernel stores k (encoded as it would return it) and v into each token's slot,
+    as the KV-write kernel would (an FP8 cache: over the layer's scales, saturated at 448), and q as before. The
+    slots are out of order across pages; every other slot stays untouched."""
+    if kv_dtype == torch.float8_e4m3fn and INTERPRET:
+        pytest.skip("Triton's interpreter rounds float32 -> e4m3 its own way (one e4m3 step apart)")
+    torch.manual_seed(2)
+    tokens, q_heads, kv_heads, d = 5, 4, 2, 32
+    qkv = (torch.randn(tokens, (q_heads + 2 * kv_heads) * d) * 40).to(torch.bfloat16)
+    q, k, v = (t.unflatten(-1, (-1, d)) for t in qkv.split([q_heads * d, kv_heads * d, kv_heads * d], dim=-1))
+    positions, (cos, sin) = tables(tokens, d)
+    temp = temperature_scales(positions, 8192.0, 0.1) if temperature else None
+    kwargs = dict(rotate=rotate, interleaved=True, qk_norm=rotate, eps=1e-5)
+    want_q, want_k = rope_qk(*on_device(q, k, cos, sin), temperature=None if temp is None else temp.to(DEVICE),
+                             **kwargs)
+    scales = (0.5, 0.25) if kv_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    cache = paged_cache(4, 4, kv_heads, d, kv_dtype)
+    blocks, offsets = [2, 0, 2, 3, 1], [1, 3, 0, 2, 2]
+    got_q, got_k = rope_qk(*on_device(q, k, cos, sin), temperature=None if temp is None else temp.to(DEVICE),
+                           v=v.to(DEVICE), slots=slots_for(cache, blocks, offsets, *scales), **kwargs)
+    assert got_k is None
+    assert torch.equal(got_q.cpu(), want_q.cpu())
+    expect = paged_cache(4, 4, kv_heads, d, kv_dtype).cpu()
+    for t, (b, o) in enumerate(zip(blocks, offsets)):
+        for part, value, scale in ((0, want_k[t].cpu(), scales[0]), (1, v[t], scales[1])):
+            if kv_dtype == torch.float8_e4m3fn:
+                value = (value.float() / scale).clamp(-448, 448)
+            expect[b, part, o] = value.to(kv_dtype)
+    got = cache.cpu()
+    assert torch.equal(got.view(torch.uint8), expect.view(torch.uint8))  # NaN untouched slots compare bitwise
+    if kv_dtype == torch.float8_e4m3fn:
+        assert (got.float().abs() == 448).any()  # saturation happened: the clamp is exercised

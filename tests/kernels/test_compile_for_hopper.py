@@ -61,13 +61,16 @@ METADATA = dict.fromkeys(("table_ptr", "vt_table_ptr", "tile_seq_ptr", "tile_q0_
                           "ctx_len_ptr", "slot_block_ptr", "slot_offset_ptr"), I32)
 
 
-@pytest.mark.parametrize("kind,reach,splits,fp8", [(0, 1, 256, False), (2, 8192, 16, False), (0, 1, 256, True)])
-def test_decode_attention_and_its_split_combine(kind, reach, splits, fp8):
-    """A full layer (256 splits) and a chunked one (16) over bf16 pages, and a full one over an FP8 cache."""
+@pytest.mark.parametrize("kind,reach,splits,fp8,block_n", [(0, 1, 256, False, 128), (2, 8192, 16, False, 128),
+                                                            (0, 1, 256, True, 128), (0, 1, 256, False, 64),
+                                                            (2, 8192, 32, True, 64)])
+def test_decode_attention_and_its_split_combine(kind, reach, splits, fp8, block_n):
+    """A full layer (256 splits) and a chunked one over bf16 pages, and a full one over an FP8 cache; 128-key
+    tiles (``DECODE``) and 64-key ones (``DECODE_FEW``)."""
     cache = "*fp8e4nv" if fp8 else "*bf16"
     ptx = compile_for_hopper(
         paged_attention.paged_attention_kernel,
-        dict(KIND=kind, REACH=reach, BLOCK_SIZE=64, GROUP=5, ROWS=16, TOKENS=1, D=128, D_PAD=128, BLOCK_N=128,
+        dict(KIND=kind, REACH=reach, BLOCK_SIZE=64, GROUP=5, ROWS=16, TOKENS=1, D=128, D_PAD=128, BLOCK_N=block_n,
              NUM_SPLITS=splits, PRECISION="tf32", QUANT=fp8, FP16_DOT=fp8, SEGMENTED=False, ACCUMULATE=False,
              PDL=True),
         {**METADATA, "part_out_ptr": F32, "part_lse_ptr": F32, "cache_ptr": cache, "kv_desc": cache,
@@ -91,11 +94,16 @@ def test_attention_over_widened_segments():
         {**METADATA, "part_out_ptr": F32, "part_lse_ptr": F32}, num_warps=8)
 
 
-@pytest.mark.parametrize("rotate,temperature", [(True, False), (False, True)])
-def test_rope_and_norms(rotate, temperature):
+@pytest.mark.parametrize("rotate,temperature,store,quant", [(True, False, False, False), (False, True, False, False),
+                                                           (True, False, True, False), (True, False, True, True),
+                                                           (False, True, True, True), (False, False, True, False)])
+def test_rope_and_norms(rotate, temperature, store, quant):
+    """The position encoding, alone or storing k and v into the cache (bf16 or e4m3)."""
+    cache = "*fp8e4nv" if quant else "*bf16"
     ptx = compile_for_hopper(rope.rope_qk_kernel, dict(D=128, ROTATE=rotate, INTERLEAVED=True, QK_NORM=rotate,
-                                                       TEMPERATURE=temperature, PDL=True),
-                             {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "scale_ptr": "*fp32"}, num_warps=1)
+                                                       TEMPERATURE=temperature, STORE=store, QUANT=quant, PDL=True),
+                             {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "scale_ptr": "*fp32", "cache_ptr": cache,
+                              "slot_block_ptr": I32, "slot_offset_ptr": I32}, num_warps=1)
     assert waits_before_its_first_store(ptx)
     ptx = compile_for_hopper(rms_norm.rms_norm_kernel, dict(N=5120, BLOCK=8192, ROWS=1, HAS_WEIGHT=True, ADD=True,
                                                             PDL=True), {}, num_warps=8)
@@ -118,10 +126,10 @@ def test_router(one_tile):
     assert waits_before_its_first_store(ptx)
 
 
-@pytest.mark.parametrize("top_k,splits,shared", [(1, 4, True), (2, 1, False), (1, 1, False)])
-def test_fused_moe(top_k, splits, shared):
-    """Batch 1 with the shared expert and its K split over 4 programs; top-2 (its rows summed by the down
-    kernel); top-1 alone (no sum)."""
+@pytest.mark.parametrize("top_k,splits,shared,down_stages", [(1, 8, True, 5), (2, 1, False, 3), (1, 1, False, 3)])
+def test_fused_moe(top_k, splits, shared, down_stages):
+    """Batch 1 with the shared expert, its K split over 8 programs and the down kernel's 5 stages; top-2 (its
+    rows summed by the down kernel); top-1 alone (no sum)."""
     types = {"ids_ptr": I64, "part_ptr": F32, "arrived_ptr": I32}
     ptx = compile_for_hopper(fused_moe.gate_up_kernel,
                              dict(TOP_K=top_k, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLITS=splits, IEEE=False,
@@ -129,7 +137,7 @@ def test_fused_moe(top_k, splits, shared):
     assert waits_before_its_first_store(ptx)
     ptx = compile_for_hopper(fused_moe.down_kernel,
                              dict(TOP_K=top_k, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, IEEE=False, SHARED=shared,
-                                  SUM=shared or top_k > 1, E_PAD=16, PDL=True), types)
+                                  SUM=shared or top_k > 1, E_PAD=16, PDL=True), types, num_stages=down_stages)
     assert waits_before_its_first_store(ptx)
 
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.model.attention.base import AttentionBackend, StepHalf
+from hybridkv.model.attention.base import AttentionBackend, KVSlots, StepHalf, StoresKVFromKernels
 from hybridkv.model.architectures.llama_config import ModelConfig, RopeConfig
 from hybridkv.model.architectures.parallel import (
     ColumnParallelLinear,
@@ -211,22 +211,31 @@ class Attention(nn.Module):
             q, k = rope_rolled(qk, *tables.rolled).split_with_sizes((q_heads, kv_heads), dim=1)
         else:
             q, k, v = (part.unflatten(-1, (-1, d)) for part in self.qkv(x))
+            if self._fused_kernel(q) and isinstance(attn, StoresKVFromKernels):
+                # one kernel encodes q and k and stores k and v in the cache
+                q = self._position_encode(q, k, tables, v, attn.kv_slots(self.layer_id))[0]
+                return self.o_proj(attn.attend_stored(self.layer_id, q, self.scale).flatten(-2))
             q, k = self._position_encode(q, k, tables)
         out = attn.attend(self.layer_id, q, k, v, self.scale)
         return self.o_proj(out.flatten(-2))
 
+    def _fused_kernel(self, q: torch.Tensor) -> bool:
+        """The position encoding runs as one Triton kernel (``kernels/rope.py``)."""
+        return q.is_cuda and self.cfg.head_dim & (self.cfg.head_dim - 1) == 0
+
     def _position_encode(
-        self, q: torch.Tensor, k: torch.Tensor, tables: PositionTables
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, q: torch.Tensor, k: torch.Tensor, tables: PositionTables, v: torch.Tensor | None = None,
+        slots: KVSlots | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         cfg = self.cfg
         rotate = self.use_rope or not cfg.is_llama4
         qk_norm = cfg.is_llama4 and self.use_rope and cfg.use_qk_norm
         temperature = None if rotate else tables.temperature
-        if q.is_cuda and cfg.head_dim & (cfg.head_dim - 1) == 0:
+        if self._fused_kernel(q):
             from hybridkv.kernels.rope import rope_qk
 
             return rope_qk(q, k, tables.cos, tables.sin, rotate=rotate, interleaved=cfg.is_llama4,
-                           qk_norm=qk_norm, eps=cfg.rms_norm_eps, temperature=temperature)
+                           qk_norm=qk_norm, eps=cfg.rms_norm_eps, temperature=temperature, v=v, slots=slots)
         if rotate:
             encode = rope_interleaved if cfg.is_llama4 else rope_halves
             q, k = encode(q, tables.cos, tables.sin), encode(k, tables.cos, tables.sin)

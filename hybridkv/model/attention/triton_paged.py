@@ -29,7 +29,7 @@ import torch
 
 from hybridkv.kernels import hopper_attention  # torch only: its CUDA imports wait for a Hopper GPU
 from hybridkv.kv.layout import KVLayout
-from hybridkv.model.attention.base import BackendCapabilities, StepSequence
+from hybridkv.model.attention.base import BackendCapabilities, KVSlots, StepSequence
 from hybridkv.model.attention.kv_cache import PagedKVCache
 
 
@@ -499,6 +499,21 @@ class TritonPagedAttention:
     # ---- per layer ---------------------------------------------------------------------------------
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         layer, k_scale, v_scale = self.write(layer_id, k, v)
+        return self._attention(q, layer, self.step_state.groups[layer.group_id], scale, k_scale, v_scale)
+
+    def kv_slots(self, layer_id: int) -> KVSlots:
+        """Where this step's K/V of ``layer_id`` go (``kernels.rope.rope_qk`` stores them with q's encoding)."""
+        layer = self.cache.layers[layer_id]
+        meta = self.step_state.groups[layer.group_id]
+        k_scale, v_scale = self.kv_scales.get(layer_id, (1.0, 1.0))
+        row = layer.spec.num_kv_heads * layer.spec.head_dim
+        return KVSlots(self._base(layer), meta.slot_block, meta.slot_offset, self.cache.buffer.stride(0),
+                       self.block_size * row, k_scale, v_scale, self.quantized)
+
+    def attend_stored(self, layer_id: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """``attend`` once the step's K/V of ``layer_id`` are in their ``kv_slots``."""
+        layer = self.cache.layers[layer_id]
+        k_scale, v_scale = self.kv_scales.get(layer_id, (1.0, 1.0))
         return self._attention(q, layer, self.step_state.groups[layer.group_id], scale, k_scale, v_scale)
 
     def write(self, layer_id: int, k: torch.Tensor, v: torch.Tensor):
