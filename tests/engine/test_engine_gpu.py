@@ -14,6 +14,17 @@ pytest.importorskip("triton")
 from hybridkv import LLM, SamplingParams  # noqa: E402
 
 
+class KernelsUsed:
+    """The attention backend's kernel module, noting which kernels were looked up (to be launched)."""
+
+    def __init__(self, kernels) -> None:
+        self.kernels, self.names = kernels, set()
+
+    def __getattr__(self, name):
+        self.names.add(name)
+        return getattr(self.kernels, name)
+
+
 @pytest.mark.parametrize("name", ["llama4", "mistral", "gemma3"])
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_gpu_greedy_is_token_exact_with_the_cpu_path(tiny_model, name, block_size):
@@ -24,6 +35,8 @@ def test_gpu_greedy_is_token_exact_with_the_cpu_path(tiny_model, name, block_siz
     common = dict(model=str(model.path), dtype="float32", block_size=block_size, max_num_batched_tokens=48)
     cpu = LLM(device="cpu", **common)
     gpu = LLM(device="cuda", kv_cache_memory_bytes=64 << 20, **common)
+    backend = gpu.engine.backend
+    backend.kernels = launched = KernelsUsed(backend.kernels)
     want = cpu.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for _ in range(2):  # the second round is served from the prefix cache
         got = gpu.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -33,6 +46,8 @@ def test_gpu_greedy_is_token_exact_with_the_cpu_path(tiny_model, name, block_siz
             lp_w = torch.tensor([lp for row in w.outputs[0].logprobs for _, lp in row])
             torch.testing.assert_close(lp_g, lp_w, atol=1e-4, rtol=0)
     assert gpu.engine.kv.stats.hit_tokens > 0
+    # Llama's position-encoding kernel stores K and V itself; Gemma-3 runs the KV-write kernel
+    assert ("kv_write_kernel" in launched.names) == (name == "gemma3")
     # without logprobs the GPU engine schedules ahead (async scheduling, its default there): the same tokens
     plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     got = gpu.generate([{"prompt_token_ids": p} for p in prompts], plain, use_tqdm=False)

@@ -17,7 +17,7 @@ what it can do (``BackendCapabilities``) instead of the engine finding out by it
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -97,16 +97,16 @@ class KVSlots:
     quantized: bool  # e4m3: values over their scale, saturated at 448
 
 
-@runtime_checkable
-class StoresKVFromKernels(Protocol):
+class StoresKVFromKernels:
     """A backend whose step K/V another kernel may store (the position encoding's, as it writes q): the model
-    asks for ``kv_slots``, has them filled, then calls ``attend_stored`` instead of ``attend``."""
+    asks for ``kv_slots``, has them filled, then calls ``attend_stored`` instead of ``attend``. A base class, not
+    a Protocol: the model asks ``isinstance`` once per layer, and a runtime Protocol check costs 6-12 us."""
 
     def kv_slots(self, layer_id: int) -> KVSlots:
-        ...
+        raise NotImplementedError
 
     def attend_stored(self, layer_id: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        ...
+        raise NotImplementedError
 
 
 class PagedAttentionBackend(AttentionBackend, Protocol):

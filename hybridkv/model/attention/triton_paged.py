@@ -29,7 +29,7 @@ import torch
 
 from hybridkv.kernels import hopper_attention  # torch only: its CUDA imports wait for a Hopper GPU
 from hybridkv.kv.layout import KVLayout
-from hybridkv.model.attention.base import BackendCapabilities, KVSlots, StepSequence
+from hybridkv.model.attention.base import BackendCapabilities, KVSlots, StepSequence, StoresKVFromKernels
 from hybridkv.model.attention.kv_cache import PagedKVCache
 
 
@@ -260,7 +260,7 @@ class _StaticDecode:
         self.tables[g].view(-1).index_copy_(0, packed[0], packed[1].to(torch.int32))
 
 
-class TritonPagedAttention:
+class TritonPagedAttention(StoresKVFromKernels):
     @staticmethod
     def declare(kv_dtype: str, segment_bytes: int = SEGMENT_BYTES) -> BackendCapabilities:
         """An FP8 cache's long prefills widen segments of ``segment_bytes``; the engine reserves 1.5x that (the
