@@ -365,7 +365,10 @@ class MoE(nn.Module):
         num_experts = self.experts.gate_up_proj.shape[0]
         ids = top_ids.reshape(-1)
         order = torch.argsort(ids, stable=True)
-        ends = torch.bincount(ids, minlength=num_experts).cumsum(0).to(torch.int32)
+        # where each expert's rows end in the sorted ids; not bincount, whose CUDA kernel reads the ids' maximum on
+        # the host: a sync per layer, after which the GPU idles while the host launches the layer's next kernels
+        experts = torch.arange(num_experts, device=ids.device, dtype=ids.dtype)
+        ends = torch.searchsorted(ids[order], experts, right=True).to(torch.int32)
         gated_in = x[order // self.top_k] * gates.reshape(-1)[order, None]
         gate, up = F.grouped_mm(gated_in, self.experts.gate_up_proj, offs=ends).chunk(2, dim=-1)
         out = F.grouped_mm(F.silu(gate) * up, self.experts.down_proj, offs=ends)
