@@ -27,6 +27,7 @@ from hybridkv.engine.scheduler import Scheduler, SchedulerOutput
 from hybridkv.engine.sequence import Sequence, SequenceStatus
 from hybridkv.engine.structured_output import StructuredOutputs
 from hybridkv.kv.capacity import longest_fitting
+from hybridkv.kv.capacity import copy_engine_sums_bytes
 from hybridkv.kv.capacity import step_reserve_bytes as _step_reserve_formula
 from hybridkv.kv.cache_manager import KVCacheManager
 from hybridkv.kv.dtypes import MODEL_DTYPES
@@ -103,7 +104,8 @@ def step_reserve_bytes(config: EngineConfig, hidden_size: int, vocab_size: int) 
     # what the backend declares it widens beside the cache (an FP8 cache's prefill segments on the kernels)
     segments = paged_attention_capabilities(config.attention_backend, "cuda", config.kv_cache_dtype).segment_bytes
     step = resolve_step_budget(config, "cuda").max_num_batched_tokens  # a GPU reserve: the GPU's default step
-    return _step_reserve_formula(step, config.max_num_seqs, hidden_size, vocab_size, segments)
+    return _step_reserve_formula(step, config.max_num_seqs, hidden_size, vocab_size, segments,
+                                 config.tensor_parallel_size)
 
 
 def size_kv_cache(config: EngineConfig, hf_config: dict, layout: KVLayout,
@@ -242,8 +244,15 @@ class LLMEngine:
         if not one_shot and not self.config.disable_custom_all_reduce:
             log.warning("all-reduces go through NCCL and decode runs eagerly: this process set up the one-shot "
                         "all-reduce for an earlier tensor-parallel engine (once per process)")
+        sum_slots = (0, 0)
+        c, hidden = self.config, self.model.cfg.hidden_size
+        if one_shot and c.prefill_overlap_tokens and self.model.supports_step_halves and copy_engine_sums_bytes(
+                c.tensor_parallel_size, c.max_num_batched_tokens, hidden):
+            # half a step's rows (``ModelRunner._begin_step`` cuts at n // 2), kept out of the KV cache by
+            # ``step_reserve_bytes``
+            sum_slots = (-(-c.max_num_batched_tokens // 2), hidden)
         spec = WorkerSpec(self.config, dtype, kv_dtype, num_blocks, self.max_model_len, one_shot,
-                          host_blocks=host_blocks)
+                          host_blocks=host_blocks, sum_slots=sum_slots)
         self.workers = TPWorkers(spec, tp)
         return TPDriverRunner(self.model, self.kv, self.backend, self.workers, self.runner.copier,
                               self.config.prefill_overlap_tokens)

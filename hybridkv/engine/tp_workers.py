@@ -68,10 +68,17 @@ class WorkerSpec:
     rank: int = 0
     port: int = 0  # of the driver's TCPStore, where ranks meet
     host_blocks: int = 0  # host tier pages per rank (each rank keeps its own heads' pages)
+    # (rows, hidden) of a prefill half's message when its all-reduces run on the copy engines; (0, 0): they do not
+    sum_slots: tuple[int, int] = (0, 0)
 
     @property
     def size(self) -> int:
         return self.config.tensor_parallel_size
+
+    @property
+    def copy_sums(self) -> tuple[int, int, torch.dtype] | None:
+        """``TPGroup.connect``'s ``sum_slots``."""
+        return (*self.sum_slots, self.dtype) if self.sum_slots[0] else None
 
     @property
     def timeout_s(self) -> float:
@@ -107,7 +114,7 @@ def _worker_main(spec: WorkerSpec, conn: Connection) -> None:
         if spec.device.startswith("cuda"):
             backend = "nccl"
             torch.cuda.set_device(device_for_rank(spec.device, spec.rank))
-        tp.connect(store, backend, spec.timeout_s, spec.one_shot)
+        tp.connect(store, backend, spec.timeout_s, spec.one_shot, spec.copy_sums)
         runner = _build_runner(spec, tp)
         conn.send(("ready", None))
         spin_s = _SPIN_S if spec.device.startswith("cuda") else 0.0
@@ -175,7 +182,8 @@ class TPWorkers:
         self._stop = weakref.finalize(self, _stop_workers, self.procs, self.conns, tp)
         try:
             self._expect("hello")  # every worker is up before rank 0 blocks in the group's rendezvous
-            tp.connect(store, "nccl" if spec.device.startswith("cuda") else "gloo", spec.timeout_s, spec.one_shot)
+            tp.connect(store, "nccl" if spec.device.startswith("cuda") else "gloo", spec.timeout_s, spec.one_shot,
+                       spec.copy_sums)
             self._expect("ready")
         except TensorParallelError:
             raise

@@ -1,4 +1,8 @@
-"""A tensor-parallel decode step's all-reduce, residual add and RMSNorm in one kernel, over peer GPU memory.
+"""A tensor-parallel step's all-reduce, residual add and RMSNorm in one kernel, over peer GPU memory.
+
+Two kernels. ``one_shot_add_norm`` (decode steps) sends this rank's part from inside the kernel;
+``pushed_add_norm`` (prefill halves) finds the peers' parts already copied into its buffer by their copy engines
+(``collectives.CopyEngineSums``) and only waits, sums and normalises.
 
 After a row-parallel linear every rank holds a part of each row's sum; the next thing a decoder layer does with the
 sum is add the residual and normalise. Here each program owns one row: it writes its part into every peer's
@@ -74,6 +78,63 @@ def one_shot_add_norm_kernel(
     if arrived == num_rows - 1:
         tl.store(counter_ptr + 1, 0)
         tl.store(counter_ptr, (generation + 1) % GENS)
+
+
+@triton.jit
+def pushed_add_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, slots_ptr, flags_ptr, seq, eps,
+    RANK: tl.constexpr, WORLD: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr, SLOT: tl.constexpr,
+):
+    """One row: wait until every peer's flag says its part of message ``seq`` has landed in its slot (the peers
+    index their slots skipping this rank), sum the parts in rank order, then as ``one_shot_add_norm_kernel``."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    dtype = x_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for src in tl.static_range(WORLD):
+        if src == RANK:
+            total += tl.load(x_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32)
+        else:
+            # the flag is written by the peer's stream after its copy completed; acquire orders the reads after it
+            arrived = tl.atomic_add(flags_ptr + src, 0, sem="acquire", scope="sys")
+            while arrived < seq:
+                arrived = tl.atomic_add(flags_ptr + src, 0, sem="acquire", scope="sys")
+            if src < RANK:
+                slot = slots_ptr + src * SLOT
+            else:
+                slot = slots_ptr + (src - 1) * SLOT
+            # L2, not L1: an earlier message in the same slot may sit in this SM's L1
+            got = tl.load(slot + row * N + cols, mask=ok, other=0.0, cache_modifier=".cg")
+            total += got.to(tl.float32)
+    r = tl.load(res_ptr + row * N + cols, mask=ok, other=0.0)
+    h = (total.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)  # as a summed tensor + residual rounds
+    tl.store(res_ptr + row * N + cols, h, mask=ok)
+    hf = h.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(hf * hf, 0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    y = ((hf * inv_rms).to(dtype).to(tl.float32) * w.to(tl.float32)).to(dtype)
+    tl.store(out_ptr + row * N + cols, y, mask=ok)
+
+
+def pushed_add_norm(part: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                    slots: torch.Tensor, flags: torch.Tensor, seq: int, rank: int, world: int) -> torch.Tensor:
+    """norm(sum over ranks of ``part`` + ``residual``) * ``weight`` [rows, N], the sum + residual left in
+    ``residual``, where each peer copies its part of message ``seq`` into ``slots`` (this GPU's, [world - 1,
+    slot elements] of ``part``'s dtype, peers in rank order without this rank) and then sets its entry of ``flags``
+    (int32 [world]) to ``seq`` or more."""
+    rows, n = part.shape
+    if not (part.is_contiguous() and residual.is_contiguous()):
+        raise ValueError("the part and the residual must be contiguous")
+    if slots.shape[0] != world - 1 or rows * n > slots.shape[1] or slots.dtype != part.dtype:
+        raise ValueError(f"{rows} x {n} {part.dtype} does not fit slots {tuple(slots.shape)} {slots.dtype}")
+    out = torch.empty_like(part)
+    block = triton.next_power_of_2(n)
+    pushed_add_norm_kernel[(rows,)](
+        part, residual, weight, out, slots, flags, seq, eps, RANK=rank, WORLD=world, N=n, BLOCK=block,
+        SLOT=slots.shape[1], num_warps=8 if block >= 4096 else 4,
+    )
+    return out
 
 
 _BITS = {torch.bfloat16: (tl.int16, 0x7FC0), torch.float16: (tl.int16, 0x7E00), torch.float32: (tl.int32, 0x7FC00000)}

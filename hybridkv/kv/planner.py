@@ -293,7 +293,8 @@ def estimate_memory(
     weights = sum(breakdown.values())
     cfg = text_config(hf_config)
     reserve = step_reserve_bytes(
-        max_num_batched_tokens, max_num_seqs, int(cfg["hidden_size"]), int(cfg.get("vocab_size", 0)), segment_bytes
+        max_num_batched_tokens, max_num_seqs, int(cfg["hidden_size"]), int(cfg.get("vocab_size", 0)), segment_bytes,
+        tensor_parallel_size,
     )
     budget = int((gpu_memory_bytes or 0) * utilization)
     kv = max(0, budget - weights - RUNTIME_BYTES - reserve)

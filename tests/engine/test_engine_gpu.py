@@ -171,18 +171,21 @@ def test_decode_from_cuda_graphs_is_token_exact_with_eager(tiny_model, name, asy
 @pytest.mark.parametrize("name,custom_all_reduce", [("llama4", True), ("llama4", False), ("llama3", False)])
 def test_tensor_parallel_over_two_gpus_matches_one_gpu(tiny_model, name, custom_all_reduce):
     """TP=2 over NCCL (Triton kernels on each rank) generates what TP=1 generates, float32, greedy: prefill eager,
+    steps of 32+ tokens in two halves whose all-reduces go to the copy engines and are summed in the next norm,
     decode replayed from CUDA graphs on both ranks with small all-reduces one-shot over peer memory, the workers
-    sent only the block tables they lack (or, all through NCCL, decode eager and prefill steps of 32+ tokens in
-    two halves whose NCCL all-reduces overlap the other half's kernels)."""
+    sent only the block tables they lack (or, all through NCCL, decode eager and the halves' NCCL all-reduces
+    overlapping the other half's kernels)."""
     model = tiny_model(name)
     prompts = [{"prompt_token_ids": p} for p in random_prompts([70, 23, 150, 5], seed=31)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     common = dict(model=str(model.path), device="cuda", dtype="float32", kv_cache_memory_bytes=64 << 20)
     want = LLM(enforce_eager=True, **common).generate(prompts, params, use_tqdm=False)
-    two = LLM(tensor_parallel_size=2, disable_custom_all_reduce=not custom_all_reduce,
-              prefill_overlap_tokens=0 if custom_all_reduce else 32, **common)
+    two = LLM(tensor_parallel_size=2, disable_custom_all_reduce=not custom_all_reduce, prefill_overlap_tokens=32,
+              **common)
     try:
-        assert (two.engine.model.tp.one_shot is not None) == (custom_all_reduce and two_gpus_see_each_other())
+        tp = two.engine.model.tp
+        assert (tp.one_shot is not None) == (tp.copy_sums is not None) == (custom_all_reduce and
+                                                                             two_gpus_see_each_other())
         for _ in range(2):  # the second round from the prefix cache
             got = two.generate(prompts, params, use_tqdm=False)
             assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
@@ -191,6 +194,8 @@ def test_tensor_parallel_over_two_gpus_matches_one_gpu(tiny_model, name, custom_
             torch.testing.assert_close(lp_g, lp_w, atol=1e-4, rtol=0)
         if custom_all_reduce:  # the decode steps came from the graphs (without the one-shot path: eager)
             assert two.engine.runner.graphs.replays >= 20
+            # and the prefill halves' sums from the copy engines: every message sent was summed
+            assert tp.copy_sums.pushed == tp.copy_sums.summed and min(tp.copy_sums.pushed) > 0
         else:
             assert two.engine.runner.graphs is None
     finally:

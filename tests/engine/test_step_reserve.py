@@ -32,3 +32,16 @@ def test_the_engine_and_the_planner_share_one_formula():
     assert formula(8192, 256, 2048, 49152, segment_bytes=512 << 20) - formula(8192, 256, 2048, 49152) == 768 << 20
     config = EngineConfig(kv_cache_dtype="fp8_e4m3", max_num_seqs=32, max_num_batched_tokens=4096)
     assert step_reserve_bytes(config, 1024, 32000) == formula(4096, 32, 1024, 32000, SEGMENT_BYTES)
+
+
+def test_tensor_parallel_ranks_keep_their_copy_engine_slots_up_to_four_ranks():
+    """Two halves x two generations x (size - 1) peers x half a step of hidden rows, bf16: the slots the prefill
+    halves' all-reduces are copied into (``CopyEngineSums``); none on one rank or beyond four, where NCCL sums."""
+    from hybridkv.kv.capacity import copy_engine_sums_bytes
+
+    base = step_reserve_bytes(EngineConfig(max_num_batched_tokens=16384), 5120, 202_048)
+    for size, slots in ((2, 320 << 20), (4, 960 << 20), (8, 0)):
+        config = EngineConfig(max_num_batched_tokens=16384, tensor_parallel_size=size)
+        assert step_reserve_bytes(config, 5120, 202_048) - base == slots
+        assert copy_engine_sums_bytes(size, 16384, 5120) == slots
+    assert copy_engine_sums_bytes(2, 16383, 5120) == copy_engine_sums_bytes(2, 16384, 5120)  # half rounds up

@@ -1,7 +1,8 @@
 """The one-shot all-reduce over peer GPU memory sums what NCCL sums, its sum fused with the residual add and RMSNorm
 computes what NCCL's sum then the norm kernel do, and the logits gather built on it gathers what NCCL's all-gather
 does, eagerly and replayed from a CUDA graph, on two GPUs and, where there are four, on four (a process a GPU,
-joined as the engine joins its ranks). Skips without two GPUs that reach each other."""
+joined as the engine joins its ranks). The prefill halves' sums on the copy engines match the rank-order sum then
+the norm. Skips without two GPUs that reach each other."""
 
 from __future__ import annotations
 
@@ -170,4 +171,68 @@ def test_one_shot_sums_what_nccl_sums_eager_and_in_a_graph(world):
     failures = ctx.Queue()
     port = 20000 + torch.randint(0, 20000, ()).item()
     mp.start_processes(rank_main, args=(world, port, failures), nprocs=world, start_method="spawn")
+    assert failures.empty()
+
+
+SUM_ROWS, SUM_HIDDEN = 96, 5120  # slots of half a step: 96 rows of Scout's width
+
+
+def copy_sums_main(rank: int, world: int, port: int, failures) -> None:
+    """Prefill halves' sums on the copy engines (``CopyEngineSums``): each half's messages are pushed, then summed
+    in the next norm, for several steps in a row (both generations of every slot reused), with fewer rows than the
+    slots hold, and with one rank's GPU held back before it sends, so the others wait in the norm for its parts."""
+    torch.cuda.set_device(rank)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
+    tp = TPGroup(rank, world)
+    tp.connect(store, "nccl", 60.0, sum_slots=(SUM_ROWS, SUM_HIDDEN, torch.bfloat16))
+    eps = 1e-5
+    try:
+        assert tp.copy_sums is not None
+        same = torch.Generator(device="cuda").manual_seed(7)
+        own = torch.Generator(device="cuda").manual_seed(rank + 1)
+        w = torch.randn(SUM_HIDDEN, device="cuda", dtype=torch.bfloat16, generator=same)
+        for step, rows in enumerate((96, 96, 40, 96, 1, 96, 96)):
+            parts = [torch.randn(rows, SUM_HIDDEN, device="cuda", dtype=torch.bfloat16, generator=own) * (rank + 1)
+                     for _ in range(2)]
+            residuals = [torch.randn(rows, SUM_HIDDEN, device="cuda", dtype=torch.bfloat16, generator=same)
+                         for _ in range(2)]
+            wants = []
+            for part, residual in zip(parts, residuals):
+                res = residual.clone()
+                wants.append((rms_norm(rank_order_sum(part), eps, w, residual=res), res))
+            torch.cuda.synchronize()
+            dist.barrier()
+            if rank == world - 1 and step % 2:
+                torch.cuda._sleep(20_000_000)  # this GPU sends late: the others' norms wait for its parts
+            for half, part in enumerate(parts):
+                with tp.pushing_half(half):
+                    assert tp.all_reduce(part) is part  # sent; summed by the norm
+            got = []
+            for half, (part, residual) in enumerate(zip(parts, residuals)):
+                with tp.pushing_half(half):
+                    got.append(tp.add_norm(part, residual, w, eps))
+            for half, (out, (want, want_res)) in enumerate(zip(got, wants)):
+                torch.testing.assert_close(out, want, rtol=2 ** -7, atol=2 ** -7)
+                assert torch.equal(residuals[half], want_res), (step, half)
+                assert same_on_every_rank(out) and same_on_every_rank(residuals[half]), (step, half)
+        with tp.pushing_half(0), pytest.raises(ValueError, match="does not fit"):
+            tp.all_reduce(torch.ones(SUM_ROWS + 1, SUM_HIDDEN, device="cuda", dtype=torch.bfloat16))
+        with tp.pushing_half(1), pytest.raises(RuntimeError, match="before it was sent"):
+            tp.add_norm(parts[1], residuals[1], w, eps)
+    except BaseException as e:
+        failures.put(f"rank {rank}: {e!r}")
+        raise
+    finally:
+        dist.barrier()
+        tp.leave()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_copy_engine_sums_match_rank_order_sums_then_the_norm(world):
+    if torch.cuda.device_count() < world or not all(torch.cuda.can_device_access_peer(0, r) for r in range(1, world)):
+        pytest.skip(f"needs {world} GPUs with peer access")
+    ctx = mp.get_context("spawn")
+    failures = ctx.Queue()
+    port = 20000 + torch.randint(0, 20000, ()).item()
+    mp.start_processes(copy_sums_main, args=(world, port, failures), nprocs=world, start_method="spawn")
     assert failures.empty()

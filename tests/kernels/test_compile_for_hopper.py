@@ -151,3 +151,15 @@ def test_one_shot_sum_and_norm_of_tensor_parallelism():
                        dict(RANK=0, WORLD=2, N=5120, BLOCK=8192, SLOT=1 << 19, BITS=tl.int16, NAN_BITS=0x7FC0,
                             GENS=one_shot_norm.GENERATIONS),
                        {"peers_ptr": I64, "counter_ptr": I32}, num_warps=8)
+
+
+@pytest.mark.parametrize("rank,world", [(0, 2), (2, 4)])
+def test_pushed_sum_and_norm_of_prefill_halves(rank, world):
+    """The norm that sums a prefill half's parts the peers' copy engines delivered: it waits on each peer's flag with
+    an acquire at system scope (the atomic add of 0 compiles to an acquire load), and reads the slots past L1."""
+    from hybridkv.kernels import one_shot_norm
+
+    ptx = compile_for_hopper(one_shot_norm.pushed_add_norm_kernel,
+                             dict(RANK=rank, WORLD=world, N=5120, BLOCK=8192, SLOT=8192 * 5120),
+                             {"flags_ptr": I32, "seq": "i32"}, num_warps=8)
+    assert re.search(r"ld\.global\.sys\.acquire|atom\.(global\.)?acquire\.sys", ptx) and "ld.global.cg" in ptx

@@ -1,11 +1,12 @@
-"""A one-shot all-reduce over peer GPU buffers, for the small messages of decode steps.
+"""All-reduces over peer GPU buffers: a one-shot all-reduce for the small messages of decode steps
+(``OneShotAllReduce``), and the large ones of prefill steps run in halves on the copy engines (``CopyEngineSums``).
 
 NCCL's all-reduce is built for bandwidth: for the 10 KB a Scout decode step sums per layer (one token x 5,120 bf16
 values) it still pays its protocol's fixed cost, twice per layer, 96 times a step. Here every rank copies its part
 into a buffer every peer can read (torch's symmetric memory, which maps each GPU's buffer into the others' address
 space over NVLink; no multicast), waits at a barrier, then reads all the parts and sums them itself: one kernel,
 one hop. It reads (ranks - 1) x the message per rank, so it only pays for small messages; larger ones go to NCCL
-(``ONE_SHOT_MAX_BYTES``, from ``benchmarks/gpu/all_reduce.py``).
+(``ONE_SHOT_MAX_BYTES``, from ``benchmarks/gpu/all_reduce.py``), or in a prefill step's halves to the copy engines.
 
 E.g. 2 ranks, x = [1, 2] on rank 0 and [10, 20] on rank 1: each copies x into its own buffer, the barrier passes,
 each reads both buffers and writes [11, 22]. A second barrier keeps a fast rank from overwriting its buffer with
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from hybridkv.kv.capacity import SUM_GENERATIONS, SUM_HALVES, copy_engine_sums_bytes
 
 # Messages up to this size take the one-shot path: on 2 and 4 H200s it beat NCCL at every size up to 1 MiB inside a
 # CUDA graph (10 KB: 7.4 vs 13.0 us at 2 GPUs, 8.9 vs 19.6 at 4; 1 MiB: 15.4 vs 19.9, 20.1 vs 27.7) and lost at
@@ -94,3 +97,79 @@ class OneShotAllReduce:
 
         return one_shot_add_norm(part, residual, weight, eps, self.slots, self.generation, self.rank, self.world,
                                  self.max_bytes)
+
+
+class CopyEngineSums:
+    """The all-reduces of a tensor-parallel prefill step run in two halves (``LlamaForCausalLM``), on the GPUs'
+    copy engines, each summed inside the RMSNorm that follows it.
+
+    NCCL's all-reduce runs in CTAs of its own: beside the other half's GEMMs and attention it is slowed by them and
+    slows them (``docs/design/decode.md#tensor-parallel-decode``). Here a half's block ends by copying this rank's
+    part into a slot of every peer's buffer (``cudaMemcpyAsync`` into symmetric memory, on a stream of its own: a
+    copy engine, no SM), then writing the message's number into the peer's flag for this rank (a stream memory
+    operation, no SM either). The half's next norm (``kernels/one_shot_norm.pushed_add_norm``) waits for every
+    peer's flag, sums the parts in rank order, adds the residual and normalises: the same bits on every rank.
+
+    E.g. 2 ranks, half 0's third message: rank 0 copies its part into rank 1's slot [half 0, generation 1, peer 0]
+    and sets rank 1's flag [half 0, rank 0] to 3; rank 1's norm waits for that flag to reach 3, then reads the
+    slot. Two generations suffice: a rank copies message n + 2 only after its norm of n + 1, which waited for the
+    peer's part n + 1, which the peer sent after its norm of n had read slot n. Flags only grow, so a peer that is
+    a message ahead does not stop this rank's wait.
+    """
+
+    def __init__(self, device: torch.device, group: str, rows: int, hidden: int, dtype: torch.dtype) -> None:
+        """Collective, within a group ``OneShotAllReduce`` registered (``group``, its name): slots of ``rows`` x
+        ``hidden`` ``dtype`` values (half a step) for every peer, half and generation; flags zero."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rows, self.hidden, self.dtype = rows, hidden, dtype
+        shape = (SUM_HALVES, SUM_GENERATIONS, self.world - 1, rows * hidden)
+        data = -(-copy_engine_sums_bytes(self.world, 2 * rows, hidden, dtype.itemsize) // 16) * 16  # flags after
+        self.buffer = symm_mem.empty(data + SUM_HALVES * self.world * 4, dtype=torch.uint8, device=device)
+        self.buffer[data:].zero_()
+        torch.cuda.synchronize(device)  # flags zero before any peer can write (they need the rendezvous first)
+        handle = symm_mem.rendezvous(self.buffer, group)
+
+        def views(whole: torch.Tensor, flag_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            slots = whole[: torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
+            return slots, whole[data:].view(flag_dtype)
+
+        self.slots, self.flags = views(self.buffer, torch.int32)
+        self.peers = [p for p in range(self.world) if p != self.rank]
+        # the stream memory operation takes uint32 flags
+        self.peer_views = {p: views(handle.get_buffer(p, (self.buffer.numel(),), torch.uint8), torch.uint32)
+                           for p in self.peers}
+        self.stream = torch.cuda.Stream(device)
+        self.pushed = [0] * SUM_HALVES  # messages sent per half
+        self.summed = [0] * SUM_HALVES  # messages summed per half
+
+    def push(self, part: torch.Tensor, half: int) -> None:
+        """Start sending this rank's ``part`` [rows, hidden] of ``half``'s next message to every peer; the next
+        ``add_norm`` of the same half sums it."""
+        if part.dim() != 2 or part.shape[0] > self.rows or part.shape[1] != self.hidden or part.dtype != self.dtype:
+            raise ValueError(f"a {tuple(part.shape)} {part.dtype} part does not fit slots of {self.rows} x "
+                             f"{self.hidden} {self.dtype}")
+        seq = self.pushed[half] = self.pushed[half] + 1
+        flat = part.contiguous().view(-1)
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            for peer in self.peers:
+                slots, flags = self.peer_views[peer]
+                me = self.rank - (self.rank > peer)  # the peer's slots skip the peer itself
+                slots[half, seq % SUM_GENERATIONS, me, : flat.numel()].copy_(flat)
+                torch.ops.symm_mem.stream_write_value32_(flags, half * self.world + self.rank, seq)
+        flat.record_stream(self.stream)  # the copies still read it after the caller lets it go
+
+    def add_norm(self, part: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 half: int) -> torch.Tensor:
+        """RMSNorm(sum over ranks of ``half``'s message, ``part`` being this rank's + ``residual``) * ``weight``,
+        the sum plus residual left in ``residual``."""
+        from hybridkv.kernels.one_shot_norm import pushed_add_norm  # triton is only needed on GPU
+
+        seq = self.summed[half] + 1
+        if seq > self.pushed[half]:
+            raise RuntimeError(f"half {half}: message {seq} is summed before it was sent")
+        self.summed[half] = seq
+        return pushed_add_norm(part.contiguous(), residual, weight, eps, self.slots[half, seq % SUM_GENERATIONS],
+                               self.flags[half * self.world : (half + 1) * self.world], seq, self.rank, self.world)

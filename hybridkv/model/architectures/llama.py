@@ -69,8 +69,8 @@ class RMSNorm(nn.Module):
                     tp: TPGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): a layer's residual add and the next norm. On CUDA one kernel,
         which leaves the sum in ``residual``'s memory. ``tp`` while it is ``summing_in_norms``: ``x`` is this
-        rank's part of a sum over ranks, which the same kernel sums."""
-        if tp is not None and tp.norm_sums:
+        rank's part of a sum over ranks, which the same kernel sums (or while ``pushing_half``)."""
+        if tp is not None and tp.sums_in_norms:
             return tp.add_norm(x, residual, self.weight, self.eps), residual
         if x.is_cuda:
             from hybridkv.kernels.rms_norm import rms_norm
@@ -470,8 +470,7 @@ class LlamaForCausalLM(nn.Module):
             tables.rolled = rope_halves_tables(tables.cos, tables.sin)
         x, residual = self.embed_tokens(input_ids), None
         if halves:
-            x, residual = self._layers_in_halves(x, tables, attn, halves)
-            return self.norm.add_forward(x, residual)[0]
+            return self._layers_in_halves(x, tables, attn, halves)
         if tables.rolled is not None and input_ids.shape[0] < DENSE_ROWS and self.cpu_decode() is not None:
             x, residual = self._cpu_decode(x, tables, attn)
             return self.norm.add_forward(x, residual)[0]
@@ -490,20 +489,27 @@ class LlamaForCausalLM(nn.Module):
         return self._cpu_decode
 
     def _layers_in_halves(self, x: torch.Tensor, tables: PositionTables, attn, halves: list[StepHalf]):
-        """Every layer's blocks, half A then half B, each block's all-reduce deferred: A's is waited for only when
-        A's next block starts, by which time B's block has computed beside it. E.g. attention(A), attention(B)
-        while A's sum travels, MLP(A) while B's does, ... Returns (x, residual) of the whole step."""
+        """Every layer's blocks, half A then half B, each block's all-reduce travelling while the other half
+        computes. E.g. attention(A), attention(B) while A's sum travels, MLP(A) while B's does, ... Returns the
+        final-normed hidden states of the whole step.
+
+        On the copy engines (``TPGroup.pushing_half``) a half's next norm sums its part; through NCCL the
+        all-reduce is deferred, and waited for when the half's next block starts."""
         runs = [_HalfRun(x[h.rows], None, tables.rows(h.rows)) for h in halves]
+        tp = self.tp
         for layer in self.layers:
             for block in (layer.attention_block, layer.mlp_block):
-                for half, run in zip(halves, runs):
+                for i, (half, run) in enumerate(zip(halves, runs)):
                     run.wait()
                     attn.step_state = half.state
-                    with self.tp.deferring() as run.pending:
+                    with tp.pushing_half(i), tp.deferring() as run.pending:
                         run.x, run.residual = block(run.x, run.residual, run.tables, attn)
-        for run in runs:
+        out = []
+        for i, run in enumerate(runs):
             run.wait()
-        return torch.cat([run.x for run in runs]), torch.cat([run.residual for run in runs])
+            with tp.pushing_half(i):
+                out.append(self.norm.add_forward(run.x, run.residual, tp)[0])
+        return torch.cat(out)
 
     def compute_logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor | None:
         """float32 logits [N, vocab] for the hidden rows the caller picked (e.g. each sequence's last token).

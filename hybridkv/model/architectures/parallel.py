@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.model.architectures.collectives import OneShotAllReduce
+from hybridkv.model.architectures.collectives import CopyEngineSums, OneShotAllReduce
 
 if TYPE_CHECKING:
     from hybridkv.model.int8_head_cpu import Int8ArgmaxHead
@@ -44,15 +44,21 @@ class TPGroup:
     deferred: list[dist.Work] | None = field(default=None, repr=False, compare=False)
     # while ``summing_in_norms``: one-shot all-reduces are left to the RMSNorm after them (``add_norm``)
     norm_sums: bool = field(default=False, repr=False, compare=False)
+    # prefill halves' all-reduces on the copy engines; set up by ``connect`` when given the slots' shape
+    copy_sums: CopyEngineSums | None = field(default=None, repr=False, compare=False)
+    # while ``pushing``: the step half whose all-reduces go to ``copy_sums``, summed by the RMSNorm after them
+    pushing: int | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"tensor_parallel_size must be >= 1 (and rank below it), got {self.rank} of {self.size}")
 
-    def connect(self, store: dist.Store, backend: str, timeout_s: float, custom_all_reduce: bool = True) -> None:
+    def connect(self, store: dist.Store, backend: str, timeout_s: float, custom_all_reduce: bool = True,
+                sum_slots: tuple[int, int, torch.dtype] | None = None) -> None:
         """Join the group's ranks (torch.distributed's default group); a collective that waits longer than
         ``timeout_s`` raises, so a hung rank cannot hang the others forever. On GPUs that reach each other's
-        memory, small all-reduces then take the one-shot path unless ``custom_all_reduce`` is off."""
+        memory, small all-reduces then take the one-shot path unless ``custom_all_reduce`` is off, and with
+        ``sum_slots`` (rows, hidden, dtype: half a step's message) prefill halves sum on the copy engines."""
         timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.size, timeout=timeout)
         if backend == "nccl" and custom_all_reduce:
@@ -60,9 +66,11 @@ class TPGroup:
             if OneShotAllReduce.usable(device, self.size):
                 # the store's port names the group: the same on every rank, new for every engine in a process
                 self.one_shot = OneShotAllReduce(device, store, f"hybridkv-tp-{store.port}")
+                if sum_slots is not None:
+                    self.copy_sums = CopyEngineSums(device, self.one_shot.group, *sum_slots)
 
     def leave(self) -> None:
-        self.one_shot = None
+        self.one_shot = self.copy_sums = None
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -86,6 +94,9 @@ class TPGroup:
         """The sum of ``x`` over ranks: in place through NCCL/gloo, or a new tensor from the one-shot path."""
         if self.size == 1 or self.norm_sums:
             return x
+        if self.pushing is not None:
+            self.copy_sums.push(x, self.pushing)
+            return x
         if self.one_shot is not None and self.one_shot.fits(x):
             return self.one_shot(x)
         if self.deferred is not None:
@@ -106,6 +117,22 @@ class TPGroup:
             self.deferred = None
 
     @contextmanager
+    def pushing_half(self, half: int) -> Iterator[None]:
+        """Inside, with copy-engine sums set up, an all-reduce sends this rank's part of step half ``half`` to
+        its peers and returns it unsummed; the caller passes it to ``add_norm`` (within ``pushing_half`` of the
+        same half) and nothing else, as in ``summing_in_norms``. Without them, nothing changes."""
+        self.pushing = half if self.copy_sums is not None else None
+        try:
+            yield
+        finally:
+            self.pushing = None
+
+    @property
+    def sums_in_norms(self) -> bool:
+        """The all-reduce before the next norm left its sum to the norm (``add_norm``)."""
+        return self.norm_sums or self.pushing is not None
+
+    @contextmanager
     def summing_in_norms(self, x: torch.Tensor) -> Iterator[None]:
         """Inside, when the one-shot path takes messages of ``x``'s size, ``all_reduce`` returns this rank's part
         unsummed, and the RMSNorm that follows sums it (``add_norm``): the caller passes every such result to
@@ -118,7 +145,10 @@ class TPGroup:
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm(x + residual) * weight with ``x`` summed over ranks first, inside ``summing_in_norms``; the sum
-        plus residual is left in ``residual``."""
+        plus residual is left in ``residual``; within ``pushing_half``, ``x`` is that half's part of its last
+        all-reduce."""
+        if self.pushing is not None:
+            return self.copy_sums.add_norm(x, residual, weight, eps, self.pushing)
         return self.one_shot.add_norm(x, residual, weight, eps)
 
     def gathers_one_shot(self, rows: int, cols: int, dtype: torch.dtype) -> bool:
