@@ -125,8 +125,9 @@ def gpu_timeline(run) -> tuple[float, float, float, float]:
     """(ms in collective kernels, ms the GPU was busy, ms it waited, ms of kernels that ran beside another) on rank
     0's GPU while ``run()`` executes, from the first kernel to the last: waiting is the host's share of a step
     (scheduling, metadata, sending the step to the workers, sampling); a collective's time includes its wait for
-    the slower rank. Collectives are NCCL's kernels, the one-shot all-reduce and the one-shot sum fused with the
-    residual add and RMSNorm after it (``kernels/one_shot_norm.py``, its norm counted in)."""
+    the slower rank. Collectives are NCCL's kernels, the one-shot all-reduce, the sums fused with the residual add
+    and RMSNorm after them (``kernels/one_shot_norm.py``, their norms counted in) and the prefill halves' copies
+    to the peers (copy engines, beside the kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -134,7 +135,8 @@ def gpu_timeline(run) -> tuple[float, float, float, float]:
         torch.cuda.synchronize()
     spans = sorted((e.time_range.start, e.time_range.end, e.name.lower()) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA)
-    comm = sum(end - start for start, end, name in spans if any(k in name for k in ("nccl", "all_reduce", "one_shot")))
+    comm = sum(end - start for start, end, name in spans
+               if any(k in name for k in ("nccl", "all_reduce", "one_shot", "pushed_add_norm", "ptop")))
     busy, reach = 0.0, spans[0][0]
     for start, end, _ in spans:  # the union of the kernels' intervals (overlapping across streams)
         busy += max(0.0, end - max(start, reach))
