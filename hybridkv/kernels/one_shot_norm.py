@@ -35,6 +35,20 @@ EMPTY_BYTE = 0xFF  # every slot's bytes while it waits: all ones, a NaN pattern 
 
 
 @triton.jit
+def _add_residual_and_norm(total, res_ptr, w_ptr, out_ptr, at, cols, ok, eps, N: tl.constexpr, dtype: tl.constexpr):
+    """A row's parts summed in float32 (``total``), rounded as a summed tensor would be, plus the residual (stored
+    back at ``at``), then RMSNorm times the weight into ``out_ptr``: the end of both kernels below."""
+    r = tl.load(res_ptr + at, mask=ok, other=0.0)
+    h = (total.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)  # as a summed tensor + residual rounds
+    tl.store(res_ptr + at, h, mask=ok)
+    hf = h.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(hf * hf, 0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    y = ((hf * inv_rms).to(dtype).to(tl.float32) * w.to(tl.float32)).to(dtype)
+    tl.store(out_ptr + at, y, mask=ok)
+
+
+@triton.jit
 def one_shot_add_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, peers_ptr, counter_ptr, num_rows, eps,
     RANK: tl.constexpr, WORLD: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr, SLOT: tl.constexpr,
@@ -65,14 +79,7 @@ def one_shot_add_norm_kernel(
                 got = tl.load(slot, mask=ok, other=0, volatile=True)
             tl.store(slot, tl.full([BLOCK], -1, BITS), mask=ok)  # empty again for its next use
             total += got.to(dtype, bitcast=True).to(tl.float32)
-    r = tl.load(res_ptr + row * N + cols, mask=ok, other=0.0)
-    h = (total.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)  # as a summed tensor + residual rounds
-    tl.store(res_ptr + row * N + cols, h, mask=ok)
-    hf = h.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(hf * hf, 0) / N + eps)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-    y = ((hf * inv_rms).to(dtype).to(tl.float32) * w.to(tl.float32)).to(dtype)
-    tl.store(out_ptr + row * N + cols, y, mask=ok)
+    _add_residual_and_norm(total, res_ptr, w_ptr, out_ptr, row * N + cols, cols, ok, eps, N, dtype)
     # the launch's last program moves this GPU to the next generation (every program read it before arriving)
     arrived = tl.atomic_add(counter_ptr + 1, 1)
     if arrived == num_rows - 1:
@@ -107,14 +114,7 @@ def pushed_add_norm_kernel(
             # L2, not L1: an earlier message in the same slot may sit in this SM's L1
             got = tl.load(slot + row * N + cols, mask=ok, other=0.0, cache_modifier=".cg")
             total += got.to(tl.float32)
-    r = tl.load(res_ptr + row * N + cols, mask=ok, other=0.0)
-    h = (total.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)  # as a summed tensor + residual rounds
-    tl.store(res_ptr + row * N + cols, h, mask=ok)
-    hf = h.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(hf * hf, 0) / N + eps)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-    y = ((hf * inv_rms).to(dtype).to(tl.float32) * w.to(tl.float32)).to(dtype)
-    tl.store(out_ptr + row * N + cols, y, mask=ok)
+    _add_residual_and_norm(total, res_ptr, w_ptr, out_ptr, row * N + cols, cols, ok, eps, N, dtype)
 
 
 def pushed_add_norm(part: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -6,6 +6,8 @@ the norm. Skips without two GPUs that reach each other."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import pytest
@@ -22,12 +24,25 @@ from hybridkv.model.architectures.parallel import TPGroup  # noqa: E402
 SHAPES = [(1, 5120), (3, 5120), (7, 96), (64, 4096)]  # 64 x 4096 x 4 B: the largest message the path takes
 
 
+@contextmanager
+def rank_reports(rank: int, tp: TPGroup, failures) -> Iterator[None]:
+    """A rank's failure goes to the parent's queue; at the end every rank meets the others and leaves the group."""
+    try:
+        yield
+    except BaseException as e:
+        failures.put(f"rank {rank}: {e!r}")
+        raise
+    finally:
+        dist.barrier()
+        tp.leave()
+
+
 def rank_main(rank: int, world: int, port: int, failures) -> None:
     torch.cuda.set_device(rank)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
     tp = TPGroup(rank, world)
     tp.connect(store, "nccl", 60.0)
-    try:
+    with rank_reports(rank, tp, failures):
         assert tp.one_shot is not None
         for dtype in (torch.float32, torch.bfloat16):
             for shape in SHAPES:
@@ -71,12 +86,6 @@ def rank_main(rank: int, world: int, port: int, failures) -> None:
                 assert torch.equal(got, want) and torch.equal(replayed, want), (rows, cols)
             else:
                 assert got is None and replayed is None
-    except BaseException as e:
-        failures.put(f"rank {rank}: {e!r}")
-        raise
-    finally:
-        dist.barrier()
-        tp.leave()
 
 
 def sums_match(got: torch.Tensor, want: torch.Tensor, part: torch.Tensor) -> bool:
@@ -163,15 +172,19 @@ def check_add_norm(tp: TPGroup, rank: int, world: int) -> None:
     assert bool(out[0].isnan().all()) and bool((residual[1] == 1.0).all()) and bool((out[1] == 1.0).all())
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_one_shot_sums_what_nccl_sums_eager_and_in_a_graph(world):
+def run_on_ranks(main, world: int) -> None:
+    """``main(rank, world, port, failures)`` in a process per GPU, joined as the engine joins its ranks."""
     if torch.cuda.device_count() < world or not all(torch.cuda.can_device_access_peer(0, r) for r in range(1, world)):
         pytest.skip(f"needs {world} GPUs with peer access")
-    ctx = mp.get_context("spawn")
-    failures = ctx.Queue()
+    failures = mp.get_context("spawn").Queue()
     port = 20000 + torch.randint(0, 20000, ()).item()
-    mp.start_processes(rank_main, args=(world, port, failures), nprocs=world, start_method="spawn")
+    mp.start_processes(main, args=(world, port, failures), nprocs=world, start_method="spawn")
     assert failures.empty()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_one_shot_sums_what_nccl_sums_eager_and_in_a_graph(world):
+    run_on_ranks(rank_main, world)
 
 
 SUM_ROWS, SUM_HIDDEN = 96, 5120  # slots of half a step: 96 rows of Scout's width
@@ -186,7 +199,7 @@ def copy_sums_main(rank: int, world: int, port: int, failures) -> None:
     tp = TPGroup(rank, world)
     tp.connect(store, "nccl", 60.0, sum_slots=(SUM_ROWS, SUM_HIDDEN, torch.bfloat16))
     eps = 1e-5
-    try:
+    with rank_reports(rank, tp, failures):
         assert tp.copy_sums is not None
         same = torch.Generator(device="cuda").manual_seed(7)
         own = torch.Generator(device="cuda").manual_seed(rank + 1)
@@ -219,20 +232,8 @@ def copy_sums_main(rank: int, world: int, port: int, failures) -> None:
             tp.all_reduce(torch.ones(SUM_ROWS + 1, SUM_HIDDEN, device="cuda", dtype=torch.bfloat16))
         with tp.pushing_half(1), pytest.raises(RuntimeError, match="before it was sent"):
             tp.add_norm(parts[1], residuals[1], w, eps)
-    except BaseException as e:
-        failures.put(f"rank {rank}: {e!r}")
-        raise
-    finally:
-        dist.barrier()
-        tp.leave()
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_copy_engine_sums_match_rank_order_sums_then_the_norm(world):
-    if torch.cuda.device_count() < world or not all(torch.cuda.can_device_access_peer(0, r) for r in range(1, world)):
-        pytest.skip(f"needs {world} GPUs with peer access")
-    ctx = mp.get_context("spawn")
-    failures = ctx.Queue()
-    port = 20000 + torch.randint(0, 20000, ()).item()
-    mp.start_processes(copy_sums_main, args=(world, port, failures), nprocs=world, start_method="spawn")
-    assert failures.empty()
+    run_on_ranks(copy_sums_main, world)
