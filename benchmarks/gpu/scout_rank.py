@@ -27,7 +27,8 @@ Tensor parallelism (dummy weights, every rank's KV filled with random values thr
 The first runs Scout/4 over 2 GPUs beside Scout/8 on one (the same shapes per GPU): prefill, decode with CUDA
 graphs, time in collectives, and a model of the TP 8 step from them. The second runs full-size Scout over 4 GPUs
 beside one TP-8 rank on one GPU (``--tp-prefill-length 0`` skips its prefill, ``--decode-contexts ''`` its decode
-steps and the TP-8 rank, so that a prefill of millions of tokens fits one run's time).
+steps and the TP-8 rank; with a prefill the 16K step over 512K is left out, so that a prefill of millions of tokens
+fits one run's time, and its progress goes to stderr each minute).
 
 ``--plot PATH`` (with ``--step-contexts``): a PNG of this run's step times with their fitted line, and the prefill
 time the step model predicts by prompt length beside the measured prefills and the user's vLLM runs.
@@ -103,13 +104,20 @@ def decode_after_prefill_ms(engine: LLMEngine, n: int, vocab: int, steps: int = 
         temperature=0, max_tokens=steps + 3, ignore_eos=True))
     seq = engine._requests[f"real-{n}"].seqs[0]
     torch.cuda.synchronize()
-    start = time.perf_counter()
+    start = report = time.perf_counter()
     while seq.num_output_tokens == 0:
         engine.step()
+        if time.perf_counter() - report > PROGRESS_S:  # a run cut short by a time limit still shows its rate
+            report = time.perf_counter()
+            print(f"  prefill: {seq.num_computed_tokens:,} of {n:,} tokens after {report - start:.0f} s",
+                  file=sys.stderr, flush=True)
     torch.cuda.synchronize()
     prefill = time.perf_counter() - start
     engine.step()
     return prefill, median_step_ms(engine, steps)
+
+
+PROGRESS_S = 60.0  # a long prefill reports how far it got this often (stderr)
 
 
 def fill_random_cache(runner) -> None:
@@ -218,10 +226,12 @@ def tensor_parallel_rows(size: int, n: int, contexts: list[int]) -> list[list[st
     return rows + tp8_model_rows(size, measured)
 
 
-def engine_rows(engine: LLMEngine, label: str, vocab: int, n: int, contexts: list[int], out: dict) -> list[list[str]]:
+def engine_rows(engine: LLMEngine, label: str, vocab: int, n: int, contexts: list[int], out: dict,
+                prefill_step: bool = True) -> list[list[str]]:
     """Prefill of ``n`` tokens and the decode step after it; one STEP_TOKENS-token prefill step over 524,288 cached
-    tokens (tensor parallelism: its layers whole and in two halves); decode steps at ``contexts`` over random KV
-    (CUDA graphs) with rank 0's host time by phase; peak memory per GPU. Times go into ``out`` too.
+    tokens (tensor parallelism: its layers whole and in two halves; not with ``prefill_step`` off); decode steps at
+    ``contexts`` over random KV (CUDA graphs) with rank 0's host time by phase; peak memory per GPU. Times go into
+    ``out`` too.
 
     Then, tensor-parallel engines only, profiles: the time in collectives of the prefill step and of decode steps.
     Profiles come last: once torch's profiler has run in a process, every later CUDA launch there costs more host
@@ -234,8 +244,9 @@ def engine_rows(engine: LLMEngine, label: str, vocab: int, n: int, contexts: lis
         rows.append(["bfloat16", f"{label}: prefill {n:,} (cold)", f"{seconds:.1f} s", f"{n / seconds:,.0f} tok/s"])
         rows.append(["bfloat16", f"{label}: decode step after it (graphs)", f"{ms:.2f} ms", ""])
         print(rows[-2], rows[-1], flush=True)
-    engine.collective_rpc(fill_random_cache)
-    step_fits = STEP_TOKENS + (1 << 19) <= engine.max_model_len
+    if prefill_step or contexts:
+        engine.collective_rpc(fill_random_cache)
+    step_fits = prefill_step and STEP_TOKENS + (1 << 19) <= engine.max_model_len
     if step_fits:
         rows += prefill_step_rows(engine, label, vocab)
     fitting = [ctx for ctx in contexts if ctx <= engine.max_model_len]
@@ -334,7 +345,8 @@ def full_model_rows(size: int, n: int, contexts: list[int]) -> list[list[str]]:
         rows.append(["bfloat16", f"{label}: max_model_len plan / engine", f"{plan.max_model_len:,} / "
                      f"{engine.max_model_len:,}", f"KV {kv_bytes / 2**30:.2f} GiB per GPU"])
         measured = {}
-        rows += engine_rows(engine, label, full["vocab_size"], n, contexts, measured)
+        # a measured prefill of millions of tokens runs alone, to fit one command's time
+        rows += engine_rows(engine, label, full["vocab_size"], n, contexts, measured, prefill_step=not n)
         for ctx in contexts:
             if ctx in measured and ctx in rank:
                 rows.append(["bfloat16", f"{label}: decode @ {ctx:,} vs 2 x rank step + 1 ms",
