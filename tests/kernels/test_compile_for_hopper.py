@@ -23,9 +23,11 @@ HOPPER = GPUTarget("cuda", 90, 32)
 FLOATS = {"scale", "k_scale", "v_scale", "eps"}
 
 
-def compile_for_hopper(kernel, constexprs: dict, types: dict, num_warps: int = 4, num_stages: int = 3) -> str:
+def compile_for_hopper(kernel, constexprs: dict, types: dict, num_warps: int = 4, num_stages: int = 3,
+                       divisible: tuple[str, ...] = ()) -> str:
     """The kernel's PTX for sm_90. A parameter is a constexpr (``constexprs``, else its default), a type named in
-    ``types``, a bf16 pointer if its name says pointer, a float32 if it is a scale or epsilon, else an int32."""
+    ``types``, a bf16 pointer if its name says pointer, a float32 if it is a scale or epsilon, else an int32.
+    Those ``divisible`` are known multiples of 16, as Triton specializes such pointers and integers at launch."""
     signature, values = {}, {}
     for p in kernel.params:
         if p.is_constexpr:
@@ -38,7 +40,9 @@ def compile_for_hopper(kernel, constexprs: dict, types: dict, num_warps: int = 4
         else:
             signature[p.name] = "fp32" if p.name in FLOATS else "i32"
     try:
-        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=values), target=HOPPER,
+        attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=values, attrs=attrs),
+                                  target=HOPPER,
                                   options={"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": True})
     except RuntimeError as e:
         if "ptxas" in str(e).lower() and "not found" in str(e).lower():
@@ -163,3 +167,23 @@ def test_pushed_sum_and_norm_of_prefill_halves(rank, world):
                              dict(RANK=rank, WORLD=world, N=5120, BLOCK=8192, SLOT=8192 * 5120),
                              {"flags_ptr": I32, "seq": "i32"}, num_warps=8)
     assert re.search(r"ld\.global\.sys\.acquire|atom\.(global\.)?acquire\.sys", ptx) and "ld.global.cg" in ptx
+
+
+def test_prefill_moe_kernels():
+    """The prefill MoE's counting sort (Scout's 16 experts, 1,024 pairs a program; 128 experts), row gathers and
+    ``silu * up``. The gathers' rows take 16-byte loads: the row kernels are bound by memory."""
+    from hybridkv.kernels import moe_prefill
+
+    for e_pad, block in ((16, 1024), (128, 128)):
+        compile_for_hopper(moe_prefill.count_by_expert_kernel, dict(E_PAD=e_pad, BLOCK=block), {"ids_ptr": I32,
+                           "counts_ptr": I32}, num_warps=8)
+        compile_for_hopper(moe_prefill.place_by_expert_kernel, dict(E_PAD=e_pad, B_PAD=16, BLOCK=block),
+                           {"ids_ptr": I32, "counts_ptr": I32, "order_ptr": I64, "place_ptr": I64, "ends_ptr": I32},
+                           num_warps=8)
+    rows = ("x_ptr", "out_ptr", "gate_up_ptr", "shared_ptr", "routed_ptr", "hidden", "inter", "stride_x",
+            "stride_o", "stride_g", "stride_s", "stride_r")  # Scout's rows: 5,120 and 2 x 1,024 values
+    for kernel, consts, types in ((moe_prefill.gather_gated_kernel, dict(TOP_K=1, BLOCK=1024), {"order_ptr": I64}),
+                                  (moe_prefill.silu_mul_kernel, dict(BLOCK=1024), {}),
+                                  (moe_prefill.add_routed_kernel, dict(TOP_K=2, BLOCK=1024), {"place_ptr": I64})):
+        ptx = compile_for_hopper(kernel, consts, types, divisible=tuple(n for n in rows if n in kernel.arg_names))
+        assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx), kernel.fn.__name__

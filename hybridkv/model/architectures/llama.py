@@ -258,6 +258,10 @@ class MLP(nn.Module):
         self.gate_up = FusedColumns(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.gate_up.weight is not None:
+            from hybridkv.kernels.moe_prefill import silu_mul  # triton is only needed on GPU
+
+            return self.down_proj(silu_mul(self.gate_up.joint(x)))
         gate, up = self.gate_up(x)
         return self.down_proj(F.silu(gate) * up)
 
@@ -320,7 +324,11 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.shape[0] * self.top_k <= fused_moe_max_pairs():
             return self.tp.all_reduce(self._fused_decode(x))
-        return self.tp.all_reduce(self.shared_expert(x) + self._routed(x))
+        top_logits, top_ids = torch.topk(self.router(x), self.top_k, dim=-1)
+        gates = torch.sigmoid(top_logits.float()).to(x.dtype)
+        if x.is_cuda and self._grouped_mm_ok and self._sorts(top_ids):
+            return self.tp.all_reduce(self._routed_by_kernels(x, top_ids, gates, self.shared_expert(x)))
+        return self.tp.all_reduce(self.shared_expert(x) + self._routed(x, top_ids, gates))
 
     def _fused_decode(self, x: torch.Tensor) -> torch.Tensor:
         """Decode sizes: the router in one launch, then the selected experts (with the shared expert, for few
@@ -339,9 +347,7 @@ class MoE(nn.Module):
         return fused_moe(x, gates, top_ids, experts.gate_up_proj, experts.down_proj, self._arrived,
                          shared=(shared.gate_up.weight, shared.down_proj.weight))
 
-    def _routed(self, x: torch.Tensor) -> torch.Tensor:
-        top_logits, top_ids = torch.topk(self.router(x), self.top_k, dim=-1)
-        gates = torch.sigmoid(top_logits.float()).to(x.dtype)
+    def _routed(self, x: torch.Tensor, top_ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
         if self._grouped_mm_ok:
             return self._routed_by_grouped_mm(x, top_ids, gates)
         return self._routed_by_expert(x, top_ids, gates)
@@ -357,7 +363,8 @@ class MoE(nn.Module):
         return routed
 
     def _routed_by_grouped_mm(self, x: torch.Tensor, top_ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
-        """Prefill-sized batches: (token, choice) pairs sorted by expert, then one grouped GEMM per projection.
+        """Prefill-sized batches on the CPU (on CUDA ``_routed_by_kernels``, unless the step is past its counting
+        sort): (token, choice) pairs sorted by expert, then one grouped GEMM per projection.
 
         E.g. 3 tokens, top-1, ids [2, 0, 2] -> order [1, 0, 2], ends per expert [1, 1, 3]: rows 0..1 run through
         expert 0, none through expert 1, rows 1..3 through expert 2. No host sync and two launches instead of a
@@ -379,6 +386,24 @@ class MoE(nn.Module):
         if self.top_k == 1:
             return by_choice
         return by_choice.view(x.shape[0], self.top_k, -1).sum(dim=1)
+
+    def _sorts(self, top_ids: torch.Tensor) -> bool:
+        from hybridkv.kernels.moe_prefill import sorts  # triton is only needed on GPU
+
+        return sorts(top_ids.numel(), self.experts.gate_up_proj.shape[0])
+
+    def _routed_by_kernels(self, x: torch.Tensor, top_ids: torch.Tensor, gates: torch.Tensor,
+                           shared: torch.Tensor) -> torch.Tensor:
+        """``_routed_by_grouped_mm``'s dispatch on CUDA, its sort, gathers and elementwise work in five Triton
+        launches (``kernels/moe_prefill.py``), the routed rows added into ``shared`` (the shared expert's output,
+        returned)."""
+        from hybridkv.kernels.moe_prefill import add_routed, gather_gated, silu_mul, sort_by_expert
+
+        experts = self.experts
+        ends, order, place = sort_by_expert(top_ids, experts.gate_up_proj.shape[0])
+        gated_in = gather_gated(x.contiguous(), gates, order, self.top_k)
+        hidden = silu_mul(F.grouped_mm(gated_in, experts.gate_up_proj, offs=ends))
+        return add_routed(shared, F.grouped_mm(hidden, experts.down_proj, offs=ends), place, self.top_k)
 
 
 class DecoderLayer(nn.Module):
