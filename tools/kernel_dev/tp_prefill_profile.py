@@ -1,6 +1,7 @@
 """One 16,384-token prefill step of Scout with a TP-8 rank's shapes per GPU, at TP 1 or split over TP 2 GPUs:
-wall time over a chosen context, layers whole and in two halves (TP 2), then rank 0's GPU profiled over one
-halves step: busy, idle within the step, and the kernels' (and copies') time summed by name.
+wall time over a chosen context, layers whole and in two halves, then rank 0's GPU profiled over one step of each:
+busy, idle within the step, and the kernels' (and copies') time summed by name, side by side. At TP 1 the halves
+communicate nothing: what they cost there is the split's own.
 
     PYTHONPATH=. python tools/kernel_dev/tp_prefill_profile.py --tensor-parallel-size 2 --context 0
     PYTHONPATH=. python tools/kernel_dev/tp_prefill_profile.py --tensor-parallel-size 1 --context 0
@@ -62,16 +63,23 @@ def main() -> None:
         vocab, halves = cfg["vocab_size"], engine.config.prefill_overlap_tokens
         engine.collective_rpc(scout_rank.fill_random_cache)
         scout_rank.step_seconds(engine, 0, vocab)  # compiles the kernels
-        ways = [(halves, "")] if tp == 1 else [(0, "layers whole"), (halves, "two halves")]
+        ways = [(0, "layers whole"), (halves, "two halves")]  # at TP 1 the halves only show their own cost
+        profiles = []
         for tokens, how in ways:
             engine.collective_rpc(scout_rank.set_prefill_halves, tokens)
             best = min(scout_rank.step_seconds(engine, args.context, vocab) for _ in range(3))
             print(f"TP {tp} {how}: step over {args.context:,}: {1000 * best:.1f} ms (best of 3)", flush=True)
-        engine.collective_rpc(scout_rank.set_prefill_halves, halves)
-        wall, busy, span, by_name = profiled_step(engine, args.context, vocab)
-        print(f"TP {tp} profiled: wall {wall:.1f} ms, busy {busy:.1f} ms, idle {span - busy:.1f} of {span:.1f} ms")
-        for name, (ms, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[: args.top]:
-            print(f"  {ms:8.2f} ms {count:5d}  {name}")
+        for tokens, how in ways:  # profiles last: after torch's profiler, launches cost more host time
+            engine.collective_rpc(scout_rank.set_prefill_halves, tokens)
+            wall, busy, span, by_name = profiled_step(engine, args.context, vocab)
+            print(f"TP {tp} {how} profiled: wall {wall:.1f} ms, busy {busy:.1f} ms, "
+                  f"idle {span - busy:.1f} of {span:.1f} ms")
+            profiles.append(by_name)
+        whole, split = profiles
+        print(f"{'whole ms':>9} {'n':>5} {'halves ms':>9} {'n':>5}  kernel")
+        for name in sorted(whole.keys() | split.keys(), key=lambda k: -split.get(k, [0.0])[0])[: args.top]:
+            (a, n), (b, m) = whole.get(name, (0.0, 0)), split.get(name, (0.0, 0))
+            print(f"{a:9.2f} {n:5d} {b:9.2f} {m:5d}  {name}")
         engine.shutdown()
 
 
