@@ -1,0 +1,91 @@
+"""A real prefill of Scout with a TP-8 rank's shapes per GPU, at TP 1 or split over TP 2 GPUs: the wall time of
+every step (synchronised after each), printed by the context it started at, and the GPUs' SM clock and power while
+it ran (``nvidia-smi``, once a second). Where ``benchmarks/gpu/scout_rank.py`` gives the prefill's total, this
+shows which steps the difference between TP 1 and TP 2 comes from.
+
+    PYTHONPATH=. python tools/kernel_dev/tp_prefill_steps.py --tensor-parallel-size 1 --length 1048576
+    PYTHONPATH=. python tools/kernel_dev/tp_prefill_steps.py --tensor-parallel-size 2 --length 1048576
+
+Run one size per process (an engine's GPU memory is only all given back when its process ends).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.gpu import scout_rank  # noqa: E402
+from hybridkv.engine.sampling_params import SamplingParams  # noqa: E402
+
+LOADED_W = 500.0  # clock samples below this power are the GPU idling between steps, left out
+
+
+def step_times(engine, n: int, vocab: int) -> list[tuple[int, float]]:
+    """(cached tokens before the step, its seconds) of each step of one request's prefill of ``n`` tokens."""
+    engine.add_request("prefill", scout_rank.prompt(n, vocab, n + 1),
+                       SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    seq = engine._requests["prefill"].seqs[0]
+    torch.cuda.synchronize()
+    times = []
+    while seq.num_output_tokens == 0:
+        start, context = time.perf_counter(), seq.num_computed_tokens
+        engine.step()
+        torch.cuda.synchronize()
+        times.append((context, time.perf_counter() - start))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return times
+
+
+def clocks(samples: str) -> dict[str, tuple[float, float]]:
+    """{GPU index: (median SM MHz, mean W)} over the samples taken under load."""
+    by_gpu: dict[str, list[tuple[int, float]]] = {}
+    for line in samples.splitlines():
+        m = re.match(r"\s*(\d+), (\d+) MHz, ([\d.]+) W", line)
+        if m and float(m.group(3)) >= LOADED_W:
+            by_gpu.setdefault(m.group(1), []).append((int(m.group(2)), float(m.group(3))))
+    return {g: (statistics.median(c for c, _ in v), statistics.mean(w for _, w in v)) for g, v in by_gpu.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tensor-parallel-size", type=int, default=2, choices=(1, 2))
+    ap.add_argument("--length", type=int, default=1 << 20, help="prompt tokens")
+    ap.add_argument("--every", type=int, default=4, help="print every this many steps (and the last)")
+    args = ap.parse_args()
+    tp = args.tensor_parallel_size
+    cfg = scout_rank.rank_config(8 // tp)
+    with tempfile.TemporaryDirectory() as path:
+        Path(path, "config.json").write_text(json.dumps(cfg))
+        engine = scout_rank.engine_for(None, "bfloat16", model=path, load_format="dummy", tensor_parallel_size=tp)
+        vocab = cfg["vocab_size"]
+        scout_rank.decode_after_prefill_ms(engine, 20000, vocab, steps=2)  # compiles the kernels
+        log = Path(path, "smi.txt")
+        with log.open("w") as out:
+            smi = subprocess.Popen(["nvidia-smi", "--query-gpu=index,clocks.sm,power.draw", "--format=csv,noheader",
+                                    "-lms", "1000"], stdout=out)
+            try:
+                times = step_times(engine, args.length, vocab)
+            finally:
+                smi.terminate()
+                smi.wait()
+        print(f"TP {tp}: prefill of {args.length:,} tokens in {sum(t for _, t in times):.2f} s, {len(times)} steps")
+        for context, seconds in times[:: args.every] + times[-1:]:
+            print(f"  step after {context:>9,} cached: {1000 * seconds:8.1f} ms")
+        for gpu, (mhz, watts) in sorted(clocks(log.read_text()).items()):
+            print(f"  GPU {gpu} under load: SM clock median {mhz:.0f} MHz, {watts:.0f} W")
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
