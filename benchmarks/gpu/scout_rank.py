@@ -39,8 +39,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -96,6 +99,25 @@ def engine_for(loaded: LoadedModel | None, kv_dtype: str, block_size: int = BLOC
     for key, value in overrides.items():
         setattr(config, key, value)
     return LLMEngine(config, loaded)
+
+
+T = TypeVar("T")
+
+
+def on_dummy_engine(cfg: dict, tensor_parallel_size: int, run: Callable[[LLMEngine], T]) -> T:
+    """``run(engine)`` on ``engine_for`` a bf16 cache over the model of ``cfg`` (a config.json's contents), its random
+    weights built on each rank's GPU (``load_format="dummy"``); then the engine shut down and its GPU memory given
+    back (``run`` keeps no reference to it), so the next engine of the process finds it free."""
+    with tempfile.TemporaryDirectory() as path:
+        Path(path, "config.json").write_text(json.dumps(cfg))
+        engine = engine_for(None, "bfloat16", model=path, load_format="dummy", tensor_parallel_size=tensor_parallel_size)
+        try:
+            return run(engine)
+        finally:
+            engine.shutdown()
+            del engine
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
 
 
 def decode_after_prefill_ms(engine: LLMEngine, n: int, vocab: int, steps: int = 8) -> tuple[float, float]:
@@ -209,20 +231,12 @@ def tensor_parallel_rows(size: int, n: int, contexts: list[int]) -> list[list[st
     """Scout with the shapes of one TP-(8/size) rank, split over ``size`` GPUs by real tensor parallelism: each GPU
     holds what one GPU holds in the single-GPU run, plus the all-reduces. Weights: load_format=dummy. Then a model
     of the TP 8 step from the measured communication."""
-    import tempfile
-
     rows, measured = [], {}
     for tp in (1, size):
         cfg = rank_config(8 // tp)
-        with tempfile.TemporaryDirectory() as path:
-            Path(path, "config.json").write_text(json.dumps(cfg))
-            engine = engine_for(None, "bfloat16", model=path, load_format="dummy", tensor_parallel_size=tp)
-            label = f"TP {tp} (Scout/{8 // tp} over {tp} GPU{'s' if tp > 1 else ''})"
-            rows += engine_rows(engine, label, cfg["vocab_size"], n, contexts, measured.setdefault(tp, {}))
-            engine.shutdown()
-            del engine
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
+        label = f"TP {tp} (Scout/{8 // tp} over {tp} GPU{'s' if tp > 1 else ''})"
+        rows += on_dummy_engine(cfg, tp, lambda engine: engine_rows(engine, label, cfg["vocab_size"], n, contexts,
+                                                                    measured.setdefault(tp, {})))
     return rows + tp8_model_rows(size, measured)
 
 
@@ -322,42 +336,35 @@ def full_model_rows(size: int, n: int, contexts: list[int]) -> list[list[str]]:
     """Full-size Scout (dummy weights) over ``size`` GPUs: plan vs engine max_model_len, the prefill of ``n``
     tokens, decode steps at ``contexts`` with graphs, peak memory per GPU; beside one TP-8 rank's decode steps on
     one GPU (the same build), which each GPU here does twice over at TP 4."""
-    import tempfile
-
     rows, rank = [], {}
     cfg = rank_config(8)
-    with tempfile.TemporaryDirectory() as path:
-        Path(path, "config.json").write_text(json.dumps(cfg))
-        if contexts:  # without decode contexts (``--decode-contexts ''``) only the full model runs: its prefill
-            engine = engine_for(None, "bfloat16", model=path, load_format="dummy")
-            rows += engine_rows(engine, "one TP-8 rank (Scout/8, 1 GPU)", cfg["vocab_size"], 0, contexts, rank)
-            del engine
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
+    if contexts:  # without decode contexts (``--decode-contexts ''``) only the full model runs: its prefill
+        rows += on_dummy_engine(cfg, 1, lambda engine: engine_rows(engine, "one TP-8 rank (Scout/8, 1 GPU)",
+                                                                   cfg["vocab_size"], 0, contexts, rank))
     full = json.loads(CONFIG.read_text())
-    with tempfile.TemporaryDirectory() as path:
-        Path(path, "config.json").write_text(json.dumps(full))
-        engine = engine_for(None, "bfloat16", model=path, load_format="dummy", tensor_parallel_size=size)
+
+    def full_rows(engine: LLMEngine) -> list[list[str]]:
         kv_bytes = engine.kv.pool.num_blocks * engine.layout.page_bytes
         plan = plan_capacity(full, tensor_parallel_size=size, kv_cache_dtype="bfloat16", block_size=BLOCK_SIZE,
                              kv_memory_bytes=kv_bytes, max_num_batched_tokens=16384)
         label = f"Scout, TP {size}"
-        rows.append(["bfloat16", f"{label}: max_model_len plan / engine", f"{plan.max_model_len:,} / "
-                     f"{engine.max_model_len:,}", f"KV {kv_bytes / 2**30:.2f} GiB per GPU"])
+        out = [["bfloat16", f"{label}: max_model_len plan / engine", f"{plan.max_model_len:,} / "
+                f"{engine.max_model_len:,}", f"KV {kv_bytes / 2**30:.2f} GiB per GPU"]]
         measured = {}
         # a measured prefill of millions of tokens runs alone, to fit one command's time
-        rows += engine_rows(engine, label, full["vocab_size"], n, contexts, measured, prefill_step=not n)
+        out += engine_rows(engine, label, full["vocab_size"], n, contexts, measured, prefill_step=not n)
         for ctx in contexts:
             if ctx in measured and ctx in rank:
-                rows.append(["bfloat16", f"{label}: decode @ {ctx:,} vs 2 x rank step + 1 ms",
-                             f"{measured[ctx]:.2f} vs {2 * rank[ctx] + 1:.2f} ms", ""])
+                out.append(["bfloat16", f"{label}: decode @ {ctx:,} vs 2 x rank step + 1 ms",
+                            f"{measured[ctx]:.2f} vs {2 * rank[ctx] + 1:.2f} ms", ""])
         if n == VLLM_FULL_PREFILL[0] and "prefill" in measured:
             vllm_s, vllm_gpus = VLLM_FULL_PREFILL[1:]
-            rows.append(["bfloat16", f"{label}: GPU-seconds for {n:,} tokens vs the user's vLLM",
-                         f"{size * measured['prefill']:,.0f} vs {vllm_gpus * vllm_s:,.0f}",
-                         f"vLLM {vllm_s} s on {vllm_gpus} GPUs"])
-        engine.shutdown()
-    return rows
+            out.append(["bfloat16", f"{label}: GPU-seconds for {n:,} tokens vs the user's vLLM",
+                        f"{size * measured['prefill']:,.0f} vs {vllm_gpus * vllm_s:,.0f}",
+                        f"vLLM {vllm_s} s on {vllm_gpus} GPUs"])
+        return out
+
+    return rows + on_dummy_engine(full, size, full_rows)
 
 
 # the user's vLLM run on 8xH200 the full-size rows compare with: prompt tokens, wall s, GPUs

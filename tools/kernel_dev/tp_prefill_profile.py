@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -49,6 +47,29 @@ def profiled_step(engine, context: int, vocab: int) -> tuple[float, float, float
     return 1000 * wall, busy / 1000, (reach - spans[0][0]) / 1000, by_name
 
 
+def compare(engine, tp: int, context: int, top: int) -> None:
+    """Step times with the layers whole and in halves, then a profile of each, side by side."""
+    vocab, halves = engine.model.cfg.vocab_size, engine.config.prefill_overlap_tokens
+    engine.collective_rpc(scout_rank.fill_random_cache)
+    scout_rank.step_seconds(engine, 0, vocab)  # compiles the kernels
+    ways = [(0, "layers whole"), (halves, "two halves")]  # at TP 1 the halves only show their own cost
+    profiles = []
+    for tokens, how in ways:
+        engine.collective_rpc(scout_rank.set_prefill_halves, tokens)
+        best = min(scout_rank.step_seconds(engine, context, vocab) for _ in range(3))
+        print(f"TP {tp} {how}: step over {context:,}: {1000 * best:.1f} ms (best of 3)", flush=True)
+    for tokens, how in ways:  # profiles last: after torch's profiler, launches cost more host time
+        engine.collective_rpc(scout_rank.set_prefill_halves, tokens)
+        wall, busy, span, by_name = profiled_step(engine, context, vocab)
+        print(f"TP {tp} {how} profiled: wall {wall:.1f} ms, busy {busy:.1f} ms, idle {span - busy:.1f} of {span:.1f} ms")
+        profiles.append(by_name)
+    whole, split = profiles
+    print(f"{'whole ms':>9} {'n':>5} {'halves ms':>9} {'n':>5}  kernel")
+    for name in sorted(whole.keys() | split.keys(), key=lambda k: -split.get(k, [0.0])[0])[:top]:
+        (a, n), (b, m) = whole.get(name, (0.0, 0)), split.get(name, (0.0, 0))
+        print(f"{a:9.2f} {n:5d} {b:9.2f} {m:5d}  {name}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tensor-parallel-size", type=int, default=2, choices=(1, 2))
@@ -56,31 +77,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=22)
     args = ap.parse_args()
     tp = args.tensor_parallel_size
-    cfg = scout_rank.rank_config(8 // tp)
-    with tempfile.TemporaryDirectory() as path:
-        Path(path, "config.json").write_text(json.dumps(cfg))
-        engine = scout_rank.engine_for(None, "bfloat16", model=path, load_format="dummy", tensor_parallel_size=tp)
-        vocab, halves = cfg["vocab_size"], engine.config.prefill_overlap_tokens
-        engine.collective_rpc(scout_rank.fill_random_cache)
-        scout_rank.step_seconds(engine, 0, vocab)  # compiles the kernels
-        ways = [(0, "layers whole"), (halves, "two halves")]  # at TP 1 the halves only show their own cost
-        profiles = []
-        for tokens, how in ways:
-            engine.collective_rpc(scout_rank.set_prefill_halves, tokens)
-            best = min(scout_rank.step_seconds(engine, args.context, vocab) for _ in range(3))
-            print(f"TP {tp} {how}: step over {args.context:,}: {1000 * best:.1f} ms (best of 3)", flush=True)
-        for tokens, how in ways:  # profiles last: after torch's profiler, launches cost more host time
-            engine.collective_rpc(scout_rank.set_prefill_halves, tokens)
-            wall, busy, span, by_name = profiled_step(engine, args.context, vocab)
-            print(f"TP {tp} {how} profiled: wall {wall:.1f} ms, busy {busy:.1f} ms, "
-                  f"idle {span - busy:.1f} of {span:.1f} ms")
-            profiles.append(by_name)
-        whole, split = profiles
-        print(f"{'whole ms':>9} {'n':>5} {'halves ms':>9} {'n':>5}  kernel")
-        for name in sorted(whole.keys() | split.keys(), key=lambda k: -split.get(k, [0.0])[0])[: args.top]:
-            (a, n), (b, m) = whole.get(name, (0.0, 0)), split.get(name, (0.0, 0))
-            print(f"{a:9.2f} {n:5d} {b:9.2f} {m:5d}  {name}")
-        engine.shutdown()
+    scout_rank.on_dummy_engine(scout_rank.rank_config(8 // tp), tp,
+                               lambda engine: compare(engine, tp, args.context, args.top))
 
 
 if __name__ == "__main__":

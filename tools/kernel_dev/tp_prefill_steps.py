@@ -12,7 +12,6 @@ Run one size per process (an engine's GPU memory is only all given back when its
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import subprocess
@@ -57,6 +56,27 @@ def clocks(samples: str) -> dict[str, tuple[float, float]]:
     return {g: (statistics.median(c for c, _ in v), statistics.mean(w for _, w in v)) for g, v in by_gpu.items()}
 
 
+def report(engine, tp: int, n: int, every: int) -> None:
+    """Prefill ``n`` tokens after a warm-up, sampling the clocks meanwhile; print every ``every``-th step."""
+    vocab = engine.model.cfg.vocab_size
+    scout_rank.decode_after_prefill_ms(engine, 20000, vocab, steps=2)  # compiles the kernels
+    with tempfile.TemporaryFile("w+") as log:
+        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=index,clocks.sm,power.draw", "--format=csv,noheader",
+                                "-lms", "1000"], stdout=log)
+        try:
+            times = step_times(engine, n, vocab)
+        finally:
+            smi.terminate()
+            smi.wait()
+        log.seek(0)
+        samples = log.read()
+    print(f"TP {tp}: prefill of {n:,} tokens in {sum(t for _, t in times):.2f} s, {len(times)} steps")
+    for context, seconds in times[::every] + times[-1:]:
+        print(f"  step after {context:>9,} cached: {1000 * seconds:8.1f} ms")
+    for gpu, (mhz, watts) in sorted(clocks(samples).items()):
+        print(f"  GPU {gpu} under load: SM clock median {mhz:.0f} MHz, {watts:.0f} W")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tensor-parallel-size", type=int, default=2, choices=(1, 2))
@@ -64,27 +84,8 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=4, help="print every this many steps (and the last)")
     args = ap.parse_args()
     tp = args.tensor_parallel_size
-    cfg = scout_rank.rank_config(8 // tp)
-    with tempfile.TemporaryDirectory() as path:
-        Path(path, "config.json").write_text(json.dumps(cfg))
-        engine = scout_rank.engine_for(None, "bfloat16", model=path, load_format="dummy", tensor_parallel_size=tp)
-        vocab = cfg["vocab_size"]
-        scout_rank.decode_after_prefill_ms(engine, 20000, vocab, steps=2)  # compiles the kernels
-        log = Path(path, "smi.txt")
-        with log.open("w") as out:
-            smi = subprocess.Popen(["nvidia-smi", "--query-gpu=index,clocks.sm,power.draw", "--format=csv,noheader",
-                                    "-lms", "1000"], stdout=out)
-            try:
-                times = step_times(engine, args.length, vocab)
-            finally:
-                smi.terminate()
-                smi.wait()
-        print(f"TP {tp}: prefill of {args.length:,} tokens in {sum(t for _, t in times):.2f} s, {len(times)} steps")
-        for context, seconds in times[:: args.every] + times[-1:]:
-            print(f"  step after {context:>9,} cached: {1000 * seconds:8.1f} ms")
-        for gpu, (mhz, watts) in sorted(clocks(log.read_text()).items()):
-            print(f"  GPU {gpu} under load: SM clock median {mhz:.0f} MHz, {watts:.0f} W")
-        engine.shutdown()
+    scout_rank.on_dummy_engine(scout_rank.rank_config(8 // tp), tp,
+                               lambda engine: report(engine, tp, args.length, args.every))
 
 
 if __name__ == "__main__":
