@@ -5,7 +5,7 @@ In eager torch a prefill MoE layer of a Scout rank was ~30 launches around the t
 the expert ids (ten kernels and their memsets), ``searchsorted`` for the group ends, an inverse permutation, a row
 gather and a separate multiply by the gates, ``silu`` and a multiply over strided halves of the gate/up output
 (each a slow non-contiguous kernel), another row gather back to token order and the add of the shared expert. At
-16,384 tokens on an H200 those took ~60 ms of a ~175 ms step. Here:
+16,384 tokens on an H200 those took ~40 ms of a 174 ms step, and these kernels take ~13. Here:
 
 1. ``sort_by_expert``: a counting sort of the (token, choice) pairs by expert, stable, in two launches (counts per
    block of pairs; then each block places its pairs after every earlier block's). It yields the grouped GEMMs'
@@ -122,7 +122,9 @@ def gather_gated_kernel(x_ptr, gates_ptr, order_ptr, out_ptr, hidden, stride_x, 
 
 
 def gather_gated(x: torch.Tensor, gates: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Rows ``x[order // top_k] * gates.flatten()[order]`` [n, hidden] of ``x`` [tokens, hidden] (unit stride)."""
+    """Rows ``x[order // top_k] * gates.flatten()[order]`` [n, hidden] of ``x`` [tokens, hidden]."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     out = torch.empty((order.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
     if order.numel():
         gather_gated_kernel[(order.numel(), triton.cdiv(x.shape[1], ROW_BLOCK))](
@@ -143,7 +145,9 @@ def silu_mul_kernel(gate_up_ptr, out_ptr, inter, stride_g, stride_o, BLOCK: tl.c
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` [rows, I] of ``gate_up`` [rows, 2 I] (gate first, unit column stride)."""
+    """``silu(gate) * up`` [rows, I] of ``gate_up`` [rows, 2 I] (gate first)."""
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
     if rows:

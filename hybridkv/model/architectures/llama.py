@@ -401,7 +401,7 @@ class MoE(nn.Module):
 
         experts = self.experts
         ends, order, place = sort_by_expert(top_ids, experts.gate_up_proj.shape[0])
-        gated_in = gather_gated(x.contiguous(), gates, order, self.top_k)
+        gated_in = gather_gated(x, gates, order, self.top_k)
         hidden = silu_mul(F.grouped_mm(gated_in, experts.gate_up_proj, offs=ends))
         return add_routed(shared, F.grouped_mm(hidden, experts.down_proj, offs=ends), place, self.top_k)
 
