@@ -110,7 +110,8 @@ def on_dummy_engine(cfg: dict, tensor_parallel_size: int, run: Callable[[LLMEngi
     back (``run`` keeps no reference to it), so the next engine of the process finds it free."""
     with tempfile.TemporaryDirectory() as path:
         Path(path, "config.json").write_text(json.dumps(cfg))
-        engine = engine_for(None, "bfloat16", model=path, load_format="dummy", tensor_parallel_size=tensor_parallel_size)
+        engine = engine_for(None, "bfloat16", model=path, load_format="dummy",
+                            tensor_parallel_size=tensor_parallel_size)
         try:
             return run(engine)
         finally:

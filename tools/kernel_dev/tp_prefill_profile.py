@@ -61,7 +61,8 @@ def compare(engine, tp: int, context: int, top: int) -> None:
     for tokens, how in ways:  # profiles last: after torch's profiler, launches cost more host time
         engine.collective_rpc(scout_rank.set_prefill_halves, tokens)
         wall, busy, span, by_name = profiled_step(engine, context, vocab)
-        print(f"TP {tp} {how} profiled: wall {wall:.1f} ms, busy {busy:.1f} ms, idle {span - busy:.1f} of {span:.1f} ms")
+        print(f"TP {tp} {how} profiled: wall {wall:.1f} ms, busy {busy:.1f} ms, "
+              f"idle {span - busy:.1f} of {span:.1f} ms")
         profiles.append(by_name)
     whole, split = profiles
     print(f"{'whole ms':>9} {'n':>5} {'halves ms':>9} {'n':>5}  kernel")
