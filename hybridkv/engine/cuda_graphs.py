@@ -1,8 +1,10 @@
-"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket (two for the smallest buckets).
 
 A decode step launches every kernel of every layer from Python; on a Llama-4 Scout rank at 1M context that was
 68 ms of CPU for 10 ms of GPU work (torch profiler, eager). A captured graph launches them all at once. Batches are
 padded up to the next bucket (1, 2, 4, 8, ...); padding rows attend to nothing and write into the null block.
+Buckets of 1-2 rows get a second graph for steps whose reach is long (``TritonPagedAttention.many_keys``): its
+full layers read 128-key tiles where the first graph's read 64-key ones. Graphs are keyed ``(bucket, many)``.
 
 Prefill and mixed steps stay eager. ``EngineConfig(enforce_eager=True)`` turns graphs off.
 
@@ -44,10 +46,11 @@ class DecodeGraphs:
         backend.enable_static_decode(self.max_seqs, max_model_len)
         # int32, in the backend's metadata rows: one pinned copy a step carries them with the metadata
         self.input_ids, self.positions = backend.static_inputs()
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor | None] = {}  # logits or final hidden states (``_forward``)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor | None] = {}  # logits or final hidden states
         self.ends_at_logits = {size: self._logits_fit(size) for size in self.buckets}
         self.replays = 0
+        self.last: tuple[int, bool] | None = None  # the graph replayed last (tools time it alone)
         self._capture()
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
@@ -68,14 +71,15 @@ class DecodeGraphs:
     def _capture(self) -> None:
         pool = None
         for size in reversed(self.buckets):  # largest first: the smaller ones reuse its memory pool
-            self.backend.begin_static_decode([], size)
-            self._forward(size)  # warm-up: compiles kernels, caches per-device constants
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._forward(size)
-            pool = graph.pool()
-            self.graphs[size] = graph
+            for many in self.backend.static_variants(size):
+                self.backend.begin_static_decode([], size, many=many)
+                self._forward(size)  # warm-up: compiles kernels, caches per-device constants
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[size, many] = self._forward(size)
+                pool = graph.pool()
+                self.graphs[size, many] = graph
 
     def _logits_fit(self, size: int) -> bool:
         """The graph of ``size`` rows ends at the logits (one rank; or its vocabulary slices gathered one-shot),
@@ -89,26 +93,29 @@ class DecodeGraphs:
         hidden = self.model(self.input_ids[:size], self.positions[:size], self.backend)
         return self.model.compute_logits(hidden) if self.ends_at_logits[size] else hidden
 
-    def bucket(self, seqs: list, sample_rows: np.ndarray) -> int | None:
-        """The graph that runs this step (the smallest bucket holding its batch), or None if it is not a decode step
-        that fits. A function of the step alone: under tensor parallelism every rank picks the same graph."""
+    def bucket(self, seqs: list, sample_rows: np.ndarray) -> tuple[int, bool] | None:
+        """The graph that runs this step, ``(bucket, many)``: the smallest bucket holding its batch, and whether
+        the step's reach is long (``many_keys``); or None if it is not a decode step that fits. A function of the
+        step alone: under tensor parallelism every rank picks the same graph."""
         n = len(seqs)
         if not 0 < n <= self.max_seqs or len(sample_rows) != n or any(s.query_len != 1 for s in seqs):
             return None
-        return next(b for b in self.buckets if b >= n)
+        size = next(b for b in self.buckets if b >= n)
+        return size, (size, True) in self.graphs and self.backend.many_keys(seqs)
 
-    def replay(self, size: int, input_ids: np.ndarray, seqs: list,
+    def replay(self, key: tuple[int, bool], input_ids: np.ndarray, seqs: list,
                device_input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Logits of a decode step from graph ``size`` (None on tensor-parallel ranks other than 0).
+        """Logits of a decode step from graph ``key`` (``bucket``; None on tensor-parallel ranks other than 0).
         ``device_input_ids`` (async scheduling): the token ids, on the device, copied over ``input_ids`` after the
         step's metadata copy."""
-        n = len(seqs)
-        self.backend.begin_static_decode(seqs, size, input_ids)
+        n, (size, many) = len(seqs), key
+        self.backend.begin_static_decode(seqs, size, input_ids, many)
         if device_input_ids is not None:
             self.input_ids[:n].copy_(device_input_ids)
-        self.graphs[size].replay()
+        self.graphs[key].replay()
         self.replays += 1
-        out = self.outputs[size]
+        self.last = key
+        out = self.outputs[key]
         if not self.ends_at_logits[size]:
             return self.model.compute_logits(out[:n])  # the hidden states (see _forward)
         return None if out is None else out[:n]

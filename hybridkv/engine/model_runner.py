@@ -164,7 +164,7 @@ class ModelRunner:
         rows = hidden[torch.from_numpy(step.sample_rows).to(self.device)]
         return StepOutput(self.model.compute_logits(rows, step.argmax_only), scores, step.argmax_only)
 
-    def graph_bucket(self, step: StepInput) -> int | None:
+    def graph_bucket(self, step: StepInput) -> tuple[int, bool] | None:
         """The decode graph that replays ``step``, or None: it runs eagerly."""
         if self.graphs is None or len(step.score_rows):
             return None

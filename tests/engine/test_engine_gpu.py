@@ -166,6 +166,39 @@ def test_decode_from_cuda_graphs_is_token_exact_with_eager(tiny_model, name, asy
         assert graphed.engine.steps_launched_ahead - ahead >= 15
 
 
+def test_long_reach_decode_graphs_are_token_exact_with_eager(tiny_model, monkeypatch):
+    """Steps of 1-2 sequences whose reach passes ``FEW_KEYS`` replay their bucket's second graph (128-key tiles in
+    the long layer groups) and give what eager steps give; here ``FEW_KEYS`` is lowered so that a short prompt
+    crosses it while it decodes."""
+    from hybridkv.engine.cuda_graphs import DecodeGraphs
+    from hybridkv.model.attention import triton_paged
+
+    model = tiny_model("llama4")
+    common = dict(model=str(model.path), device="cuda", dtype="float32", kv_cache_memory_bytes=64 << 20,
+                  max_num_seqs=8)
+    eager = LLM(enforce_eager=True, **common)
+    heads = eager.engine.layout.groups[0].spec.num_kv_heads
+    monkeypatch.setattr(triton_paged, "FEW_KEYS", 60 * heads)  # a 40-token prompt crosses it at 59 of context
+    graphed = LLM(**common)
+    keys, replay = [], DecodeGraphs.replay
+
+    def noting(self, key, *args, **kwargs):
+        keys.append(key)
+        return replay(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeGraphs, "replay", noting)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([40, 12], seed=23)]
+    for batch in ([prompts[0]], prompts):  # bucket 1, then bucket 2
+        want = eager.generate(batch, params, use_tqdm=False)
+        got = graphed.generate(batch, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        lp_g = torch.tensor([lp for o in got for row in o.outputs[0].logprobs for _, lp in row])
+        lp_w = torch.tensor([lp for o in want for row in o.outputs[0].logprobs for _, lp in row])
+        torch.testing.assert_close(lp_g, lp_w, atol=1e-4, rtol=0)
+    assert {(1, False), (1, True), (2, False), (2, True)} <= set(keys)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 # one engine with the one-shot path per process (collectives.py): it comes first
 @pytest.mark.parametrize("name,custom_all_reduce", [("llama4", True), ("llama4", False), ("llama3", False)])

@@ -312,7 +312,7 @@ def test_graph_steps_send_workers_only_the_block_tables_they_lack():
     from hybridkv.model.attention.base import StepSequence
 
     graphs = DecodeGraphs.__new__(DecodeGraphs)  # its bucket choice alone: no GPU here
-    graphs.buckets, graphs.max_seqs = [1, 2, 4], 4
+    graphs.buckets, graphs.max_seqs, graphs.graphs = [1, 2, 4], 4, {}
     runner = TPDriverRunner.__new__(TPDriverRunner)
     runner.graphs, runner.sent_versions = graphs, [0] * 4
     tables = [np.arange(8, dtype=np.int32)]

@@ -65,7 +65,7 @@ def drive(block_size, kv_dtype, dtype, schedule, num_sms, num_blocks=400, kv_sca
     tri = TritonPagedAttention(layout, num_blocks, kv_dtype, hq, DEVICE, num_sms=num_sms, kv_scales=kv_scales,
                                **kernel_options)
     if splits:
-        tri._num_splits = lambda reach, heads: splits
+        tri._num_splits = lambda reach, heads, config: splits
     # poison the cache of the backend under test: any read of an unwritten slot shows up
     if poison is None:
         poison = float("nan") if kv_dtype != "fp8_e4m3" else 0

@@ -136,19 +136,20 @@ def vary(variant: str, engine, patches: Patches) -> None:
         raise SystemExit(f"unknown variant {variant!r}")
 
 
-def replay_ms(engine, batch: int) -> list[float]:
+def replay_ms(engine) -> list[float]:
+    """The graph of the engine's last decode step, replayed alone."""
     graphs = engine.runner.graphs
-    graph = graphs.graphs[next(b for b in graphs.buckets if b >= batch)]
+    graph = graphs.graphs[graphs.last]
     return [triton.testing.do_bench(graph.replay, warmup=20, rep=300, return_mode="median") for _ in range(3)]
 
 
-def split_rows(engine, context: int) -> None:
+def split_rows(engine, context: int, heads: int) -> None:
     backend = engine.runner.backend
     engine.step()
     layer_id = 3  # a full layer of Llama-4
     layer = backend.cache.layers[layer_id]
     captured = backend.step_state.groups[layer.group_id]
-    q = torch.randn(1, 5, 128, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(1, heads, 128, dtype=torch.bfloat16, device="cuda")
     kernels = backend.kernels
     for splits in (512, 256, 128, 64, 32, 16, 8):
         meta = dataclasses.replace(captured, num_splits=splits)
@@ -169,9 +170,11 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=16384, help="batch-1 context of --stages and --splits")
     ap.add_argument("--variants", default="", help="comma-separated: base, attn=16x128x4x2, moe_splits=8, ...")
     ap.add_argument("--variant-cases", default="1x16384,1x1048576", help="(batch)x(context) of --variants")
+    ap.add_argument("--shapes-of-tp", type=int, default=8,
+                    help="one GPU's shapes of Scout split over this many (8: one KV head; 4: two, as at TP 4)")
     args = ap.parse_args()
 
-    cfg = rank_config(8)
+    cfg = rank_config(args.shapes_of_tp)
     model = random_model(cfg)
     loaded = LoadedModel("scout-rank (random weights)", model, word_tokenizer(cfg["vocab_size"]), cfg)
     engine = engine_for(loaded, "bfloat16", max_num_seqs=32 if args.replay or args.variants else 1)
@@ -181,7 +184,7 @@ def main() -> None:
             batch, context = map(int, case.split("x"))
             start_decoding(engine, batch, context, cfg["vocab_size"], 400)
             print(f"batch {batch} context {context}: graph replay "
-                  + " ".join(f"{ms:.3f}" for ms in replay_ms(engine, batch)) + " ms", flush=True)
+                  + " ".join(f"{ms:.3f}" for ms in replay_ms(engine)) + " ms", flush=True)
             for b in range(batch):
                 engine.abort_request(f"decode-{context}-{b}")
     if args.stages or args.splits:
@@ -192,10 +195,10 @@ def main() -> None:
         engine.runner.capture_decode_graphs(1, engine.max_model_len)
         engine.step()
         engine.step()
-        print(f"{stage}: graph replay " + " ".join(f"{ms:.3f}" for ms in replay_ms(engine, 1)) + " ms", flush=True)
+        print(f"{stage}: graph replay " + " ".join(f"{ms:.3f}" for ms in replay_ms(engine)) + " ms", flush=True)
         patches.undo()
     if args.splits:
-        split_rows(engine, args.context)
+        split_rows(engine, args.context, cfg["num_attention_heads"])
     if args.variants:
         engine.abort_request(f"decode-{args.context}-0")
         for case in args.variant_cases.split(","):
@@ -207,7 +210,7 @@ def main() -> None:
                 engine.step()
                 engine.step()
                 print(f"batch {batch} context {context} {variant}: graph replay "
-                      + " ".join(f"{ms:.3f}" for ms in replay_ms(engine, batch)) + " ms", flush=True)
+                      + " ".join(f"{ms:.3f}" for ms in replay_ms(engine)) + " ms", flush=True)
                 patches.undo()
             for b in range(batch):
                 engine.abort_request(f"decode-{context}-{b}")

@@ -52,11 +52,18 @@ class KernelConfig:
 # with 256x64 tiles (299 with 128x64); decode 1M 3.4 TB/s with 128-key tiles and 256 splits (1.8 TB/s with 64).
 PREFILL = KernelConfig(rows=256, block_n=64, num_warps=8, num_stages=3)
 DECODE = KernelConfig(rows=16, block_n=128, num_warps=4, num_stages=3)
-# Decode steps of at most FEW_SEQS sequences: 64-key tiles. Graph replays of a Scout rank's step on an H200
-# (`tools/kernel_dev/decode_stages.py --variants`): batch 1 at 16K 2.62 -> 2.49 ms and at 1M 4.06 -> 3.99 with
-# them, while batch 32 at 128K went 14.54 -> 15.97 (its splits are few and long: 128-key tiles stream better).
+# A layer group of a decode step of at most FEW_SEQS sequences whose reach, summed over its sequences and KV heads,
+# is at most FEW_KEYS keys: 64-key tiles. Few keys leave a step bound by latency, where a shorter tile ends sooner;
+# many keys stream faster in 128-key tiles. Graph replays of a Scout rank's step on an H200
+# (`tools/kernel_dev/decode_stages.py --variants`, 64-key against 128-key tiles in every layer, ms):
+#   one KV head (Scout over 8 GPUs): batch 1 at 16K 2.49 / 2.62, 1M 3.99 / 4.06, 5M 9.95 / 9.67;
+#     batch 2 at 128K 3.25 / 3.38, at 1M 6.45 / 5.86; batch 32 at 128K 15.97 / 14.54;
+#   two KV heads (`--shapes-of-tp 4`): batch 1 at 16K 3.46 / 3.65, 128K 3.89 / 4.02, 1M 7.08 / 6.47,
+#     5M 21.56 / 17.79; batch 2 at 128K 5.00 / 4.97.
+# The chunked layers' 8K reach stays under FEW_KEYS however long the context: their tiles stay short.
 DECODE_FEW = KernelConfig(rows=16, block_n=64, num_warps=4, num_stages=3)
 FEW_SEQS = 2
+FEW_KEYS = 1 << 20
 # Hopper (sm_90), pages of 64+ tokens: K/V tiles by TMA, one warpgroup of 128 rows per program and two programs
 # per SM, which desynchronise so one's softmax overlaps the other's dots. `benchmarks/gpu/attention.py --sweep`
 # on an H200: 32K one-shot 466 TFLOP/s, 16K step over 1M 498 (PREFILL: 382 / 450).
@@ -175,6 +182,7 @@ class _GroupMeta:
     slot_block: torch.Tensor  # [T] int32
     slot_offset: torch.Tensor  # [T] int32
     num_splits: int
+    config: KernelConfig  # the step's tiles; a decode step's may differ by group (``_decode_config``)
     # FP8 long prefill: segments widened to bf16 one at a time, and each block's row in its segment's scratch
     segments: list[_Segment] = field(default_factory=list)
     scratch_table: torch.Tensor | None = None
@@ -214,8 +222,8 @@ class _StaticDecode:
     ends: list[np.ndarray]  # per group [max_seqs]: past this entry a row of ``mirror`` is all zeros
     versions: list[int]  # per row: the ``tables_version`` written there (0: none known)
     max_model_len: int
-    # per padded batch size: the step state every replay of its graph reads (views of the buffers above)
-    steps: dict[int, TritonStepState] = field(default_factory=dict)
+    # per graph, (padded batch size, many): the step state its every replay reads (views of the buffers above)
+    steps: dict[tuple[int, bool], TritonStepState] = field(default_factory=dict)
 
     @property
     def seq(self) -> list[torch.Tensor]:  # tile_seq, tile_q0, q_loc, q_len, ctx_len: [max_seqs]
@@ -351,7 +359,7 @@ class TritonPagedAttention(StoresKVFromKernels):
         q_lens = np.array([s.query_len for s in seqs], dtype=np.int32)
         ctx = np.array([s.context_len for s in seqs], dtype=np.int32)
         q_loc = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
-        config = self._decode_config(len(seqs)) if int(q_lens.max()) == 1 else self.prefill
+        config = self._decode_config(len(seqs), 0) if int(q_lens.max()) == 1 else self.prefill
         tokens = config.rows // self.group
         tile_seq, tile_q0 = query_tiles(q_lens, ctx, tokens)
         as_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)  # noqa: E731
@@ -372,12 +380,14 @@ class TritonPagedAttention(StoresKVFromKernels):
         new = np.concatenate([np.arange(s.context_len, s.context_len + s.query_len) for s in seqs])
         owner = np.repeat(np.arange(len(seqs)), [s.query_len for s in seqs])
         blocks = table[owner, new // bs]
-        reach = int(seq_lens.max())
         spec = group.spec
-        if spec.reach:
-            reach = min(reach, spec.reach + 64)
+        reaches = np.minimum(seq_lens, spec.reach + 64) if spec.reach else seq_lens
+        reach = int(reaches.max())
+        config = self.step_state.config
+        if self._is_decode(config):
+            config = self._decode_config(len(seqs), int(reaches.sum()) * spec.num_kv_heads)
         meta = _GroupMeta(as_dev(table), as_dev(blocks), as_dev((new % bs).astype(np.int32)),
-                          self._num_splits(reach, spec.num_kv_heads))
+                          self._num_splits(reach, spec.num_kv_heads, config), config)
         long_reach = reach >= 256 * self.prefill.block_n
         if self.quantized and self.step_state.config is self.prefill and (self.fp8_compute or long_reach):
             self._plan_segments(meta, spec, seqs, table, as_dev)
@@ -424,10 +434,12 @@ class TritonPagedAttention(StoresKVFromKernels):
         st = self._static
         return st.token_ids, st.seq[4]
 
-    def begin_static_decode(self, seqs: list[StepSequence], padded: int, token_ids: np.ndarray | None = None) -> None:
+    def begin_static_decode(self, seqs: list[StepSequence], padded: int, token_ids: np.ndarray | None = None,
+                            many: bool = False) -> None:
         """Decode metadata (one new token per sequence) written into the static buffers, padded to ``padded``
         rows, with the sequences' new ``token_ids`` (``static_inputs``); a padding row computes nothing and its
-        token's K/V go to the null block, which is never read."""
+        token's K/V go to the null block, which is never read. ``many``: the step state of a step that
+        ``many_keys`` (its long groups' tiles are 128 keys)."""
         st, n, bs = self._static, len(seqs), self.block_size
         if st.copied is not None:
             st.copied.synchronize()  # the previous step's copy has read ``host``
@@ -453,40 +465,74 @@ class TritonPagedAttention(StoresKVFromKernels):
         if st.rows.is_cuda:
             st.copied = torch.cuda.Event()
             st.copied.record()
-        self.step_state = st.steps.get(padded) or self._static_step(padded)
+        self.step_state = st.steps.get((padded, many)) or self._static_step(padded, many)
 
-    def _static_step(self, padded: int) -> TritonStepState:
-        """The step state of a decode graph of ``padded`` rows: views of the static buffers, built once."""
+    def _static_step(self, padded: int, many: bool) -> TritonStepState:
+        """The step state of a decode graph of ``padded`` rows (``many``: see ``begin_static_decode``): views of
+        the static buffers, built once."""
         st = self._static
-        config = self._decode_config(padded)
+        config = self._decode_config(padded, 0)
         self.step_state = TritonStepState(config, config.rows // self.group, padded, [buf[:padded] for buf in st.seq])
         for g, group in enumerate(self.layout.groups):
-            reach = st.max_model_len
-            if group.spec.reach:
-                reach = min(reach, group.spec.reach + 64)
-            # a function of ``padded`` alone: the split count a graph was captured with is the one it replays with
-            splits = self._num_splits(reach, group.spec.num_kv_heads)
+            spec = group.spec
+            reach = self._static_reach(spec, st.max_model_len)
+            # a function of the graph alone: the tiles and split count it was captured with are those it replays
+            # with (a split that sees no key stores nothing, so any count is right for any context)
+            keys = padded * reach * spec.num_kv_heads if many else 0
+            group_config = self._decode_config(padded, keys)
+            splits = self._num_splits(reach, spec.num_kv_heads, group_config)
             self.step_state.groups.append(_GroupMeta(st.tables[g][:padded], st.slot_block(g)[:padded],
-                                                     st.slot_offset(g)[:padded], splits))
-        st.steps[padded] = self.step_state
+                                                     st.slot_offset(g)[:padded], splits, group_config))
+        st.steps[(padded, many)] = self.step_state
         return self.step_state
 
-    def _decode_config(self, num_seqs: int) -> KernelConfig:
-        return self.decode_few if num_seqs <= FEW_SEQS else self.decode
+    def _decode_config(self, num_seqs: int, keys: int) -> KernelConfig:
+        """The tiles of a decode step's layer group whose reach over all its sequences and KV heads is ``keys``.
+
+        E.g. one sequence at 16K context, 2 KV heads: 32K keys -> 64-key tiles (``DECODE_FEW``); at 1M: 2M keys
+        -> 128-key tiles (``DECODE``) for the full layers, while the chunked layers (8K reach) keep 64-key ones."""
+        return self.decode_few if num_seqs <= FEW_SEQS and keys <= FEW_KEYS else self.decode
+
+    def many_keys(self, seqs: list[StepSequence]) -> bool:
+        """A decode step some layer group of which reads 128-key tiles only because its reach is long: its
+        graph is the ``many`` one of its batch size (``begin_static_decode``)."""
+        if len(seqs) > FEW_SEQS or self.decode is self.decode_few:
+            return False
+        lens = np.array([s.context_len + 1 for s in seqs], dtype=np.int64)
+        for group in self.layout.groups:
+            spec = group.spec
+            reaches = np.minimum(lens, spec.reach + 64) if spec.reach else lens
+            if int(reaches.sum()) * spec.num_kv_heads > FEW_KEYS:
+                return True
+        return False
+
+    def static_variants(self, padded: int) -> list[bool]:
+        """The ``many`` values a decode graph of ``padded`` rows is captured for: [False], or [False, True] where
+        a step of that size can read 128-key tiles in some group because of its reach (``many_keys``)."""
+        if padded > FEW_SEQS or self.decode is self.decode_few:
+            return [False]
+        st = self._static
+        long = any(padded * self._static_reach(group.spec, st.max_model_len) * group.spec.num_kv_heads > FEW_KEYS
+                   for group in self.layout.groups)
+        return [False, True] if long else [False]
+
+    @staticmethod
+    def _static_reach(spec, max_model_len: int) -> int:
+        return min(max_model_len, spec.reach + 64) if spec.reach else max_model_len
 
     def _is_decode(self, config: KernelConfig) -> bool:
         return config is self.decode or config is self.decode_few
 
-    def _num_splits(self, longest_reach: int, kv_heads: int) -> int:
+    def _num_splits(self, longest_reach: int, kv_heads: int, config: KernelConfig) -> int:
         """Split the KV range only when too few programs would run otherwise (decode of few long sequences)."""
         step = self.step_state
         programs = (step.num_tiles if step.tiles is None else len(step.tiles)) * kv_heads
-        block_n = step.config.block_n
+        block_n = config.block_n
         if programs >= self.num_sms:
             # prefill over a long context (Scout's full layers at 16K+, not its 8K chunks): over short ones the
             # combine pass costs more than the idle SMs
-            long_prefill = step.config is self.prefill and longest_reach >= 256 * block_n
-            return wave_splits(programs, self.num_sms * step.config.programs_per_sm) if long_prefill else 1
+            long_prefill = config is self.prefill and longest_reach >= 256 * block_n
+            return wave_splits(programs, self.num_sms * config.programs_per_sm) if long_prefill else 1
         if longest_reach <= 4 * block_n:
             return 1
         want = _pow2_floor(max(1, SPLITS_PER_SM * self.num_sms // programs))
@@ -547,7 +593,7 @@ class TritonPagedAttention(StoresKVFromKernels):
             lse = torch.empty((splits, q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
         else:
             part = lse = None
-        args = (q, out, part, lse, spec, scale, k_scale, v_scale, splits)
+        args = (q, out, part, lse, spec, scale, k_scale, v_scale, splits, meta.config)
         if self.fp8_compute and meta.segments:
             # FP8 dots: K straight from the pages, V from a transposed e4m3 copy of each segment (one pass over
             # the segment's V, as the widening below is one over K and V)
@@ -594,15 +640,15 @@ class TritonPagedAttention(StoresKVFromKernels):
         )
         return vt.view(torch.float8_e4m3fn)
 
-    def _launch(self, q, out, part, lse, spec, scale, k_scale, v_scale, splits, cache, table, stride_block, quant,
-                seg_lo=0, seg_hi=2**31 - 1, segmented=False, accumulate=False, vt=None, vt_table=None,
-                cuda_vt=False) -> None:
-        """One attention launch over ``cache``; with ``vt`` FP8 compute, its V^T in the CUDA kernel's column order
-        where ``cuda_vt``."""
+    def _launch(self, q, out, part, lse, spec, scale, k_scale, v_scale, splits, group_config, cache, table,
+                stride_block, quant, seg_lo=0, seg_hi=2**31 - 1, segmented=False, accumulate=False, vt=None,
+                vt_table=None, cuda_vt=False) -> None:
+        """One attention launch over ``cache`` with the layer group's tiles; with ``vt`` FP8 compute, its V^T in
+        the CUDA kernel's column order where ``cuda_vt``."""
         stride_tok = spec.num_kv_heads * spec.head_dim
         kind, reach = spec.kernel_kind, spec.reach
         step = self.step_state
-        config = step.config
+        config = group_config
         if config.cuda:
             segment = (seg_lo, seg_hi, segmented, accumulate)
             if cuda_vt or (vt is None and self._hopper_covers(q, out, cache, quant)):
@@ -629,7 +675,7 @@ class TritonPagedAttention(StoresKVFromKernels):
             KIND=kind, REACH=max(reach, 1), BLOCK_SIZE=self.block_size, GROUP=q.shape[1] // spec.num_kv_heads,
             ROWS=config.rows, TOKENS=step.tokens, D=spec.head_dim, D_PAD=max(16, _next_pow2(spec.head_dim)),
             BLOCK_N=config.block_n, NUM_SPLITS=splits, QUANT=quant,
-            FP16_DOT=quant and q.dtype == torch.bfloat16 and self._is_decode(step.config),
+            FP16_DOT=quant and q.dtype == torch.bfloat16 and self._is_decode(group_config),
             SEGMENTED=segmented, ACCUMULATE=accumulate,
             TMA=kv_desc is not None, FP8_DOT=vt is not None,
             # float32 models stay exact (token parity with the CPU path); TF32 would round to 10 mantissa bits
