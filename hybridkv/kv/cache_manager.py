@@ -27,7 +27,7 @@ from hybridkv.kv.block_pool import EVICT_FIRST, BlockHashKey, BlockPool, KVBlock
 from hybridkv.kv.host_tier import BlockCopy, HostBlock, HostTier
 from hybridkv.kv.layout import KVLayout
 from hybridkv.kv.capacity import longest_fitting, peak_blocks
-from hybridkv.kv.managers import SingleTypeManager, default_retention_interval, manager_for
+from hybridkv.kv.managers import NULL_BLOCK_ID, SingleTypeManager, default_retention_interval, manager_for
 
 
 class KVRequest(Protocol):
@@ -374,15 +374,17 @@ class KVCacheManager:
         self._drop_due.pop(req.request_id, None)
         self._published_at.pop(req.request_id, None)
         released = [m.release(req.request_id, req.num_computed_tokens, hashes) for m in self.managers]
-        keep: list[KVBlock] = []
-        low: list[KVBlock] = []
-        longest = max((len(blocks) for blocks, _ in released), default=0)
-        for j in range(longest):
-            for blocks, retained in released:
-                if j < len(blocks):
-                    (keep if retained[j] else low).append(blocks[j])
-        self.pool.free_blocks(low, evict_first=True)
-        self.pool.free_blocks(keep)
+        # row j: every group's j-th block from its tail (nulls pad the shorter tables and are not freed)
+        longest = max((len(ids) for ids, _ in released), default=0)
+        ids = np.full((longest, len(released)), NULL_BLOCK_ID, dtype=np.int64)
+        keep = np.zeros((longest, len(released)), dtype=bool)
+        for g, (group_ids, retained) in enumerate(released):
+            ids[: len(group_ids), g] = group_ids
+            keep[: len(group_ids), g] = retained
+        ids, keep = ids.ravel(), keep.ravel()
+        live, blocks = ids != NULL_BLOCK_ID, self.pool.blocks
+        self.pool.free_blocks([blocks[i] for i in ids[live & ~keep].tolist()], evict_first=True)
+        self.pool.free_blocks([blocks[i] for i in ids[live & keep].tolist()])
 
     # ---- views -------------------------------------------------------------------------------------
     def block_tables(self, req_id: str) -> list[np.ndarray]:

@@ -131,3 +131,21 @@ def test_allocate_slots_false_for_a_running_request():
     assert table(kv, r) == [1, 2] and kv.pool.num_free_blocks == 1
     assert kv.allocate_slots(r, 4)
     assert table(kv, r) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("spec", [sliding(8), chunked(12), full()], ids=["sliding", "chunked", "full"])
+def test_retained_over_an_array_of_blocks_is_the_scalar_rule_elementwise(spec):
+    """``release`` asks which of a request's blocks are retained for all of them at once (31,250 blocks for 2M
+    tokens of 64): the array form gives what the scalar form gives block by block, with a request end, branch
+    ranges and periodic retention (every 32 tokens here) all in play."""
+    import numpy as np
+
+    kv = manager([full(), spec], 4, 64, retention_interval=32)
+    m = next(m for m in kv.managers if m.spec is spec or m.spec == spec)
+    index, kept = np.arange(60), []
+    for end_block, ranges in [(None, ()), (17, ()), (40, ((3, 6), (20, 22))), (59, ((0, 1),))]:
+        got = m._retained(index, end_block, ranges)
+        assert got.dtype == bool and got.tolist() == [bool(m._retained(i, end_block, ranges)) for i in range(60)]
+        kept.append(int(got.sum()))
+    if spec.kind != "full":  # the cases retain different blocks, never all: the rule is exercised
+        assert len(set(kept)) > 2 and max(kept) < 60
