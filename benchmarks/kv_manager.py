@@ -2,7 +2,8 @@
 
 Measures the scheduler-side cost of the hybrid KV cache manager: one decode step (``allocate_slots`` for one
 token + ``on_tokens_computed``) and one 8,192-token prefill chunk, for one request at 128K, 1M and 10M tokens of
-context (filled through the manager, prefix caching on), and for 32 concurrent 32K requests sharing a 16K prefix.
+context (filled through the manager, prefix caching on), and freeing that request (the engine's loop waits for it
+when a request ends); and for 32 concurrent 32K requests sharing a 16K prefix.
 
     python benchmarks/kv_manager.py            # full run (~1-3 min)
     python benchmarks/kv_manager.py --quick    # tiny run
@@ -58,8 +59,8 @@ def decode(kv: KVCacheManager, req: CacheRequest) -> None:
     kv.on_tokens_computed(req)
 
 
-def single(context: int, steps: int, timed_chunks: int) -> tuple[float, float]:
-    """(µs per decode step, ms per prefill chunk) for one request at ``context`` tokens."""
+def single(context: int, steps: int, timed_chunks: int) -> tuple[float, float, float]:
+    """(µs per decode step, ms per prefill chunk, ms to free the request) for one request at ``context`` tokens."""
     layout = scout_layout()
     probe = KVCacheManager(layout, 2)
     num_blocks = probe.peak_blocks(context + steps + CHUNK) + 64
@@ -80,9 +81,11 @@ def single(context: int, steps: int, timed_chunks: int) -> tuple[float, float]:
         for _ in range(steps // ROUNDS):
             decode(kv, req)
         rounds.append((time.process_time() - t0) / (steps // ROUNDS) * 1e6)
+    t0 = time.process_time()
     kv.free(req)
+    freed = time.process_time() - t0
     assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks
-    return statistics.median(rounds), statistics.median(chunk_times) * 1e3
+    return statistics.median(rounds), statistics.median(chunk_times) * 1e3, freed * 1e3
 
 
 def batch(num_reqs: int, length: int, shared: int, steps: int) -> tuple[float, float, float]:
@@ -139,16 +142,16 @@ def main() -> None:
 
     rows = []
     for name, ctx in contexts:
-        us, ms = single(ctx, steps, timed)
-        rows.append((f"1 request, {name} context", f"{us:.1f}", f"{ms:.2f}", ""))
+        us, ms, free_ms = single(ctx, steps, timed)
+        rows.append((f"1 request, {name} context", f"{us:.1f}", f"{ms:.2f}", f"{free_ms:.1f}", ""))
     decode_small, decode_big = float(rows[0][1]), float(rows[-1][1])
     n, length, shared, bsteps = batch_args
     us, ms, hit_rate = batch(n, length, shared, bsteps)
     rows.append(
-        (f"{n} requests x {length // 1024}K, {shared // 1024}K shared", f"{us:.1f} (batch)", f"{ms:.2f}",
+        (f"{n} requests x {length // 1024}K, {shared // 1024}K shared", f"{us:.1f} (batch)", f"{ms:.2f}", "",
          f"prefix hit {hit_rate:.0%}")
     )
-    head = ("scenario (Scout TP8, block 16)", "decode step µs", "prefill chunk ms", "note")
+    head = ("scenario (Scout TP8, block 16)", "decode step µs", "prefill chunk ms", "free ms", "note")
     print(markdown_table(head, rows))
     ratio = decode_big / decode_small
     print(f"decode {contexts[-1][0]} / {contexts[0][0]}: {ratio:.2f}x (target <= 2x)")
