@@ -94,6 +94,12 @@ SPLITS_PER_SM = 4
 MAX_SPLITS = 256
 
 
+def _reach_cap(spec) -> int:
+    """The most keys one sequence's step is counted as reading in a layer group of ``spec``, for its split count
+    and tiles: a local type's reach with 64 keys of slack; unbounded for full attention."""
+    return spec.reach + 64 if spec.reach else 2**31 - 1  # positions are int32
+
+
 def wave_splits(programs: int, num_sms: int) -> int:
     """KV splits (1, 2 or 4) that make ``programs`` tiles fill whole waves of one program per SM.
 
@@ -381,7 +387,7 @@ class TritonPagedAttention(StoresKVFromKernels):
         owner = np.repeat(np.arange(len(seqs)), [s.query_len for s in seqs])
         blocks = table[owner, new // bs]
         spec = group.spec
-        reaches = np.minimum(seq_lens, spec.reach + 64) if spec.reach else seq_lens
+        reaches = np.minimum(seq_lens, _reach_cap(spec))
         reach = int(reaches.max())
         config = self.step_state.config
         if self._is_decode(config):
@@ -475,7 +481,7 @@ class TritonPagedAttention(StoresKVFromKernels):
         self.step_state = TritonStepState(config, config.rows // self.group, padded, [buf[:padded] for buf in st.seq])
         for g, group in enumerate(self.layout.groups):
             spec = group.spec
-            reach = self._static_reach(spec, st.max_model_len)
+            reach = min(st.max_model_len, _reach_cap(spec))
             # a function of the graph alone: the tiles and split count it was captured with are those it replays
             # with (a split that sees no key stores nothing, so any count is right for any context)
             keys = padded * reach * spec.num_kv_heads if many else 0
@@ -498,27 +504,19 @@ class TritonPagedAttention(StoresKVFromKernels):
         graph is the ``many`` one of its batch size (``begin_static_decode``)."""
         if len(seqs) > FEW_SEQS or self.decode is self.decode_few:
             return False
-        lens = np.array([s.context_len + 1 for s in seqs], dtype=np.int64)
-        for group in self.layout.groups:
-            spec = group.spec
-            reaches = np.minimum(lens, spec.reach + 64) if spec.reach else lens
-            if int(reaches.sum()) * spec.num_kv_heads > FEW_KEYS:
-                return True
-        return False
+        lens = [s.context_len + 1 for s in seqs]  # a few ints: plain Python is quicker than numpy here
+        return any(sum(min(n, _reach_cap(g.spec)) for n in lens) * g.spec.num_kv_heads > FEW_KEYS
+                   for g in self.layout.groups)
 
     def static_variants(self, padded: int) -> list[bool]:
         """The ``many`` values a decode graph of ``padded`` rows is captured for: [False], or [False, True] where
         a step of that size can read 128-key tiles in some group because of its reach (``many_keys``)."""
         if padded > FEW_SEQS or self.decode is self.decode_few:
             return [False]
-        st = self._static
-        long = any(padded * self._static_reach(group.spec, st.max_model_len) * group.spec.num_kv_heads > FEW_KEYS
-                   for group in self.layout.groups)
+        longest = self._static.max_model_len
+        long = any(padded * min(longest, _reach_cap(g.spec)) * g.spec.num_kv_heads > FEW_KEYS
+                   for g in self.layout.groups)
         return [False, True] if long else [False]
-
-    @staticmethod
-    def _static_reach(spec, max_model_len: int) -> int:
-        return min(max_model_len, spec.reach + 64) if spec.reach else max_model_len
 
     def _is_decode(self, config: KernelConfig) -> bool:
         return config is self.decode or config is self.decode_few
