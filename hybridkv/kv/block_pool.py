@@ -55,6 +55,15 @@ class _LinkedQueue:
         last.next, block.prev, block.next, self.tail.prev = block, last, self.tail, block
         self.size += 1
 
+    def extend(self, blocks: list[KVBlock]) -> None:
+        """``append`` each of ``blocks`` in order, linked in one pass."""
+        last = self.tail.prev
+        for block in blocks:
+            last.next, block.prev = block, last
+            last = block
+        last.next, self.tail.prev = self.tail, last
+        self.size += len(blocks)
+
     def remove(self, block: KVBlock) -> None:
         block.prev.next, block.next.prev = block.next, block.prev
         block.prev = block.next = None
@@ -163,21 +172,26 @@ class BlockPool:
 
         Blocks freed earlier are evicted earlier, so callers pass the least valuable blocks first.
         """
-        for block in blocks:
-            if block is self.null_block:
+        null, in_use, uncached = self.null_block, self.in_use_by_group, self._uncached
+        cached_list = EVICT_FIRST if evict_first else LRU
+        cached: list[KVBlock] = []
+        for block in blocks:  # a 10M-token request frees ~160K blocks: this loop is its cost
+            if block is null:
                 continue
-            if block.ref_cnt <= 0:
+            ref = block.ref_cnt - 1
+            if ref < 0:
                 raise RuntimeError(f"block {block.block_id} freed more often than it was taken")
-            block.ref_cnt -= 1
-            if block.ref_cnt:
+            block.ref_cnt = ref
+            if ref:
                 continue
-            self.in_use_by_group[block.group_id] -= 1
+            in_use[block.group_id] -= 1
             if block.hash_key is None:
                 block.free_list = UNCACHED
-                self._uncached.append(block)
+                uncached.append(block)
             else:
-                block.free_list = EVICT_FIRST if evict_first else LRU
-                self._queue_of(block).append(block)
+                block.free_list = cached_list
+                cached.append(block)
+        (self._evict_first if evict_first else self._lru).extend(cached)
 
     def _queue_of(self, block: KVBlock) -> _LinkedQueue:
         if block.free_list == EVICT_FIRST:
