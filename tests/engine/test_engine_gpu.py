@@ -25,6 +25,14 @@ class KernelsUsed:
         return getattr(self.kernels, name)
 
 
+def assert_same_generation(got, want) -> None:
+    """The same tokens, and the same logprobs within float32 rounding."""
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    lp_g = torch.tensor([lp for o in got for row in o.outputs[0].logprobs for _, lp in row])
+    lp_w = torch.tensor([lp for o in want for row in o.outputs[0].logprobs for _, lp in row])
+    torch.testing.assert_close(lp_g, lp_w, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("name", ["llama4", "mistral", "gemma3"])
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_gpu_greedy_is_token_exact_with_the_cpu_path(tiny_model, name, block_size):
@@ -147,10 +155,7 @@ def test_decode_from_cuda_graphs_is_token_exact_with_eager(tiny_model, name, asy
     assert eager.engine.runner.graphs is None and graphed.engine.runner.graphs is not None
     want = eager.generate(prompts, params, use_tqdm=False)
     got = graphed.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    lp_g = torch.tensor([lp for o in got for row in o.outputs[0].logprobs for _, lp in row])
-    lp_w = torch.tensor([lp for o in want for row in o.outputs[0].logprobs for _, lp in row])
-    torch.testing.assert_close(lp_g, lp_w, atol=1e-4, rtol=0)
+    assert_same_generation(got, want)
     assert graphed.engine.runner.graphs.replays >= 15  # the decode steps really came from the graphs
     if async_scheduling:  # with logprobs asked for, no step goes ahead: the same requests without them
         plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -192,10 +197,7 @@ def test_long_reach_decode_graphs_are_token_exact_with_eager(tiny_model, monkeyp
     for batch in ([prompts[0]], prompts):  # bucket 1, then bucket 2
         want = eager.generate(batch, params, use_tqdm=False)
         got = graphed.generate(batch, params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-        lp_g = torch.tensor([lp for o in got for row in o.outputs[0].logprobs for _, lp in row])
-        lp_w = torch.tensor([lp for o in want for row in o.outputs[0].logprobs for _, lp in row])
-        torch.testing.assert_close(lp_g, lp_w, atol=1e-4, rtol=0)
+        assert_same_generation(got, want)
     assert {(1, False), (1, True), (2, False), (2, True)} <= set(keys)
 
 
@@ -221,10 +223,7 @@ def test_tensor_parallel_over_two_gpus_matches_one_gpu(tiny_model, name, custom_
                                                                              two_gpus_see_each_other())
         for _ in range(2):  # the second round from the prefix cache
             got = two.generate(prompts, params, use_tqdm=False)
-            assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-            lp_g = torch.tensor([lp for o in got for row in o.outputs[0].logprobs for _, lp in row])
-            lp_w = torch.tensor([lp for o in want for row in o.outputs[0].logprobs for _, lp in row])
-            torch.testing.assert_close(lp_g, lp_w, atol=1e-4, rtol=0)
+            assert_same_generation(got, want)
         if custom_all_reduce:  # the decode steps came from the graphs (without the one-shot path: eager)
             assert two.engine.runner.graphs.replays >= 20
             # and the prefill halves' sums from the copy engines: every message sent was summed
