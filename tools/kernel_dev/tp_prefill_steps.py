@@ -1,7 +1,7 @@
 """A real prefill of Scout with a TP-8 rank's shapes per GPU, at TP 1 or split over TP 2 GPUs: the wall time of
-every step (synchronised after each), printed by the context it started at, and the GPUs' SM clock and power while
-it ran (``nvidia-smi``, once a second). Where ``benchmarks/gpu/scout_rank.py`` gives the prefill's total, this
-shows which steps the difference between TP 1 and TP 2 comes from.
+every step (synchronised after each), printed by the context it started at, and the GPUs' SM clock, power and
+temperature while it ran (``nvidia-smi``, once a second). Where ``benchmarks/gpu/scout_rank.py`` gives the prefill's
+total, this shows which steps the difference between TP 1 and TP 2 comes from.
 
     PYTHONPATH=. python tools/kernel_dev/tp_prefill_steps.py --tensor-parallel-size 1 --length 1048576
     PYTHONPATH=. python tools/kernel_dev/tp_prefill_steps.py --tensor-parallel-size 2 --length 1048576
@@ -46,23 +46,27 @@ def step_times(engine, n: int, vocab: int) -> list[tuple[int, float]]:
     return times
 
 
-def clocks(samples: str) -> dict[str, tuple[float, float]]:
-    """{GPU index: (median SM MHz, mean W)} over the samples taken under load."""
-    by_gpu: dict[str, list[tuple[int, float]]] = {}
+def clocks(samples: str) -> dict[str, tuple[float, float, float]]:
+    """{GPU index: (median SM MHz, mean W, median degrees C)} over the samples taken under load."""
+    by_gpu: dict[str, list[tuple[int, float, int]]] = {}
     for line in samples.splitlines():
-        m = re.match(r"\s*(\d+), (\d+) MHz, ([\d.]+) W", line)
+        m = re.match(r"\s*(\d+), (\d+) MHz, ([\d.]+) W, (\d+)", line)
         if m and float(m.group(3)) >= LOADED_W:
-            by_gpu.setdefault(m.group(1), []).append((int(m.group(2)), float(m.group(3))))
-    return {g: (statistics.median(c for c, _ in v), statistics.mean(w for _, w in v)) for g, v in by_gpu.items()}
+            by_gpu.setdefault(m.group(1), []).append((int(m.group(2)), float(m.group(3)), int(m.group(4))))
+    return {g: (statistics.median(c for c, _, _ in v), statistics.mean(w for _, w, _ in v),
+                statistics.median(t for _, _, t in v)) for g, v in by_gpu.items()}
 
 
-def report(engine, tp: int, n: int, every: int) -> None:
-    """Prefill ``n`` tokens after a warm-up, sampling the clocks meanwhile; print every ``every``-th step."""
+def report(engine, tp: int, n: int, every: int, halves: int | None) -> None:
+    """Prefill ``n`` tokens after a warm-up, sampling the clocks meanwhile; print every ``every``-th step. ``halves``:
+    steps of that many tokens or more run in two halves (at TP 1 too, where they show the split's own cost)."""
     vocab = engine.model.cfg.vocab_size
+    if halves is not None:
+        engine.collective_rpc(scout_rank.set_prefill_halves, halves)
     scout_rank.decode_after_prefill_ms(engine, 20000, vocab, steps=2)  # compiles the kernels
     with tempfile.TemporaryFile("w+") as log:
-        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=index,clocks.sm,power.draw", "--format=csv,noheader",
-                                "-lms", "1000"], stdout=log)
+        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=index,clocks.sm,power.draw,temperature.gpu",
+                                "--format=csv,noheader", "-lms", "1000"], stdout=log)
         try:
             times = step_times(engine, n, vocab)
         finally:
@@ -73,8 +77,8 @@ def report(engine, tp: int, n: int, every: int) -> None:
     print(f"TP {tp}: prefill of {n:,} tokens in {sum(t for _, t in times):.2f} s, {len(times)} steps")
     for context, seconds in times[::every] + times[-1:]:
         print(f"  step after {context:>9,} cached: {1000 * seconds:8.1f} ms")
-    for gpu, (mhz, watts) in sorted(clocks(samples).items()):
-        print(f"  GPU {gpu} under load: SM clock median {mhz:.0f} MHz, {watts:.0f} W")
+    for gpu, (mhz, watts, celsius) in sorted(clocks(samples).items()):
+        print(f"  GPU {gpu} under load: SM clock median {mhz:.0f} MHz, {watts:.0f} W, {celsius:.0f} C")
 
 
 def main() -> None:
@@ -82,10 +86,12 @@ def main() -> None:
     ap.add_argument("--tensor-parallel-size", type=int, default=2, choices=(1, 2))
     ap.add_argument("--length", type=int, default=1 << 20, help="prompt tokens")
     ap.add_argument("--every", type=int, default=4, help="print every this many steps (and the last)")
+    ap.add_argument("--halves-from-tokens", type=int, help="steps of this many tokens or more in two halves "
+                    "(default: the engine's, prefill_overlap_tokens at TP 2 and none at TP 1; 0: none)")
     args = ap.parse_args()
     tp = args.tensor_parallel_size
     scout_rank.on_dummy_engine(scout_rank.rank_config(8 // tp), tp,
-                               lambda engine: report(engine, tp, args.length, args.every))
+                               lambda engine: report(engine, tp, args.length, args.every, args.halves_from_tokens))
 
 
 if __name__ == "__main__":
