@@ -7,6 +7,19 @@ total, this shows which steps the difference between TP 1 and TP 2 comes from.
     PYTHONPATH=. python tools/kernel_dev/tp_prefill_steps.py --tensor-parallel-size 2 --length 1048576
 
 Run one size per process (an engine's GPU memory is only all given back when its process ends).
+
+``--traffic`` separates what the halves' sums move from the rest (both are ablations):
+
+- ``none`` (TP 2): each push writes its flags but copies nothing, so the norms sum stale zeros (wrong results) and
+  the step runs without the copies' traffic;
+- ``local`` (TP 1): each all-reduce message over 1 MiB is also copied within the GPU on a side stream, as TP 2 sends
+  it to the peer: the copies' memory traffic without NVLink.
+
+E.g. whether the copies are what lowers the SM clock under TP 2 (against TP 2 and TP 1 in halves as built):
+
+    PYTHONPATH=. python tools/kernel_dev/tp_prefill_steps.py --tensor-parallel-size 2 --traffic none
+    PYTHONPATH=. python tools/kernel_dev/tp_prefill_steps.py --tensor-parallel-size 1 --halves-from-tokens 4096 \
+        --traffic local
 """
 
 from __future__ import annotations
@@ -57,6 +70,45 @@ def clocks(samples: str) -> dict[str, tuple[float, float, float]]:
                 statistics.median(t for _, _, t in v)) for g, v in by_gpu.items()}
 
 
+def flags_only(runner) -> None:
+    """``--traffic none`` on this rank: a prefill half's push writes the peers' flags and copies nothing."""
+    sums = runner.model.tp.copy_sums
+    if sums is None:
+        raise RuntimeError("--traffic none needs the copy-engine sums (TP 2 on GPUs that reach each other's memory)")
+    sums.slots.zero_()  # what the norms then add: zeros, not stale bits that could be NaN
+
+    def push(part: torch.Tensor, half: int) -> None:
+        seq = sums.pushed[half] = sums.pushed[half] + 1
+        sums.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(sums.stream):
+            for peer in sums.peers:
+                torch.ops.symm_mem.stream_write_value32_(sums.peer_views[peer][1], half * sums.world + sums.rank, seq)
+
+    sums.push = push
+
+
+def local_copies(runner) -> None:
+    """``--traffic local`` (TP 1, one process): every all-reduce message over 1 MiB is copied within the GPU on a
+    side stream; its sum is still the message itself."""
+    from hybridkv.model.architectures.parallel import TPGroup
+
+    stream, buffers = torch.cuda.Stream(), {}
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.is_contiguous() and x.numel() * x.element_size() > 1 << 20:
+            flat = x.view(-1)
+            if flat.numel() not in buffers:
+                buffers[flat.numel()] = torch.empty_like(flat)
+            buffer = buffers[flat.numel()]
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                buffer.copy_(flat)
+            flat.record_stream(stream)
+        return x
+
+    TPGroup.all_reduce = all_reduce
+
+
 def report(engine, tp: int, n: int, every: int, halves: int | None) -> None:
     """Prefill ``n`` tokens after a warm-up, sampling the clocks meanwhile; print every ``every``-th step. ``halves``:
     steps of that many tokens or more run in two halves (at TP 1 too, where they show the split's own cost)."""
@@ -88,10 +140,20 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=4, help="print every this many steps (and the last)")
     ap.add_argument("--halves-from-tokens", type=int, help="steps of this many tokens or more in two halves "
                     "(default: the engine's, prefill_overlap_tokens at TP 2 and none at TP 1; 0: none)")
+    ap.add_argument("--traffic", choices=("as-built", "none", "local"), default="as-built",
+                    help="none (TP 2): the halves' pushes copy nothing; local (TP 1): each large message also "
+                         "copied within the GPU (ablations, see the module's docstring)")
     args = ap.parse_args()
     tp = args.tensor_parallel_size
-    scout_rank.on_dummy_engine(scout_rank.rank_config(8 // tp), tp,
-                               lambda engine: report(engine, tp, args.length, args.every, args.halves_from_tokens))
+    if (args.traffic, tp) in (("none", 1), ("local", 2)):
+        ap.error(f"--traffic {args.traffic} is for TP {3 - tp}")
+
+    def run(engine) -> None:
+        if args.traffic != "as-built":
+            engine.collective_rpc(flags_only if args.traffic == "none" else local_copies)
+        report(engine, tp, args.length, args.every, args.halves_from_tokens)
+
+    scout_rank.on_dummy_engine(scout_rank.rank_config(8 // tp), tp, run)
 
 
 if __name__ == "__main__":
