@@ -88,25 +88,32 @@ def flags_only(runner) -> None:
 
 
 def local_copies(runner) -> None:
-    """``--traffic local`` (TP 1, one process): every all-reduce message over 1 MiB is copied within the GPU on a
-    side stream; its sum is still the message itself."""
-    from hybridkv.model.architectures.parallel import TPGroup
+    """``--traffic local`` (TP 1, one process): every message TP 2 would all-reduce, if over 1 MiB, is copied within
+    the GPU on a side stream; its sum is still the message itself. At TP 1 the MoE still calls ``all_reduce`` and
+    the attention's row-parallel output projection does not, so both are wrapped."""
+    from hybridkv.model.architectures.parallel import RowParallelLinear, TPGroup
 
     stream, buffers = torch.cuda.Stream(), {}
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def copy_out(x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.is_contiguous() and x.numel() * x.element_size() > 1 << 20:
             flat = x.view(-1)
             if flat.numel() not in buffers:
                 buffers[flat.numel()] = torch.empty_like(flat)
-            buffer = buffers[flat.numel()]
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                buffer.copy_(flat)
+                buffers[flat.numel()].copy_(flat)
             flat.record_stream(stream)
         return x
 
-    TPGroup.all_reduce = all_reduce
+    row_parallel = RowParallelLinear.forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = row_parallel(self, x)
+        return copy_out(y) if self.reduce else y
+
+    TPGroup.all_reduce = lambda self, x: copy_out(x)
+    RowParallelLinear.forward = forward
 
 
 def report(engine, tp: int, n: int, every: int, halves: int | None) -> None:
