@@ -74,8 +74,9 @@ class EngineConfig:
     # vLLM's name
     async_scheduling: bool | None = knob(
         None, "schedule and launch the next decode step before this step's tokens reach the host, so the host's "
-              "work of a step overlaps the GPU's (greedy decode steps on one rank; others run as before). Default: "
-              "on with CUDA; off on the CPU, where nothing overlaps and a stop would be found a step late")
+              "work of a step overlaps the GPU's (decode steps without logprobs; others run as before). Default: "
+              "on with CUDA on one rank; off on the CPU, where nothing overlaps and a stop would be found a step "
+              "late, and under tensor parallelism, where it is opt-in")
     # the CLI names it in GiB (--kv-offload-gib, see args.py), like vLLM's --kv-offloading-size
     kv_offload_bytes: int = knob(0, "host-memory tier of the prefix cache, bytes per rank (0: off); see kv/host_tier.py",
                                  cli=False)
@@ -97,6 +98,8 @@ def resolve_step_budget(config: EngineConfig, device: str) -> EngineConfig:
         raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: no cap), got {cap}")
     if config.prefill_overlap_tokens < 0:
         raise ValueError(f"prefill_overlap_tokens must be >= 0 (0: off), got {config.prefill_overlap_tokens}")
-    asynchronous = config.async_scheduling if config.async_scheduling is not None else not on_cpu
+    asynchronous = config.async_scheduling
+    if asynchronous is None:
+        asynchronous = not on_cpu and config.tensor_parallel_size == 1
     return replace(config, max_num_batched_tokens=step, long_prefill_token_threshold=cap,
                    async_scheduling=asynchronous)

@@ -449,15 +449,14 @@ class LLMEngine:
 
     # ---- async scheduling ------------------------------------------------------------------------------
     def _may_go_ahead(self, out: SchedulerOutput, result: StepOutput, seqs: list[Sequence]) -> bool:
-        """Whether the next step can be scheduled before this one's tokens are read: a step on one rank in which
-        every running sequence samples and none asks for logprobs, each of them sure to take one more token (not at
+        """Whether the next step can be scheduled before this one's tokens are read: a step in which every running
+        sequence samples and none asks for logprobs, each of them sure to take one more token (not at
         max_tokens), no request waiting, and the free pool holding a new block per sequence and group (so
         scheduling it preempts nobody: a preempted sequence's placeholder would be hashed into its blocks).
 
         Sampled rows go ahead too: this step's penalties, grammar masks and min_tokens read the tokens up to the
         step before, all in place by now, and the sampler leaves its tokens on the device."""
-        if not (self.config.async_scheduling and self.workers is None and result.scores is None
-                and not self.scheduler.waiting):
+        if not (self.config.async_scheduling and result.scores is None and not self.scheduler.waiting):
             return False
         if any(s.state.params.logprobs is not None for s in seqs):
             return False  # their values would be read behind the next step

@@ -46,6 +46,9 @@ class StepInput:
     # async scheduling: the token ids, still on the device, that stand in for ``input_ids``' placeholders (a decode
     # step launched before the step before it was sampled: row i's token is that step's sampled row i)
     device_input_ids: torch.Tensor | None = None
+    # under tensor parallelism: ``device_input_ids`` are on rank 0 only; every rank's ``execute`` takes them from
+    # rank 0 first (a broadcast), since a worker's step reaches it pickled, without them
+    ids_from_rank0: bool = False
 
     def positions(self) -> np.ndarray:
         """Each token row's position: its sequence's context length plus its index among the sequence's rows (one
@@ -145,6 +148,8 @@ class ModelRunner:
         than 0)."""
         if step.block_ops:  # host tier: before anything reads a loaded page or overwrites a written-back one
             self.copier.run(step.block_ops)
+        if step.ids_from_rank0:
+            step.device_input_ids = self.model.tp.from_rank0(step.device_input_ids, len(step.seqs), self.device)
         bucket = self.graph_bucket(step)
         if bucket is not None:  # logits None on tensor-parallel ranks other than 0, as eager
             return StepOutput(self.graphs.replay(bucket, step.input_ids, step.seqs, step.device_input_ids),

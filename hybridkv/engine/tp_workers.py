@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 
 from hybridkv.engine.block_copier import BlockCopier
 from hybridkv.engine.config import EngineConfig
-from hybridkv.engine.model_runner import ModelRunner, StepInput
+from hybridkv.engine.model_runner import ModelRunner, StepInput, StepOutput
 from hybridkv.engine.runtime import build_runtime, rank_layout
 from hybridkv.model.architectures.parallel import TPGroup
 from hybridkv.model.attention.base import PagedAttentionBackend
@@ -305,15 +305,21 @@ class TPDriverRunner(ModelRunner):
         self.workers = workers
         self.sent_versions: list[int] = []  # per decode-graph row, the ``tables_version`` the workers hold
 
-    def run(self, out) -> torch.Tensor:
+    def run(self, out, device_input_ids: torch.Tensor | None = None) -> StepOutput:
+        """As ``ModelRunner.run``; with ``device_input_ids`` (async scheduling) every rank takes them from this one
+        at the step's start (``StepInput.ids_from_rank0``)."""
         step = self.prepare(out)
+        step.device_input_ids, step.ids_from_rank0 = device_input_ids, device_input_ids is not None
         return self.workers.run(step, self.execute, self._for_workers(step))
 
     def _for_workers(self, step: StepInput) -> StepInput:
-        """``step`` as the workers get it: a graph step carries a row's block tables only when their version is new
-        to the workers, whose decode buffers keep the rest (``begin_static_decode`` writes a row's tables only when
-        its version changed, on every rank alike). At 5M of context one sequence's tables are ~1 MB of pickle a
-        step; through a pipe that was a 3 ms round trip on a loaded 2-core machine, 0.5 ms at 1M."""
+        """``step`` as the workers get it: without rank 0's device tensors, and a graph step carries a row's block
+        tables only when their version is new to the workers, whose decode buffers keep the rest
+        (``begin_static_decode`` writes a row's tables only when its version changed, on every rank alike). At 5M of
+        context one sequence's tables are ~1 MB of pickle a step; through a pipe that was a 3 ms round trip on a
+        loaded 2-core machine, 0.5 ms at 1M."""
+        if step.device_input_ids is not None:
+            step = replace(step, device_input_ids=None)
         if self.graph_bucket(step) is None:
             return step
         seqs = []

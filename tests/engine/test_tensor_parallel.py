@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -117,6 +118,34 @@ def test_tp2_is_token_exact_with_tp1_through_chunked_prefill_and_prefix_cache(ti
                          kv_memory_bytes=KV_BYTES)
     assert kv.pool.num_usable_blocks == plan.usable_blocks and llm.engine.layout.page_bytes == plan.page_bytes
     assert_rank0_holds_its_shard(llm.engine.model, one.engine.model)
+
+
+def test_async_scheduling_launches_tp2_decode_steps_ahead_token_exact_with_tp1(tiny_model, shut_down):
+    """Asked for, async scheduling works under TP 2 as on one rank: rank 0 schedules and launches the next decode
+    step before it reads this step's tokens, and every rank takes that step's input ids from rank 0's device (a
+    broadcast at the step's start), since the workers' copy of the step is pickled without them. Off by default
+    under tensor parallelism, on a GPU too."""
+    from hybridkv.engine.config import resolve_step_budget
+
+    path = tiny_model("llama4").path
+    prompts = parity_prompts()
+    one = LLM(**engine_args(path))
+    expected = [o.outputs[0].token_ids for o in generate(one, prompts)]
+    llm = LLM(**engine_args(path), tensor_parallel_size=TP, async_scheduling=True)
+    shut_down(llm)
+    for round_ in range(2):  # the second round's prompts hit the prefix cache, decoded blocks included
+        outs = generate(llm, [p + e for p, e in zip(prompts, expected)] if round_ else prompts)
+        want = expected if not round_ else [o.outputs[0].token_ids for o in generate(
+            one, [p + e for p, e in zip(prompts, expected)])]
+        assert [o.outputs[0].token_ids for o in outs] == want, f"round {round_}"
+    # 5 requests of 12 tokens, at most 3 running: once none waits, the decode steps go ahead
+    assert llm.engine.steps_launched_ahead >= 8, llm.engine.steps_launched_ahead
+    kv = llm.engine.kv
+    assert kv.stats.hit_tokens > 0 and kv.pool.num_free_blocks == kv.pool.num_usable_blocks
+    assert llm.engine._ahead is None and not llm.engine.has_unfinished_requests()
+    config = EngineConfig(model=str(path))
+    assert resolve_step_budget(config, "cuda").async_scheduling
+    assert not resolve_step_budget(replace(config, tensor_parallel_size=TP), "cuda").async_scheduling
 
 
 def assert_rank0_holds_its_shard(shard: torch.nn.Module, full: torch.nn.Module) -> None:

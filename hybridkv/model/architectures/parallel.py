@@ -157,6 +157,19 @@ class TPGroup:
             return False
         return self.one_shot.takes(rows * self.size * cols * dtype.itemsize, dtype)
 
+    def from_rank0(self, x: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
+        """Rank 0's int64 ``x`` [n] on every rank (a broadcast): the other ranks pass None and get a new tensor.
+        Async scheduling's input ids, which exist only on rank 0's device when the workers get their step."""
+        if self.size == 1:
+            return x
+        if self.rank != 0:
+            x = torch.empty(n, dtype=torch.int64, device=device)
+        elif x.shape != (n,) or x.dtype != torch.int64:
+            raise ValueError(f"rank 0 broadcasts int64 [{n}], got {x.dtype} {tuple(x.shape)}")
+        x = x.contiguous()
+        dist.broadcast(x, src=0)
+        return x
+
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         """Concatenate every rank's ``x`` along the last dim on rank 0; other ranks get None.
 
