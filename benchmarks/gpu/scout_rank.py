@@ -245,8 +245,8 @@ def engine_rows(engine: LLMEngine, label: str, vocab: int, n: int, contexts: lis
                 prefill_step: bool = True) -> list[list[str]]:
     """Prefill of ``n`` tokens and the decode step after it; one STEP_TOKENS-token prefill step over 524,288 cached
     tokens (tensor parallelism: its layers whole and in two halves; not with ``prefill_step`` off); decode steps at
-    ``contexts`` over random KV (CUDA graphs) with rank 0's host time by phase; peak memory per GPU. Times go into
-    ``out`` too.
+    ``contexts`` over random KV (CUDA graphs) with rank 0's host time by phase, then with async scheduling; peak
+    memory per GPU. Times go into ``out`` too.
 
     Then, tensor-parallel engines only, profiles: the time in collectives of the prefill step and of decode steps.
     Profiles come last: once torch's profiler has run in a process, every later CUDA launch there costs more host
@@ -275,6 +275,9 @@ def engine_rows(engine: LLMEngine, label: str, vocab: int, n: int, contexts: lis
         print(rows[-2], rows[-1], flush=True)
         while engine.has_unfinished_requests():
             engine.step()
+        ms = out[("async", ctx)] = async_decode_ms(engine, ctx, vocab)
+        rows.append(["bfloat16", f"{label}: decode step @ {ctx:,}, async scheduling (graphs)", f"{ms:.2f} ms", ""])
+        print(rows[-1], flush=True)
     peaks = engine.collective_rpc(peak_gib)
     rows.append(["bfloat16", f"{label}: peak GPU memory per rank", " / ".join(f"{p:.1f}" for p in peaks) + " GiB", ""])
     if engine.workers is None:
@@ -404,8 +407,10 @@ def fill_buffer(buf: torch.Tensor) -> None:
         buf[rows] = chunk.to(buf.dtype)
 
 
-def decode_ms(engine: LLMEngine, context: int, vocab: int, steps: int = 8, drain: bool = True) -> float:
-    """Decode latency with ``context`` tokens already in a cache filled with random values."""
+def decode_ms(engine: LLMEngine, context: int, vocab: int, steps: int = 8, drain: bool = True,
+              back_to_back: bool = False) -> float:
+    """Decode latency with ``context`` tokens already in a cache filled with random values (``back_to_back``: see
+    ``median_step_ms``)."""
     engine.add_request(f"decode-{context}", prompt(context, vocab, 7), SamplingParams(
         temperature=0, max_tokens=steps + 2 + (0 if drain else 10), ignore_eos=True))
     seq = engine.scheduler.waiting.popleft()
@@ -421,7 +426,21 @@ def decode_ms(engine: LLMEngine, context: int, vocab: int, steps: int = 8, drain
     engine.scheduler.running.append(seq)
     engine.step()  # the last prompt token, then decodes
     engine.step()
-    return median_step_ms(engine, steps, drain)
+    return median_step_ms(engine, steps, drain, back_to_back)
+
+
+def async_decode_ms(engine: LLMEngine, context: int, vocab: int, steps: int = 8) -> float:
+    """``decode_ms`` with async scheduling on (under tensor parallelism too): steps back to back, their mean."""
+    engine.config.async_scheduling, ahead = True, engine.steps_launched_ahead
+    try:
+        ms = decode_ms(engine, context, vocab, steps, drain=False, back_to_back=True)  # tokens to spare: all go ahead
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        engine.config.async_scheduling = False
+    if engine.steps_launched_ahead - ahead < steps:
+        raise RuntimeError(f"async scheduling launched {engine.steps_launched_ahead - ahead} steps ahead of {steps}")
+    return ms
 
 
 STEP_TOKENS = 16384
