@@ -275,7 +275,7 @@ def engine_rows(engine: LLMEngine, label: str, vocab: int, n: int, contexts: lis
         print(rows[-2], rows[-1], flush=True)
         while engine.has_unfinished_requests():
             engine.step()
-        ms = out[("async", ctx)] = async_decode_ms(engine, ctx, vocab)
+        ms = out[("async", ctx)] = async_steps_ms(engine, lambda: start_decode(engine, ctx, vocab, 20), 8)
         rows.append(["bfloat16", f"{label}: decode step @ {ctx:,}, async scheduling (graphs)", f"{ms:.2f} ms", ""])
         print(rows[-1], flush=True)
     peaks = engine.collective_rpc(peak_gib)
@@ -407,12 +407,16 @@ def fill_buffer(buf: torch.Tensor) -> None:
         buf[rows] = chunk.to(buf.dtype)
 
 
-def decode_ms(engine: LLMEngine, context: int, vocab: int, steps: int = 8, drain: bool = True,
-              back_to_back: bool = False) -> float:
-    """Decode latency with ``context`` tokens already in a cache filled with random values (``back_to_back``: see
-    ``median_step_ms``)."""
+def decode_ms(engine: LLMEngine, context: int, vocab: int, steps: int = 8, drain: bool = True) -> float:
+    """Decode latency with ``context`` tokens already in a cache filled with random values."""
+    start_decode(engine, context, vocab, steps + 2 + (0 if drain else 10))
+    return median_step_ms(engine, steps, drain)
+
+
+def start_decode(engine: LLMEngine, context: int, vocab: int, max_tokens: int) -> None:
+    """One request decoding after ``context`` tokens whose KV is the cache's random values: two steps taken."""
     engine.add_request(f"decode-{context}", prompt(context, vocab, 7), SamplingParams(
-        temperature=0, max_tokens=steps + 2 + (0 if drain else 10), ignore_eos=True))
+        temperature=0, max_tokens=max_tokens, ignore_eos=True))
     seq = engine.scheduler.waiting.popleft()
     # slots for all but the last prompt token, a piece at a time so chunked layers drop what left their chunk; the
     # KV of these tokens "exists" as the random values filled in before, it is not computed
@@ -426,16 +430,16 @@ def decode_ms(engine: LLMEngine, context: int, vocab: int, steps: int = 8, drain
     engine.scheduler.running.append(seq)
     engine.step()  # the last prompt token, then decodes
     engine.step()
-    return median_step_ms(engine, steps, drain, back_to_back)
 
 
-def async_decode_ms(engine: LLMEngine, context: int, vocab: int, steps: int = 8) -> float:
-    """``decode_ms`` with async scheduling on (under tensor parallelism too): steps back to back, their mean."""
-    engine.config.async_scheduling, ahead = True, engine.steps_launched_ahead
+def async_steps_ms(engine: LLMEngine, start: Callable[[], object], steps: int) -> float:
+    """Mean ms of ``steps`` engine steps back to back with async scheduling on (under tensor parallelism too),
+    after ``start()`` set decoding going with tokens to spare; checked to have launched every one ahead."""
+    engine.config.async_scheduling = True
     try:
-        ms = decode_ms(engine, context, vocab, steps, drain=False, back_to_back=True)  # tokens to spare: all go ahead
-        while engine.has_unfinished_requests():
-            engine.step()
+        start()
+        ahead = engine.steps_launched_ahead
+        ms = median_step_ms(engine, steps, back_to_back=True)
     finally:
         engine.config.async_scheduling = False
     if engine.steps_launched_ahead - ahead < steps:

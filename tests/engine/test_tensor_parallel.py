@@ -358,3 +358,11 @@ def test_graph_steps_send_workers_only_the_block_tables_they_lack():
     assert sent([7, 8, 9]) == [1, 0, 0]  # another sequence in row 0
     assert sent([0, 8]) == [1, 0]  # version 0: always sent
     assert sent([0, 8], query_len=2) == [1, 1]  # a prefill step runs eagerly: every table goes
+    # async scheduling: rank 0's device ids never travel (a CUDA tensor would pickle as an IPC handle); the flag does
+    ids = torch.tensor([3, 4])
+    step = StepInput(np.zeros(2, dtype=np.int64), [StepSequence(100, 1, tables, 9)] * 2, np.arange(2),
+                     device_input_ids=ids, ids_from_rank0=True)
+    for query_len in (1, 2):  # a graph step, and an eager one
+        step.seqs = [StepSequence(100, query_len, tables, 9)] * 2
+        theirs = runner._for_workers(step)
+        assert theirs.device_input_ids is None and theirs.ids_from_rank0 and step.device_input_ids is ids

@@ -504,19 +504,20 @@ class TritonPagedAttention(StoresKVFromKernels):
         graph is the ``many`` one of its batch size (``begin_static_decode``)."""
         if len(seqs) > FEW_SEQS or self.decode is self.decode_few:
             return False
-        lens = [s.context_len + 1 for s in seqs]  # a few ints: plain Python is quicker than numpy here
-        return any(sum(min(n, _reach_cap(g.spec)) for n in lens) * g.spec.num_kv_heads > FEW_KEYS
-                   for g in self.layout.groups)
+        return self._reads_many_keys([s.context_len + 1 for s in seqs])
 
     def static_variants(self, padded: int) -> list[bool]:
         """The ``many`` values a decode graph of ``padded`` rows is captured for: [False], or [False, True] where
         a step of that size can read 128-key tiles in some group because of its reach (``many_keys``)."""
         if padded > FEW_SEQS or self.decode is self.decode_few:
             return [False]
-        longest = self._static.max_model_len
-        long = any(padded * min(longest, _reach_cap(g.spec)) * g.spec.num_kv_heads > FEW_KEYS
+        return [False, True] if self._reads_many_keys([self._static.max_model_len] * padded) else [False]
+
+    def _reads_many_keys(self, lens: list[int]) -> bool:
+        """Whether some layer group reads more than FEW_KEYS keys, over its KV heads, for sequences of ``lens``
+        tokens (a few ints: plain Python is quicker than numpy here)."""
+        return any(sum(min(n, _reach_cap(g.spec)) for n in lens) * g.spec.num_kv_heads > FEW_KEYS
                    for g in self.layout.groups)
-        return [False, True] if long else [False]
 
     def _is_decode(self, config: KernelConfig) -> bool:
         return config is self.decode or config is self.decode_few
