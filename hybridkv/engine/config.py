@@ -75,8 +75,8 @@ class EngineConfig:
     async_scheduling: bool | None = knob(
         None, "schedule and launch the next decode step before this step's tokens reach the host, so the host's "
               "work of a step overlaps the GPU's (decode steps without logprobs; others run as before). Default: "
-              "on with CUDA on one rank; off on the CPU, where nothing overlaps and a stop would be found a step "
-              "late, and under tensor parallelism, where it is opt-in")
+              "on with CUDA, at any tensor-parallel size; off on the CPU, where nothing overlaps and a stop would "
+              "be found a step late")
     # the CLI names it in GiB (--kv-offload-gib, see args.py), like vLLM's --kv-offloading-size
     kv_offload_bytes: int = knob(0, "host-memory tier of the prefix cache, bytes per rank (0: off); see kv/host_tier.py",
                                  cli=False)
@@ -100,6 +100,6 @@ def resolve_step_budget(config: EngineConfig, device: str) -> EngineConfig:
         raise ValueError(f"prefill_overlap_tokens must be >= 0 (0: off), got {config.prefill_overlap_tokens}")
     asynchronous = config.async_scheduling
     if asynchronous is None:
-        asynchronous = not on_cpu and config.tensor_parallel_size == 1
+        asynchronous = not on_cpu
     return replace(config, max_num_batched_tokens=step, long_prefill_token_threshold=cap,
                    async_scheduling=asynchronous)

@@ -209,7 +209,8 @@ def test_tensor_parallel_over_two_gpus_matches_one_gpu(tiny_model, name, custom_
     steps of 32+ tokens in two halves whose all-reduces go to the copy engines and are summed in the next norm,
     decode replayed from CUDA graphs on both ranks with small all-reduces one-shot over peer memory, the workers
     sent only the block tables they lack (or, all through NCCL, decode eager and the halves' NCCL all-reduces
-    overlapping the other half's kernels); then with async scheduling, the workers' input ids from rank 0."""
+    overlapping the other half's kernels); then with async scheduling (the default), the workers' input ids from
+    rank 0."""
     model = tiny_model(name)
     prompts = [{"prompt_token_ids": p} for p in random_prompts([70, 23, 150, 5], seed=31)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
@@ -230,8 +231,9 @@ def test_tensor_parallel_over_two_gpus_matches_one_gpu(tiny_model, name, custom_
             assert tp.copy_sums.pushed == tp.copy_sums.summed and min(tp.copy_sums.pushed) > 0
         else:
             assert two.engine.runner.graphs is None
-        # async scheduling (opt-in under TP): decode steps launched ahead, their input ids broadcast from rank 0
-        two.engine.config.async_scheduling = True
+        # async scheduling (on by default with CUDA, TP too): decode steps launched ahead, their input ids
+        # broadcast from rank 0; the rounds above asked for logprobs, which keep every step back
+        assert two.engine.config.async_scheduling and two.engine.steps_launched_ahead == 0
         plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)  # no logprobs: they keep steps back
         got = two.generate(prompts, plain, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

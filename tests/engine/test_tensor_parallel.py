@@ -123,8 +123,8 @@ def test_tp2_is_token_exact_with_tp1_through_chunked_prefill_and_prefix_cache(ti
 def test_async_scheduling_launches_tp2_decode_steps_ahead_token_exact_with_tp1(tiny_model, shut_down):
     """Asked for, async scheduling works under TP 2 as on one rank: rank 0 schedules and launches the next decode
     step before it reads this step's tokens, and every rank takes that step's input ids from rank 0's device (a
-    broadcast at the step's start), since the workers' copy of the step is pickled without them. Off by default
-    under tensor parallelism, on a GPU too."""
+    broadcast at the step's start), since the workers' copy of the step is pickled without them. On by default
+    with CUDA at any TP size, as on one rank; off on the CPU."""
     from hybridkv.engine.config import resolve_step_budget
 
     path = tiny_model("llama4").path
@@ -145,7 +145,8 @@ def test_async_scheduling_launches_tp2_decode_steps_ahead_token_exact_with_tp1(t
     assert llm.engine._ahead is None and not llm.engine.has_unfinished_requests()
     config = EngineConfig(model=str(path))
     assert resolve_step_budget(config, "cuda").async_scheduling
-    assert not resolve_step_budget(replace(config, tensor_parallel_size=TP), "cuda").async_scheduling
+    assert resolve_step_budget(replace(config, tensor_parallel_size=TP), "cuda").async_scheduling
+    assert not resolve_step_budget(replace(config, tensor_parallel_size=TP), "cpu").async_scheduling
 
 
 def assert_rank0_holds_its_shard(shard: torch.nn.Module, full: torch.nn.Module) -> None:
