@@ -71,6 +71,49 @@ def test_temperature_scales_q_only():
     assert got_k.data_ptr() == k.to(DEVICE).data_ptr() or torch.equal(got_k.cpu(), k)
 
 
+@pytest.mark.parametrize("rotate,qk_norm,store", [(True, True, False), (True, False, False), (False, False, False),
+                                                  (True, True, True), (False, False, True)])
+def test_prefill_tiles_match_one_token_programs(rotate, qk_norm, store):
+    """A prefill-sized step (not a whole number of tiles) runs 16 tokens of a row per program: the same q, k and
+    cache slots as one token per program (bitwise; with QK-norm the row sum's order may move a bf16 rounding by one
+    step), and as eager torch. The default picks the tiles for this many tokens."""
+    from hybridkv.kernels.rope import PREFILL_TILE, TILED_TOKENS
+
+    torch.manual_seed(3)
+    tokens, q_heads, kv_heads, d = TILED_TOKENS + 37, 5, 1, 64
+    qkv = (torch.randn(tokens, (q_heads + 2 * kv_heads) * d) * 2).to(torch.bfloat16)
+    q, k, v = (t.unflatten(-1, (-1, d)) for t in qkv.split([q_heads * d, kv_heads * d, kv_heads * d], dim=-1))
+    positions, (cos, sin) = tables(tokens, d)
+    temp = None if rotate else temperature_scales(positions, 8192.0, 0.1).to(DEVICE)
+    args = on_device(q, k, cos, sin)
+    kwargs = dict(rotate=rotate, interleaved=True, qk_norm=qk_norm, eps=1e-5, temperature=temp)
+    got, caches = [], []
+    pages = -(-tokens // 8)
+    order = torch.randperm(tokens).tolist()  # slots out of order across pages
+    for tile in (None, PREFILL_TILE, (1, 1)):
+        cache = paged_cache(pages, 8, kv_heads, d, torch.bfloat16)
+        slots = slots_for(cache, [o // 8 for o in order], [o % 8 for o in order]) if store else None
+        got.append(rope_qk(*args, v=v.to(DEVICE) if store else None, slots=slots, tile=tile, **kwargs))
+        caches.append(cache.cpu())
+    (q_def, k_def), (q_tiled, k_tiled), (q_one, k_one) = got
+    assert torch.equal(q_def.cpu(), q_tiled.cpu()) and torch.equal(caches[0].view(torch.int16),
+                                                                   caches[1].view(torch.int16))
+    same = torch.equal if not qk_norm else lambda a, b: torch.testing.assert_close(a, b, rtol=1e-2, atol=0) is None
+    assert same(q_tiled.cpu(), q_one.cpu())
+    if store:
+        # every token's slot written, only those: the last page's unused slots still NaN
+        assert k_tiled is None and caches[1].isnan().sum() == (pages * 8 - tokens) * 2 * kv_heads * d
+        # NaN (the unused slots) is never equal to itself: its bits are
+        assert same(*(c.view(torch.int16) for c in caches[1:])) if not qk_norm else same(
+            *(c.nan_to_num() for c in caches[1:]))
+    elif rotate:
+        assert same(k_tiled.cpu(), k_one.cpu())
+    want_q = rope_interleaved(q, cos, sin) if rotate else (q * temp.cpu()).to(q.dtype)
+    if qk_norm:
+        want_q = unit_rms(want_q, 1e-5)
+    torch.testing.assert_close(q_tiled.cpu(), want_q, rtol=2e-2, atol=1 / 32)  # a bf16 step at |x| < 8
+
+
 def paged_cache(blocks, block_size, kv_heads, d, dtype):
     """A layer's cache as the paged layout holds it: [blocks, K then V, block_size, kv heads, d], NaN-filled so a
     value nobody stored shows."""

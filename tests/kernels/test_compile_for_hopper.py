@@ -102,13 +102,16 @@ def test_attention_over_widened_segments():
                                                            (True, False, True, False), (True, False, True, True),
                                                            (False, True, True, True), (False, False, True, False)])
 def test_rope_and_norms(rotate, temperature, store, quant):
-    """The position encoding, alone or storing k and v into the cache (bf16 or e4m3)."""
+    """The position encoding, alone or storing k and v into the cache (bf16 or e4m3), a token a program (decode) or
+    a tile of them (prefill)."""
     cache = "*fp8e4nv" if quant else "*bf16"
-    ptx = compile_for_hopper(rope.rope_qk_kernel, dict(D=128, ROTATE=rotate, INTERLEAVED=True, QK_NORM=rotate,
-                                                       TEMPERATURE=temperature, STORE=store, QUANT=quant, PDL=True),
-                             {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "scale_ptr": "*fp32", "cache_ptr": cache,
-                              "slot_block_ptr": I32, "slot_offset_ptr": I32}, num_warps=1)
-    assert waits_before_its_first_store(ptx)
+    for tile, warps in ((1, 1), rope.PREFILL_TILE):
+        ptx = compile_for_hopper(rope.rope_qk_kernel, dict(D=128, ROTATE=rotate, INTERLEAVED=True, QK_NORM=rotate,
+                                                           TEMPERATURE=temperature, STORE=store, QUANT=quant, PDL=True,
+                                                           BLOCK_T=tile),
+                                 {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "scale_ptr": "*fp32", "cache_ptr": cache,
+                                  "slot_block_ptr": I32, "slot_offset_ptr": I32}, num_warps=warps)
+        assert waits_before_its_first_store(ptx)
     ptx = compile_for_hopper(rms_norm.rms_norm_kernel, dict(N=5120, BLOCK=8192, ROWS=1, HAS_WEIGHT=True, ADD=True,
                                                             PDL=True), {}, num_warps=8)
     assert waits_before_its_first_store(ptx)
