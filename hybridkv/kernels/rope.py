@@ -130,8 +130,8 @@ def rope_qk_kernel(
 
 
 # Steps of this many tokens or more (prefill) run 16 tokens of one row a program, in 2 warps: a Scout rank's 16K-token
-# step 142.5 -> ~27 us a layer on an H200 against a 15.8 us floor, where one (token, row) a program is 115K programs
-# of 256 bytes each way (benchmarks/gpu/rope.py --sweep). Fewer tokens (decode) keep a token and a warp a program:
+# step 139.0 -> 19.8 us a layer on an H200 against a 15.8 us floor, where one (token, row) a program is 115K
+# programs of 256 bytes each way (docs/benchmarks.md#rope). Fewer tokens (decode) keep a token and a warp a program:
 # the most programs for the fewest tokens.
 TILED_TOKENS = 128
 PREFILL_TILE = (16, 2)  # tokens, warps
