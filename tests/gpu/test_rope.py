@@ -73,12 +73,17 @@ def test_temperature_scales_q_only():
 
 @pytest.mark.parametrize("rotate,qk_norm,store", [(True, True, False), (True, False, False), (False, False, False),
                                                   (True, True, True), (False, False, True)])
-def test_prefill_tiles_match_one_token_programs(rotate, qk_norm, store):
+def test_prefill_tiles_match_one_token_programs(rotate, qk_norm, store, monkeypatch):
     """A prefill-sized step (not a whole number of tiles) runs 16 tokens of a row per program: the same q, k and
     cache slots as one token per program (bitwise; with QK-norm the row sum's order may move a bf16 rounding by one
     step), and as eager torch. The default picks the tiles for this many tokens."""
+    from hybridkv.kernels import rope
     from hybridkv.kernels.rope import PREFILL_TILE, TILED_TOKENS
 
+    grids = []  # each launch's grid: how many tokens a program took
+    kernel = rope.rope_qk_kernel
+    monkeypatch.setattr(rope, "rope_qk_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: grids.append(grid) or kernel[grid]})())
     torch.manual_seed(3)
     tokens, q_heads, kv_heads, d = TILED_TOKENS + 37, 5, 1, 64
     qkv = (torch.randn(tokens, (q_heads + 2 * kv_heads) * d) * 2).to(torch.bfloat16)
@@ -96,6 +101,11 @@ def test_prefill_tiles_match_one_token_programs(rotate, qk_norm, store):
         got.append(rope_qk(*args, v=v.to(DEVICE) if store else None, slots=slots, tile=tile, **kwargs))
         caches.append(cache.cpu())
     (q_def, k_def), (q_tiled, k_tiled), (q_one, k_one) = got
+    tiles = -(-tokens // PREFILL_TILE[0])
+    assert [g[0] for g in grids] == [tiles, tiles, tokens]  # the default tiles a step of TILED_TOKENS or more
+    rope_qk(*on_device(q[:TILED_TOKENS - 1], k[:TILED_TOKENS - 1], cos[:TILED_TOKENS - 1], sin[:TILED_TOKENS - 1]),
+            **{**kwargs, "temperature": None if temp is None else temp[:TILED_TOKENS - 1]})
+    assert grids[-1][0] == TILED_TOKENS - 1  # and a smaller one runs a token a program
     assert torch.equal(q_def.cpu(), q_tiled.cpu()) and torch.equal(caches[0].view(torch.int16),
                                                                    caches[1].view(torch.int16))
     same = torch.equal if not qk_norm else lambda a, b: torch.testing.assert_close(a, b, rtol=1e-2, atol=0) is None
