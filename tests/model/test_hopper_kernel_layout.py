@@ -192,3 +192,13 @@ def test_kernels_build_for_hopper_without_spills_and_leave_p_alone(tmp_path, fp8
     for name, code in functions.items():
         assert hopper_attention._RS_DOT.search(code), name
         assert hopper_attention.inflight_register_writes(code) == [], name
+
+
+def test_kernel_dev_ablations_still_apply_to_the_source():
+    # tools/kernel_dev/hopper_kernel.py times copies of the kernel with text edits (no loads, loads once, ...);
+    # an edit whose text the kernel no longer holds would time the kernel as built under the ablation's name
+    from tools.kernel_dev.hopper_kernel import EDITS, variant
+
+    source = hopper_attention.SOURCE.read_text()
+    for name in EDITS:
+        assert variant([name]) != source, name

@@ -37,7 +37,17 @@ EDITS = {
     "no loads": [(TMA_TILE, "} else if (true) {"), ("if (lane == 0) mbar_expect_tx(full, L::stage_bytes);", ""),
                  ("if (lane < 4 * boxes)\n            tma_load(", "if (false)\n            tma_load(")],
     "gathers only": [(TMA_TILE, "} else if (false) {")],
+    # the first NS tiles of each CTA by TMA, then none (result wrong): the dots multiply real K/V, as built, with no
+    # L2 or HBM traffic after the first NS tiles: what the loads cost in cycles and in clock (the power they draw)
+    "loads once": [(TMA_TILE, "} else if (true) {"),
+                   ("if (lane == 0) mbar_expect_tx(full, L::stage_bytes);",
+                    "if (lane == 0 && t < NS) mbar_expect_tx(full, L::stage_bytes);"),
+                   ("if (lane < 4 * boxes)\n            tma_load(",
+                    "if (lane < 4 * boxes && t < NS)\n            tma_load(")],
     "no softmax": [(SOFTMAX, NO_SOFTMAX + SOFTMAX)],
+    # every tile's K/V from the pages of the CTA's first tile (result wrong): the same bytes through L2 and shared
+    # memory, but L2 hits with no HBM behind them: a bound on what the loads' latency costs at this many stages
+    "first tile's pages": [("      pages = next_pages;\n", "")],
     # a work item's fixed costs (--chunked: 32 key tiles an item on average, against 512 at a 128K full layer); like
     # "no loads", "no Q load" leaves stale shared memory to the dots, which draw less power and run at a higher
     # clock: an upper bound (hopper_timeline.py counts its cycles)
@@ -157,12 +167,14 @@ def main() -> None:
                             ["no PV dots"], ["no QK dots", "no PV dots"], ["stale max"], ["no row sums"],
                             ["no O update"], ["no row sums", "no O update"])]
     else:
-        cases = [("Triton kernel", None, {}, {}), ("CUDA kernel (as built)", [], {}, {})]
+        cases = [("Triton kernel", None, {}, {}), ("CUDA kernel (as built)", [], {}, {}),
+                 ("CUDA kernel, 2 stages", [], {}, {"stages": 2})]  # what the third stage buys
         cases += [(f"OVERLAP={o}, PINGPONG={p}", [], {"OVERLAP": o, "PINGPONG": p}, {}) for o in (0, 1)
                   for p in (0, 1)]
         cases += [(" + ".join(c), c, {}, {})
-                  for c in (["gathers only"], ["no loads"], ["no softmax"], ["no loads", "no softmax"], ["no Q load"],
-                            ["no output stores"], ["no Q load", "no output stores"], ["stale max"])]
+                  for c in (["first tile's pages"], ["loads once"], ["gathers only"], ["no loads"], ["no softmax"],
+                            ["no loads", "no softmax"], ["no Q load"], ["no output stores"],
+                            ["no Q load", "no output stores"], ["stale max"])]
     if args.cases:
         cases = [c for c in cases if any(w in c[0] for w in args.cases.split(","))]
     bound = 6e-2 if args.fp8 else 1e-2  # the GPU tests' bounds
