@@ -22,7 +22,7 @@ Tensor parallelism (dummy weights, every rank's KV filled with random values thr
     python benchmarks/gpu/scout_rank.py --tensor-parallel-size 2 [--tp-prefill-length 1048576]
         [--decode-contexts 1048576,5242880]
     python benchmarks/gpu/scout_rank.py --tensor-parallel-size 4 --full-model [--tp-prefill-length 2845646]
-        [--decode-contexts 1048576,5242880]
+        [--decode-contexts 1048576,5242880] [--kv-dtypes bfloat16,fp8_compute]
 
 The first runs Scout/4 over 2 GPUs beside Scout/8 on one (the same shapes per GPU): prefill, decode with CUDA
 graphs, time in collectives, and a model of the TP 8 step from them. The second runs full-size Scout over 4 GPUs
@@ -104,14 +104,22 @@ def engine_for(loaded: LoadedModel | None, kv_dtype: str, block_size: int = BLOC
 T = TypeVar("T")
 
 
-def on_dummy_engine(cfg: dict, tensor_parallel_size: int, run: Callable[[LLMEngine], T]) -> T:
-    """``run(engine)`` on ``engine_for`` a bf16 cache over the model of ``cfg`` (a config.json's contents), its random
-    weights built on each rank's GPU (``load_format="dummy"``); then the engine shut down and its GPU memory given
-    back (``run`` keeps no reference to it), so the next engine of the process finds it free."""
+def kv_label(engine: LLMEngine) -> str:
+    """The KV dtype as ``--kv-dtypes`` names it: ``fp8_compute`` for an fp8_e4m3 cache with FP8 attention dots."""
+    return "fp8_compute" if engine.config.fp8_attention_compute else engine.config.kv_cache_dtype
+
+
+def on_dummy_engine(cfg: dict, tensor_parallel_size: int, run: Callable[[LLMEngine], T],
+                    kv_dtype: str = "bfloat16") -> T:
+    """``run(engine)`` on ``engine_for`` a ``kv_dtype`` cache (``fp8_compute``: fp8_e4m3 with FP8 attention dots)
+    over the model of ``cfg`` (a config.json's contents), its random weights built on each rank's GPU
+    (``load_format="dummy"``); then the engine shut down and its GPU memory given back (``run`` keeps no reference
+    to it), so the next engine of the process finds it free."""
+    fp8_compute = kv_dtype == "fp8_compute"
     with tempfile.TemporaryDirectory() as path:
         Path(path, "config.json").write_text(json.dumps(cfg))
-        engine = engine_for(None, "bfloat16", model=path, load_format="dummy",
-                            tensor_parallel_size=tensor_parallel_size)
+        engine = engine_for(None, "fp8_e4m3" if fp8_compute else kv_dtype, model=path, load_format="dummy",
+                            tensor_parallel_size=tensor_parallel_size, fp8_attention_compute=fp8_compute)
         try:
             return run(engine)
         finally:
@@ -251,13 +259,13 @@ def engine_rows(engine: LLMEngine, label: str, vocab: int, n: int, contexts: lis
     Then, tensor-parallel engines only, profiles: the time in collectives of the prefill step and of decode steps.
     Profiles come last: once torch's profiler has run in a process, every later CUDA launch there costs more host
     time (a decode graph's launch went from 0.04 to 0.6 ms), so a number timed after one would read high."""
-    rows = []
+    rows, kv = [], kv_label(engine)
     decode_after_prefill_ms(engine, 20000, vocab, steps=2)  # compiles the kernels; not reported
     if n:
         seconds, ms = decode_after_prefill_ms(engine, n, vocab)
         out["prefill"] = seconds
-        rows.append(["bfloat16", f"{label}: prefill {n:,} (cold)", f"{seconds:.1f} s", f"{n / seconds:,.0f} tok/s"])
-        rows.append(["bfloat16", f"{label}: decode step after it (graphs)", f"{ms:.2f} ms", ""])
+        rows.append([kv, f"{label}: prefill {n:,} (cold)", f"{seconds:.1f} s", f"{n / seconds:,.0f} tok/s"])
+        rows.append([kv, f"{label}: decode step after it (graphs)", f"{ms:.2f} ms", ""])
         print(rows[-2], rows[-1], flush=True)
     if prefill_step or contexts:
         engine.collective_rpc(fill_random_cache)
@@ -265,21 +273,21 @@ def engine_rows(engine: LLMEngine, label: str, vocab: int, n: int, contexts: lis
     if step_fits:
         rows += prefill_step_rows(engine, label, vocab)
     fitting = [ctx for ctx in contexts if ctx <= engine.max_model_len]
-    rows += [["bfloat16", f"{label}: decode step @ {ctx:,}", "does not fit", ""] for ctx in contexts
+    rows += [[kv, f"{label}: decode step @ {ctx:,}", "does not fit", ""] for ctx in contexts
              if ctx not in fitting]
     for ctx in fitting:
         ms = out[ctx] = decode_ms(engine, ctx, vocab, drain=False)
-        rows.append(["bfloat16", f"{label}: decode step @ {ctx:,} (random KV, graphs)", f"{ms:.2f} ms", ""])
-        rows.append(["bfloat16", f"{label}: decode step @ {ctx:,}, rank 0's host by phase, ms", "",
+        rows.append([kv, f"{label}: decode step @ {ctx:,} (random KV, graphs)", f"{ms:.2f} ms", ""])
+        rows.append([kv, f"{label}: decode step @ {ctx:,}, rank 0's host by phase, ms", "",
                      host_phases(engine, 5)])
         print(rows[-2], rows[-1], flush=True)
         while engine.has_unfinished_requests():
             engine.step()
         ms = out[("async", ctx)] = async_steps_ms(engine, lambda: start_decode(engine, ctx, vocab, 20), 8)
-        rows.append(["bfloat16", f"{label}: decode step @ {ctx:,}, async scheduling (graphs)", f"{ms:.2f} ms", ""])
+        rows.append([kv, f"{label}: decode step @ {ctx:,}, async scheduling (graphs)", f"{ms:.2f} ms", ""])
         print(rows[-1], flush=True)
     peaks = engine.collective_rpc(peak_gib)
-    rows.append(["bfloat16", f"{label}: peak GPU memory per rank", " / ".join(f"{p:.1f}" for p in peaks) + " GiB", ""])
+    rows.append([kv, f"{label}: peak GPU memory per rank", " / ".join(f"{p:.1f}" for p in peaks) + " GiB", ""])
     if engine.workers is None:
         return rows
     if step_fits:
@@ -287,7 +295,7 @@ def engine_rows(engine: LLMEngine, label: str, vocab: int, n: int, contexts: lis
             engine.collective_rpc(set_prefill_halves, tokens)
             comm, busy, _, beside = gpu_timeline(lambda: step_seconds(engine, 1 << 19, vocab))
             out.setdefault("prefill_comm_share", comm / busy)
-            rows.append(["bfloat16", f"{label}: prefill step over 524,288, {how}: collectives (profiled)",
+            rows.append([kv, f"{label}: prefill step over 524,288, {how}: collectives (profiled)",
                          f"{comm:.1f} of {busy:.1f} ms busy", f"{100 * comm / busy:.1f}%; kernels beside another "
                          f"{beside:.1f} ms"])
     for ctx in fitting:
@@ -296,7 +304,7 @@ def engine_rows(engine: LLMEngine, label: str, vocab: int, n: int, contexts: lis
         while engine.has_unfinished_requests():
             engine.step()
         out.setdefault("decode_comm", {})[ctx] = comm / 5
-        rows.append(["bfloat16", f"{label}: decode step @ {ctx:,}: GPU a step (profiled)",
+        rows.append([kv, f"{label}: decode step @ {ctx:,}: GPU a step (profiled)",
                      f"busy {busy / 5:.2f} ms", f"collectives {comm / 5:.2f} ms; waiting {idle / 5:.2f} ms"])
     return rows
 
@@ -304,12 +312,12 @@ def engine_rows(engine: LLMEngine, label: str, vocab: int, n: int, contexts: lis
 def prefill_step_rows(engine: LLMEngine, label: str, vocab: int) -> list[list[str]]:
     """A STEP_TOKENS-token prefill step over 524,288 cached tokens, best wall time of 2; under tensor parallelism
     with its layers whole (all-reduces waited for) and in two overlapped halves (``prefill_overlap_tokens``)."""
-    rows, halves = [], engine.config.prefill_overlap_tokens
+    rows, halves, kv = [], engine.config.prefill_overlap_tokens, kv_label(engine)
     ways = [(halves, "")] if engine.workers is None else [(0, ", layers whole"), (halves, ", two halves")]
     for tokens, how in ways:
         engine.collective_rpc(set_prefill_halves, tokens)
         best = min(step_seconds(engine, 1 << 19, vocab) for _ in range(2))
-        rows.append(["bfloat16", f"{label}: {STEP_TOKENS:,}-token prefill step over 524,288{how}",
+        rows.append([kv, f"{label}: {STEP_TOKENS:,}-token prefill step over 524,288{how}",
                      f"{1000 * best:.1f} ms", ""])
         print(rows[-1], flush=True)
     return rows
@@ -336,39 +344,39 @@ def tp8_model_rows(size: int, measured: dict) -> list[list[str]]:
     return rows
 
 
-def full_model_rows(size: int, n: int, contexts: list[int]) -> list[list[str]]:
-    """Full-size Scout (dummy weights) over ``size`` GPUs: plan vs engine max_model_len, the prefill of ``n``
-    tokens, decode steps at ``contexts`` with graphs, peak memory per GPU; beside one TP-8 rank's decode steps on
-    one GPU (the same build), which each GPU here does twice over at TP 4."""
+def full_model_rows(size: int, n: int, contexts: list[int], kv_dtype: str = "bfloat16") -> list[list[str]]:
+    """Full-size Scout (dummy weights) over ``size`` GPUs with a ``kv_dtype`` cache: plan vs engine max_model_len,
+    the prefill of ``n`` tokens, decode steps at ``contexts`` with graphs, peak memory per GPU; beside one TP-8
+    rank's decode steps on one GPU (the same build and cache), which each GPU here does twice over at TP 4."""
     rows, rank = [], {}
     cfg = rank_config(8)
     if contexts:  # without decode contexts (``--decode-contexts ''``) only the full model runs: its prefill
         rows += on_dummy_engine(cfg, 1, lambda engine: engine_rows(engine, "one TP-8 rank (Scout/8, 1 GPU)",
-                                                                   cfg["vocab_size"], 0, contexts, rank))
+                                                                   cfg["vocab_size"], 0, contexts, rank), kv_dtype)
     full = json.loads(CONFIG.read_text())
 
     def full_rows(engine: LLMEngine) -> list[list[str]]:
         kv_bytes = engine.kv.pool.num_blocks * engine.layout.page_bytes
-        plan = plan_capacity(full, tensor_parallel_size=size, kv_cache_dtype="bfloat16", block_size=BLOCK_SIZE,
-                             kv_memory_bytes=kv_bytes, max_num_batched_tokens=16384)
+        plan = plan_capacity(full, tensor_parallel_size=size, kv_cache_dtype=engine.config.kv_cache_dtype,
+                             block_size=BLOCK_SIZE, kv_memory_bytes=kv_bytes, max_num_batched_tokens=16384)
         label = f"Scout, TP {size}"
-        out = [["bfloat16", f"{label}: max_model_len plan / engine", f"{plan.max_model_len:,} / "
+        out = [[kv_dtype, f"{label}: max_model_len plan / engine", f"{plan.max_model_len:,} / "
                 f"{engine.max_model_len:,}", f"KV {kv_bytes / 2**30:.2f} GiB per GPU"]]
         measured = {}
         # a measured prefill of millions of tokens runs alone, to fit one command's time
         out += engine_rows(engine, label, full["vocab_size"], n, contexts, measured, prefill_step=not n)
         for ctx in contexts:
             if ctx in measured and ctx in rank:
-                out.append(["bfloat16", f"{label}: decode @ {ctx:,} vs 2 x rank step + 1 ms",
+                out.append([kv_dtype, f"{label}: decode @ {ctx:,} vs 2 x rank step + 1 ms",
                             f"{measured[ctx]:.2f} vs {2 * rank[ctx] + 1:.2f} ms", ""])
         if n == VLLM_FULL_PREFILL[0] and "prefill" in measured:
             vllm_s, vllm_gpus = VLLM_FULL_PREFILL[1:]
-            out.append(["bfloat16", f"{label}: GPU-seconds for {n:,} tokens vs the user's vLLM",
+            out.append([kv_dtype, f"{label}: GPU-seconds for {n:,} tokens vs the user's vLLM (bf16 KV)",
                         f"{size * measured['prefill']:,.0f} vs {vllm_gpus * vllm_s:,.0f}",
                         f"vLLM {vllm_s} s on {vllm_gpus} GPUs"])
         return out
 
-    return rows + on_dummy_engine(full, size, full_rows)
+    return rows + on_dummy_engine(full, size, full_rows, kv_dtype)
 
 
 # the user's vLLM run on 8xH200 the full-size rows compare with: prompt tokens, wall s, GPUs
@@ -578,8 +586,9 @@ def main() -> None:
                          "decode at --decode-contexts), beside one TP-8 rank's decode on one GPU")
     ap.add_argument("--prefill-lengths", default="1048576")
     ap.add_argument("--decode-contexts", default="1048576,5242880,10000000")
-    ap.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3",
-                    help="bfloat16, fp8_e4m3 and/or fp8_compute (an fp8_e4m3 cache with FP8 attention dots)")
+    ap.add_argument("--kv-dtypes", default=None,
+                    help="bfloat16, fp8_e4m3 and/or fp8_compute (an fp8_e4m3 cache with FP8 attention dots); "
+                         "default bfloat16,fp8_e4m3 (one rank) or bfloat16 (--full-model)")
     ap.add_argument("--tp-prefill-length", type=int, default=1048576)
     ap.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     ap.add_argument("--step-contexts", default="",
@@ -589,7 +598,8 @@ def main() -> None:
     args = ap.parse_args()
     contexts = [int(x) for x in args.decode_contexts.split(",") if x]
     if args.full_model:
-        rows = full_model_rows(args.tensor_parallel_size, args.tp_prefill_length, contexts)
+        rows = [row for kv_dtype in (args.kv_dtypes or "bfloat16").split(",")
+                for row in full_model_rows(args.tensor_parallel_size, args.tp_prefill_length, contexts, kv_dtype)]
         print_table(rows, f"full-size Llama-4-Scout over {args.tensor_parallel_size} GPUs, block {BLOCK_SIZE}")
         return
     if args.tensor_parallel_size in (2, 4, 8):
@@ -603,7 +613,7 @@ def main() -> None:
     rows = []
     steps: dict[str, tuple[list[int], list[float]]] = {}
     measured_by_dtype: dict[str, dict[int, float]] = {}
-    for kv_dtype in args.kv_dtypes.split(","):
+    for kv_dtype in (args.kv_dtypes or "bfloat16,fp8_e4m3").split(","):
         # "fp8_compute": an fp8_e4m3 cache with FP8 attention dots in prefill (EngineConfig.fp8_attention_compute)
         fp8_compute = kv_dtype == "fp8_compute"
         engine = engine_for(loaded, "fp8_e4m3" if fp8_compute else kv_dtype, args.block_size,
