@@ -1,9 +1,10 @@
 """Where the Hopper prefill kernel's time goes: the kernel against copies of itself with one stage removed.
 
-Each variant is the kernel's source with a text edit (no K/V loads, every tile gathered, no softmax, no query
-load, no output stores), compiled by NVRTC and timed on the same inputs as the kernel and the Triton
-kernel: a one-shot causal prefill of ``--length`` tokens and a 16,384-token step over ``--step-context`` cached
-keys (Scout rank shape: 5 query heads, 1 KV head, d 128), 64-token pages. Its compile-time switches (OVERLAP,
+Each variant is the kernel's source with a text edit (no K/V loads, K/V loaded once, every tile from the first
+tile's pages, every tile gathered, no softmax, no query load, no output stores) or fewer stages, compiled by NVRTC
+and timed on the same inputs as the kernel and the Triton kernel: a one-shot causal prefill of ``--length`` tokens
+and a 16,384-token step over ``--step-context`` cached keys (Scout rank shape: 5 query heads, 1 KV head, d 128),
+64-token pages. Its compile-time switches (OVERLAP,
 PINGPONG, TREE, FP8_PROMOTE) are timed the same way. Variants that change the result print their error but are not
 held to it; the others are checked against SDPA (relative error <= 1e-2) first. Every row has the SM clock and power
 while it was timed: stale data in a dot draws less power, and a higher clock would flatter the variant. ``--fp8``:
