@@ -4,13 +4,13 @@ Each variant is the kernel's source with a text edit (no K/V loads, K/V loaded o
 tile's pages, every tile gathered, no softmax, no query load, no output stores) or fewer stages, compiled by NVRTC
 and timed on the same inputs as the kernel and the Triton kernel: a one-shot causal prefill of ``--length`` tokens
 and a 16,384-token step over ``--step-context`` cached keys (Scout rank shape: 5 query heads, 1 KV head, d 128),
-64-token pages. Its compile-time switches (OVERLAP,
-PINGPONG, TREE, FP8_PROMOTE) are timed the same way. Variants that change the result print their error but are not
-held to it; the others are checked against SDPA (relative error <= 1e-2) first. Every row has the SM clock and power
-while it was timed: stale data in a dot draws less power, and a higher clock would flatter the variant. ``--fp8``:
-the FP8-compute kernel over an e4m3 cache instead, against Triton's FP8 compute, by stage count (checked against SDPA
-over the same e4m3 K/V, relative error <= 6e-2). ``--chunked``: the one-shot prefill on a chunked(8192) layer, whose
-work items (a query tile's keys) are 16x shorter than a 128K full layer's, so their fixed costs show.
+64-token pages. Its compile-time switches (OVERLAP, PINGPONG, TREE, FP8_PROMOTE) are timed the same way. Variants
+that change the result print their error but are not held to it; the others are checked against SDPA (relative error
+<= 1e-2) first. Every row has the SM clock and power while it was timed: stale data in a dot draws less power, and a
+higher clock would flatter the variant. ``--fp8``: the FP8-compute kernel over an e4m3 cache instead, against
+Triton's FP8 compute, by stage count (checked against SDPA over the same e4m3 K/V, relative error <= 6e-2).
+``--chunked``: the one-shot prefill on a chunked(8192) layer, whose work items (a query tile's keys) are 16x shorter
+than a 128K full layer's, so their fixed costs show.
 
     python tools/kernel_dev/hopper_kernel.py [--length 65536] [--step-context 1048576] [--fp8] [--chunked]
 """
