@@ -93,9 +93,13 @@ BLOCK_SIZE = 64
 
 
 def engine_for(loaded: LoadedModel | None, kv_dtype: str, block_size: int = BLOCK_SIZE, **overrides) -> LLMEngine:
-    config = EngineConfig(device="cuda", dtype="bfloat16", kv_cache_dtype=kv_dtype, block_size=block_size,
-                          max_num_batched_tokens=16384, max_num_seqs=8, enable_prefix_caching=False,
-                          gpu_memory_utilization=0.92, async_scheduling=False)  # steps timed one by one
+    """An engine with a ``kv_dtype`` cache as ``--kv-dtypes`` names it (``fp8_compute``: an fp8_e4m3 cache with FP8
+    attention dots in prefill, ``EngineConfig.fp8_attention_compute``; ``kv_label`` names it back)."""
+    fp8_compute = kv_dtype == "fp8_compute"
+    config = EngineConfig(device="cuda", dtype="bfloat16", kv_cache_dtype="fp8_e4m3" if fp8_compute else kv_dtype,
+                          block_size=block_size, max_num_batched_tokens=16384, max_num_seqs=8,
+                          enable_prefix_caching=False, gpu_memory_utilization=0.92, fp8_attention_compute=fp8_compute,
+                          async_scheduling=False)  # steps timed one by one
     for key, value in overrides.items():
         setattr(config, key, value)
     return LLMEngine(config, loaded)
@@ -111,15 +115,13 @@ def kv_label(engine: LLMEngine) -> str:
 
 def on_dummy_engine(cfg: dict, tensor_parallel_size: int, run: Callable[[LLMEngine], T],
                     kv_dtype: str = "bfloat16") -> T:
-    """``run(engine)`` on ``engine_for`` a ``kv_dtype`` cache (``fp8_compute``: fp8_e4m3 with FP8 attention dots)
-    over the model of ``cfg`` (a config.json's contents), its random weights built on each rank's GPU
-    (``load_format="dummy"``); then the engine shut down and its GPU memory given back (``run`` keeps no reference
-    to it), so the next engine of the process finds it free."""
-    fp8_compute = kv_dtype == "fp8_compute"
+    """``run(engine)`` on ``engine_for`` a ``kv_dtype`` cache over the model of ``cfg`` (a config.json's contents),
+    its random weights built on each rank's GPU (``load_format="dummy"``); then the engine shut down and its GPU
+    memory given back (``run`` keeps no reference to it), so the next engine of the process finds it free."""
     with tempfile.TemporaryDirectory() as path:
         Path(path, "config.json").write_text(json.dumps(cfg))
-        engine = engine_for(None, "fp8_e4m3" if fp8_compute else kv_dtype, model=path, load_format="dummy",
-                            tensor_parallel_size=tensor_parallel_size, fp8_attention_compute=fp8_compute)
+        engine = engine_for(None, kv_dtype, model=path, load_format="dummy",
+                            tensor_parallel_size=tensor_parallel_size)
         try:
             return run(engine)
         finally:
@@ -614,10 +616,7 @@ def main() -> None:
     steps: dict[str, tuple[list[int], list[float]]] = {}
     measured_by_dtype: dict[str, dict[int, float]] = {}
     for kv_dtype in (args.kv_dtypes or "bfloat16,fp8_e4m3").split(","):
-        # "fp8_compute": an fp8_e4m3 cache with FP8 attention dots in prefill (EngineConfig.fp8_attention_compute)
-        fp8_compute = kv_dtype == "fp8_compute"
-        engine = engine_for(loaded, "fp8_e4m3" if fp8_compute else kv_dtype, args.block_size,
-                            fp8_attention_compute=fp8_compute)
+        engine = engine_for(loaded, kv_dtype, args.block_size)
         kv_bytes = engine.kv.pool.num_blocks * engine.layout.page_bytes
         full = json.loads(CONFIG.read_text())
         plan = plan_capacity(full, tensor_parallel_size=8, kv_cache_dtype=engine.config.kv_cache_dtype,
