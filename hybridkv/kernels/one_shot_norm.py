@@ -118,17 +118,21 @@ def pushed_add_norm_kernel(
 
 
 def pushed_add_norm(part: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                    slots: torch.Tensor, flags: torch.Tensor, seq: int, rank: int, world: int) -> torch.Tensor:
-    """norm(sum over ranks of ``part`` + ``residual``) * ``weight`` [rows, N], the sum + residual left in
-    ``residual``, where each peer copies its part of message ``seq`` into ``slots`` (this GPU's, [world - 1,
-    slot elements] of ``part``'s dtype, peers in rank order without this rank) and then sets its entry of ``flags``
-    (int32 [world]) to ``seq`` or more."""
+                    slots: torch.Tensor, flags: torch.Tensor, seq: int, rank: int, world: int,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """norm(sum over ranks of ``part`` + ``residual``) * ``weight`` [rows, N] (into ``out`` if given), the sum +
+    residual left in ``residual``, where each peer copies its part of message ``seq`` into ``slots`` (this GPU's,
+    [world - 1, slot elements] of ``part``'s dtype, peers in rank order without this rank) and then sets its entry
+    of ``flags`` (int32 [world]) to ``seq`` or more."""
     rows, n = part.shape
     if not (part.is_contiguous() and residual.is_contiguous()):
         raise ValueError("the part and the residual must be contiguous")
     if slots.shape[0] != world - 1 or rows * n > slots.shape[1] or slots.dtype != part.dtype:
         raise ValueError(f"{rows} x {n} {part.dtype} does not fit slots {tuple(slots.shape)} {slots.dtype}")
-    out = torch.empty_like(part)
+    if out is None:
+        out = torch.empty_like(part)
+    elif not out.is_contiguous() or out.shape != part.shape or out.dtype != part.dtype:
+        raise ValueError(f"out must be contiguous {part.dtype} {tuple(part.shape)}, got {out.dtype} {tuple(out.shape)}")
     block = triton.next_power_of_2(n)
     pushed_add_norm_kernel[(rows,)](
         part, residual, weight, out, slots, flags, seq, eps, RANK=rank, WORLD=world, N=n, BLOCK=block,

@@ -42,8 +42,9 @@ def rms_norm_kernel(
 
 
 def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm over the last dimension of ``x`` (any leading shape), times ``weight`` when given.
+             residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dimension of ``x`` (any leading shape), times ``weight`` when given; into ``out``
+    (contiguous, x's shape and dtype) when given.
 
     With ``residual`` (contiguous, x's shape): normalises ``x + residual`` and leaves that sum in ``residual``
     (a decoder layer's residual add and the next norm in one pass)."""
@@ -51,7 +52,11 @@ def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None,
     rows = x.reshape(-1, n)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    elif not out.is_contiguous() or out.shape != x.shape or out.dtype != x.dtype:
+        raise ValueError(f"out must be contiguous {x.dtype} {tuple(x.shape)}, got {out.dtype} {tuple(out.shape)}")
+    out = out.view(rows.shape)
     res = out if residual is None else residual.view(-1, n)
     block = triton.next_power_of_2(n)
     per_program = max(1, min(16, 4096 // block))  # short rows (QK-norm's head_dim) share a program

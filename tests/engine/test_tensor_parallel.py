@@ -74,24 +74,34 @@ def test_steps_in_two_halves_are_token_exact_with_tp1(tiny_model, shut_down, mon
     deferred (gloo's async works here) while the other half computes; the cut crosses sequences mid-chunk, whose
     second piece attends to the first piece's K/V written by the same layer, or falls between decode tokens."""
     from hybridkv.engine.model_runner import ModelRunner
+    from hybridkv.model.architectures.llama import LlamaForCausalLM
 
     path = tiny_model(name).path
     prompts = parity_prompts()
     one = LLM(**engine_args(path))
     expected = [o.outputs[0].token_ids for o in generate(one, prompts)]
-    halved = []
-    begin = ModelRunner._begin_step
+    halved, moe_halved = [], []
+    begin, moe_in_halves = ModelRunner._begin_step, LlamaForCausalLM._moe_in_halves
 
     def spy(runner, step):
         halves = begin(runner, step)
         halved.append(halves is not None)
         return halves
 
+    def moe_spy(model, layer, halves, runs):
+        moe_halved.append(layer.self_attn.layer_id)
+        return moe_in_halves(model, layer, halves, runs)
+
     monkeypatch.setattr(ModelRunner, "_begin_step", spy)
+    monkeypatch.setattr(LlamaForCausalLM, "_moe_in_halves", moe_spy)
     llm = LLM(**engine_args(path), tensor_parallel_size=TP, prefill_overlap_tokens=1)
     shut_down(llm)
     assert [o.outputs[0].token_ids for o in generate(llm, prompts)] == expected
     assert sum(halved) >= 8 and not all(halved)  # steps ran in halves, 1-token decode steps whole
+    # Llama-4's MoE layers ran their routed experts over both halves' rows at once (rank 0, this process)
+    moe_layers = [i for i, layer in enumerate(llm.engine.model.layers) if type(layer.mlp).__name__ == "MoE"]
+    assert bool(moe_layers) == (name == "llama4")
+    assert sorted(set(moe_halved)) == moe_layers and len(moe_halved) >= 8 * len(moe_layers)
     with pytest.raises(ValueError, match="prefill_overlap_tokens must be >= 0"):
         LLM(**engine_args(path), prefill_overlap_tokens=-1)
 

@@ -107,12 +107,12 @@ def test_the_routed_dispatch_matches_the_per_expert_loop_without_a_host_sync(top
     shared = moe.shared_expert(x)
     want = shared + moe._routed_by_expert(x, top_ids, gates)
     # the first calls compile and may load libraries
-    moe._routed_by_kernels(x, top_ids, gates, shared.clone()), moe._routed_by_grouped_mm(x, top_ids, gates)
+    moe._routed_by_kernels(x, top_ids, gates).added_to(shared.clone()), moe._routed_by_grouped_mm(x, top_ids, gates)
     if not INTERPRET:
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
     try:
-        got = moe._routed_by_kernels(x, top_ids, gates, shared.clone())
+        got = moe._routed_by_kernels(x, top_ids, gates).added_to(shared.clone())
         by_torch = shared + moe._routed_by_grouped_mm(x, top_ids, gates)
     finally:
         if not INTERPRET:
@@ -124,4 +124,22 @@ def test_the_routed_dispatch_matches_the_per_expert_loop_without_a_host_sync(top
     if not INTERPRET:  # the forward takes this dispatch for more than decode's 64 pairs
         top_logits, top_ids = torch.topk(moe.router(x), top_k, dim=-1)
         gates = torch.sigmoid(top_logits.float()).to(x.dtype)
-        assert torch.equal(moe(x), moe._routed_by_kernels(x, top_ids, gates, moe.shared_expert(x)))
+        assert torch.equal(moe(x), moe._routed_by_kernels(x, top_ids, gates).added_to(moe.shared_expert(x)))
+
+
+@pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="torch without grouped_mm")
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_routed_rows_added_in_ranges_are_the_whole_steps_bits(top_k):
+    """The prefill halves dispatch the routed experts once over the whole step, then add each half's rows to its
+    shared-expert output (``LlamaForCausalLM._moe_in_halves``): row for row the bits of adding them all at once."""
+    moe = tiny_moe(top_k)
+    x = torch.randn(1000, 64, device=DEVICE, dtype=DTYPE)
+    top_logits, top_ids = torch.topk(moe.router(x), top_k, dim=-1)
+    routed = moe._routed_by_kernels(x, top_ids, torch.sigmoid(top_logits.float()).to(x.dtype))
+    shared = moe.shared_expert(x)
+    whole = routed.added_to(shared.clone())
+    ranges = [routed.added_to(shared[rows].clone(), rows) for rows in (slice(0, 377), slice(377, None))]
+    assert torch.equal(torch.cat(ranges), whole)
+    assert not torch.equal(whole[377:], shared[377:] + routed.out[:623])  # rows found by place, not by position
+    if not INTERPRET:  # the forward's own dispatch at this size
+        assert moe.routed(x).place is not None

@@ -162,9 +162,9 @@ class CopyEngineSums:
         flat.record_stream(self.stream)  # the copies still read it after the caller lets it go
 
     def add_norm(self, part: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 half: int) -> torch.Tensor:
-        """RMSNorm(sum over ranks of ``half``'s message, ``part`` being this rank's + ``residual``) * ``weight``,
-        the sum plus residual left in ``residual``."""
+                 half: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm(sum over ranks of ``half``'s message, ``part`` being this rank's + ``residual``) * ``weight``
+        (into ``out`` if given), the sum plus residual left in ``residual``."""
         from hybridkv.kernels.one_shot_norm import pushed_add_norm  # triton is only needed on GPU
 
         seq = self.summed[half] + 1
@@ -172,4 +172,5 @@ class CopyEngineSums:
             raise RuntimeError(f"half {half}: message {seq} is summed before it was sent")
         self.summed[half] = seq
         return pushed_add_norm(part.contiguous(), residual, weight, eps, self.slots[half, seq % SUM_GENERATIONS],
-                               self.flags[half * self.world : (half + 1) * self.world], seq, self.rank, self.world)
+                               self.flags[half * self.world : (half + 1) * self.world], seq, self.rank, self.world,
+                               out)

@@ -143,13 +143,15 @@ class TPGroup:
         finally:
             self.norm_sums = False
 
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """RMSNorm(x + residual) * weight with ``x`` summed over ranks first, inside ``summing_in_norms``; the sum
-        plus residual is left in ``residual``; within ``pushing_half``, ``x`` is that half's part of its last
-        all-reduce."""
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm(x + residual) * weight (into ``out`` if given) with ``x`` summed over ranks first, inside
+        ``summing_in_norms``; the sum plus residual is left in ``residual``; within ``pushing_half``, ``x`` is
+        that half's part of its last all-reduce."""
         if self.pushing is not None:
-            return self.copy_sums.add_norm(x, residual, weight, eps, self.pushing)
-        return self.one_shot.add_norm(x, residual, weight, eps)
+            return self.copy_sums.add_norm(x, residual, weight, eps, self.pushing, out)
+        y = self.one_shot.add_norm(x, residual, weight, eps)
+        return y if out is None else out.copy_(y)
 
     def gathers_one_shot(self, rows: int, cols: int, dtype: torch.dtype) -> bool:
         """``gather_last_dim`` of a [rows, cols] tensor goes through the one-shot buffer, not NCCL."""
