@@ -114,14 +114,15 @@ def kv_label(engine: LLMEngine) -> str:
 
 
 def on_dummy_engine(cfg: dict, tensor_parallel_size: int, run: Callable[[LLMEngine], T],
-                    kv_dtype: str = "bfloat16") -> T:
+                    kv_dtype: str = "bfloat16", **overrides) -> T:
     """``run(engine)`` on ``engine_for`` a ``kv_dtype`` cache over the model of ``cfg`` (a config.json's contents),
     its random weights built on each rank's GPU (``load_format="dummy"``); then the engine shut down and its GPU
-    memory given back (``run`` keeps no reference to it), so the next engine of the process finds it free."""
+    memory given back (``run`` keeps no reference to it), so the next engine of the process finds it free.
+    ``overrides``: other ``EngineConfig`` fields."""
     with tempfile.TemporaryDirectory() as path:
         Path(path, "config.json").write_text(json.dumps(cfg))
         engine = engine_for(None, kv_dtype, model=path, load_format="dummy",
-                            tensor_parallel_size=tensor_parallel_size)
+                            tensor_parallel_size=tensor_parallel_size, **overrides)
         try:
             return run(engine)
         finally:

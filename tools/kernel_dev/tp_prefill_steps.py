@@ -116,7 +116,8 @@ def report(engine, tp: int, n: int, every: int, halves: int | None) -> None:
     vocab = engine.model.cfg.vocab_size
     if halves is not None:
         engine.collective_rpc(scout_rank.set_prefill_halves, halves)
-    scout_rank.decode_after_prefill_ms(engine, 20000, vocab, steps=2)  # compiles the kernels
+    # a whole step and a part, so the timed steps' shapes met every allocation and kernel before
+    scout_rank.decode_after_prefill_ms(engine, engine.config.max_num_batched_tokens + 4096, vocab, steps=2)
     with tempfile.TemporaryFile("w+") as log:
         smi = subprocess.Popen(["nvidia-smi", "--query-gpu=index,clocks.sm,power.draw,temperature.gpu",
                                 "--format=csv,noheader", "-lms", "1000"], stdout=log)
@@ -141,6 +142,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=4, help="print every this many steps (and the last)")
     ap.add_argument("--halves-from-tokens", type=int, help="steps of this many tokens or more in two halves "
                     "(default: the engine's, prefill_overlap_tokens at TP 2 and none at TP 1; 0: none)")
+    ap.add_argument("--step-tokens", type=int, default=16384, help="max_num_batched_tokens (scout_rank.py's)")
     ap.add_argument("--traffic", choices=("as-built", "none", "local"), default="as-built",
                     help="none (TP 2): the halves' pushes copy nothing; local (TP 1): each large message also "
                          "copied within the GPU (ablations, see the module's docstring)")
@@ -154,7 +156,7 @@ def main() -> None:
             engine.collective_rpc(flags_only if args.traffic == "none" else local_copies)
         report(engine, tp, args.length, args.every, args.halves_from_tokens)
 
-    scout_rank.on_dummy_engine(scout_rank.rank_config(8 // tp), tp, run)
+    scout_rank.on_dummy_engine(scout_rank.rank_config(8 // tp), tp, run, max_num_batched_tokens=args.step_tokens)
 
 
 if __name__ == "__main__":
