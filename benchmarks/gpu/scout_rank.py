@@ -61,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's r
 from benchmarks.plots import Panel, Series, save_plot  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[2] / "tests" / "data" / "scout-text-config.json"
+STEP_TOKENS = 16384  # the engines' max_num_batched_tokens unless --step-tokens says otherwise (TP and full-model)
 
 
 def rank_config(tp: int) -> dict:
@@ -97,7 +98,7 @@ def engine_for(loaded: LoadedModel | None, kv_dtype: str, block_size: int = BLOC
     attention dots in prefill, ``EngineConfig.fp8_attention_compute``; ``kv_label`` names it back)."""
     fp8_compute = kv_dtype == "fp8_compute"
     config = EngineConfig(device="cuda", dtype="bfloat16", kv_cache_dtype="fp8_e4m3" if fp8_compute else kv_dtype,
-                          block_size=block_size, max_num_batched_tokens=16384, max_num_seqs=8,
+                          block_size=block_size, max_num_batched_tokens=STEP_TOKENS, max_num_seqs=8,
                           enable_prefix_caching=False, gpu_memory_utilization=0.92, fp8_attention_compute=fp8_compute,
                           async_scheduling=False)  # steps timed one by one
     for key, value in overrides.items():
@@ -239,16 +240,17 @@ def set_prefill_halves(runner, tokens: int) -> None:
 TP_DECODE_MESSAGES = 97  # a Scout decode step's all-reduces: 2 per layer and the embedding's
 
 
-def tensor_parallel_rows(size: int, n: int, contexts: list[int]) -> list[list[str]]:
+def tensor_parallel_rows(size: int, n: int, contexts: list[int], step_tokens: int = STEP_TOKENS) -> list[list[str]]:
     """Scout with the shapes of one TP-(8/size) rank, split over ``size`` GPUs by real tensor parallelism: each GPU
     holds what one GPU holds in the single-GPU run, plus the all-reduces. Weights: load_format=dummy. Then a model
-    of the TP 8 step from the measured communication."""
+    of the TP 8 step from the measured communication. Both engines take steps of ``step_tokens``."""
     rows, measured = [], {}
     for tp in (1, size):
         cfg = rank_config(8 // tp)
         label = f"TP {tp} (Scout/{8 // tp} over {tp} GPU{'s' if tp > 1 else ''})"
         rows += on_dummy_engine(cfg, tp, lambda engine: engine_rows(engine, label, cfg["vocab_size"], n, contexts,
-                                                                    measured.setdefault(tp, {})))
+                                                                    measured.setdefault(tp, {})),
+                                max_num_batched_tokens=step_tokens)
     return rows + tp8_model_rows(size, measured)
 
 
@@ -347,10 +349,12 @@ def tp8_model_rows(size: int, measured: dict) -> list[list[str]]:
     return rows
 
 
-def full_model_rows(size: int, n: int, contexts: list[int], kv_dtype: str = "bfloat16") -> list[list[str]]:
+def full_model_rows(size: int, n: int, contexts: list[int], kv_dtype: str = "bfloat16",
+                    step_tokens: int = STEP_TOKENS) -> list[list[str]]:
     """Full-size Scout (dummy weights) over ``size`` GPUs with a ``kv_dtype`` cache: plan vs engine max_model_len,
-    the prefill of ``n`` tokens, decode steps at ``contexts`` with graphs, peak memory per GPU; beside one TP-8
-    rank's decode steps on one GPU (the same build and cache), which each GPU here does twice over at TP 4."""
+    the prefill of ``n`` tokens in steps of ``step_tokens``, decode steps at ``contexts`` with graphs, peak memory
+    per GPU; beside one TP-8 rank's decode steps on one GPU (the same build and cache), which each GPU here does
+    twice over at TP 4."""
     rows, rank = [], {}
     cfg = rank_config(8)
     if contexts:  # without decode contexts (``--decode-contexts ''``) only the full model runs: its prefill
@@ -361,7 +365,8 @@ def full_model_rows(size: int, n: int, contexts: list[int], kv_dtype: str = "bfl
     def full_rows(engine: LLMEngine) -> list[list[str]]:
         kv_bytes = engine.kv.pool.num_blocks * engine.layout.page_bytes
         plan = plan_capacity(full, tensor_parallel_size=size, kv_cache_dtype=engine.config.kv_cache_dtype,
-                             block_size=BLOCK_SIZE, kv_memory_bytes=kv_bytes, max_num_batched_tokens=16384)
+                             block_size=BLOCK_SIZE, kv_memory_bytes=kv_bytes,
+                             max_num_batched_tokens=engine.config.max_num_batched_tokens)
         label = f"Scout, TP {size}"
         out = [[kv_dtype, f"{label}: max_model_len plan / engine", f"{plan.max_model_len:,} / "
                 f"{engine.max_model_len:,}", f"KV {kv_bytes / 2**30:.2f} GiB per GPU"]]
@@ -379,7 +384,7 @@ def full_model_rows(size: int, n: int, contexts: list[int], kv_dtype: str = "bfl
                         f"vLLM {vllm_s} s on {vllm_gpus} GPUs"])
         return out
 
-    return rows + on_dummy_engine(full, size, full_rows, kv_dtype)
+    return rows + on_dummy_engine(full, size, full_rows, kv_dtype, max_num_batched_tokens=step_tokens)
 
 
 # the user's vLLM run on 8xH200 the full-size rows compare with: prompt tokens, wall s, GPUs
@@ -458,7 +463,6 @@ def async_steps_ms(engine: LLMEngine, start: Callable[[], object], steps: int) -
     return ms
 
 
-STEP_TOKENS = 16384
 # A user's vLLM on 8xH200 (docs/benchmarks.md#scout-rank): prompt tokens, wall s, KV dtype, prefix-cache hit
 VLLM_PREFILLS = [(2065427, 69.35, "bfloat16", 0.3), (2845646, 334.9, "bfloat16", 0.0), (4908091, 957.1, "bfloat16", 0.0),
                  (9811859, 2964.4, "fp8_e4m3", 0.0)]
@@ -594,6 +598,8 @@ def main() -> None:
                          "default bfloat16,fp8_e4m3 (one rank) or bfloat16 (--full-model)")
     ap.add_argument("--tp-prefill-length", type=int, default=1048576)
     ap.add_argument("--block-size", type=int, default=BLOCK_SIZE)
+    ap.add_argument("--step-tokens", type=int, default=STEP_TOKENS,
+                    help="max_num_batched_tokens of the engines --tensor-parallel-size 2+ and --full-model compare")
     ap.add_argument("--step-contexts", default="",
                     help="time one 16,384-token prefill step at each context (random KV), fit cost(context) and "
                          "predict vLLM's prompt lengths, e.g. 0,1048576,2097152,4194304,8388608,9800000")
@@ -602,11 +608,12 @@ def main() -> None:
     contexts = [int(x) for x in args.decode_contexts.split(",") if x]
     if args.full_model:
         rows = [row for kv_dtype in (args.kv_dtypes or "bfloat16").split(",")
-                for row in full_model_rows(args.tensor_parallel_size, args.tp_prefill_length, contexts, kv_dtype)]
+                for row in full_model_rows(args.tensor_parallel_size, args.tp_prefill_length, contexts, kv_dtype,
+                                           args.step_tokens)]
         print_table(rows, f"full-size Llama-4-Scout over {args.tensor_parallel_size} GPUs, block {BLOCK_SIZE}")
         return
     if args.tensor_parallel_size in (2, 4, 8):
-        rows = tensor_parallel_rows(args.tensor_parallel_size, args.tp_prefill_length, contexts)
+        rows = tensor_parallel_rows(args.tensor_parallel_size, args.tp_prefill_length, contexts, args.step_tokens)
         print_table(rows, f"Llama-4-Scout, tensor parallelism {args.tensor_parallel_size} vs 1, block {BLOCK_SIZE}")
         return
     cfg = rank_config(8)
@@ -621,7 +628,8 @@ def main() -> None:
         kv_bytes = engine.kv.pool.num_blocks * engine.layout.page_bytes
         full = json.loads(CONFIG.read_text())
         plan = plan_capacity(full, tensor_parallel_size=8, kv_cache_dtype=engine.config.kv_cache_dtype,
-                             block_size=args.block_size, kv_memory_bytes=kv_bytes, max_num_batched_tokens=16384)
+                             block_size=args.block_size, kv_memory_bytes=kv_bytes,
+                             max_num_batched_tokens=engine.config.max_num_batched_tokens)
         rows.append([kv_dtype, "KV memory allocated", f"{kv_bytes / 2**30:.2f} GiB", f"weights {weights_gib:.2f} GiB"])
         rows.append([kv_dtype, "max_model_len plan / engine", f"{plan.max_model_len:,} / {engine.max_model_len:,}",
                      "engine capped by max_position_embeddings" if engine.max_model_len < plan.max_model_len else ""])

@@ -142,7 +142,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=4, help="print every this many steps (and the last)")
     ap.add_argument("--halves-from-tokens", type=int, help="steps of this many tokens or more in two halves "
                     "(default: the engine's, prefill_overlap_tokens at TP 2 and none at TP 1; 0: none)")
-    ap.add_argument("--step-tokens", type=int, default=16384, help="max_num_batched_tokens (scout_rank.py's)")
+    ap.add_argument("--step-tokens", type=int, default=scout_rank.STEP_TOKENS, help="max_num_batched_tokens")
     ap.add_argument("--traffic", choices=("as-built", "none", "local"), default="as-built",
                     help="none (TP 2): the halves' pushes copy nothing; local (TP 1): each large message also "
                          "copied within the GPU (ablations, see the module's docstring)")
