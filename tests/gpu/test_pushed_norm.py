@@ -41,7 +41,9 @@ def test_the_landed_parts_are_summed_in_rank_order_then_normalised(rank, world, 
     for part in parts[1:]:
         total = total + part.float()
     want_res = (total.to(dtype).float() + residual.float()).to(dtype)
-    got = pushed_add_norm(parts[rank], residual, weight, eps, slots, flags, seq, rank, world)
+    out = torch.full((rows + 2, n), 7.0, dtype=dtype, device=DEVICE)  # the norm goes into rows 2.. only
+    got = pushed_add_norm(parts[rank], residual, weight, eps, slots, flags, seq, rank, world, out=out[2:])
+    assert got.data_ptr() == out[2:].data_ptr() and bool((out[:2] == 7.0).all())
     torch.testing.assert_close(residual, want_res, **(dict(rtol=0, atol=0) if dtype == torch.float32 else EXACT_BF16))
     # and the norm of that sum, as the plain norm kernel takes it (the two reduce a row in different orders)
     tol = 1e-6 if dtype == torch.float32 else 2 ** -7

@@ -55,6 +55,19 @@ def test_residual_add_then_norm(dtype):
     torch.testing.assert_close(got, unit_rms(total, 1e-5) * w, **tol)
 
 
+def test_into_rows_of_a_larger_tensor():
+    """``out=``: the norm lands in the given rows (a prefill half's rows of the step's MoE input), nowhere else."""
+    torch.manual_seed(3)
+    x, w = torch.randn(6, 320, device=DEVICE), torch.randn(320, device=DEVICE)
+    whole = torch.full((10, 320), 7.0, device=DEVICE)
+    got = rms_norm(x, 1e-5, w, out=whole[4:])
+    assert got.data_ptr() == whole[4:].data_ptr()
+    torch.testing.assert_close(whole[4:], rms_norm(x, 1e-5, w), rtol=0, atol=0)
+    assert bool((whole[:4] == 7.0).all())
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        rms_norm(x, 1e-5, w, out=whole[:, :300])
+
+
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs Hopper or newer")
 def test_programmatic_launches_read_what_the_kernel_before_wrote():
