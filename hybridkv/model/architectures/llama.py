@@ -583,8 +583,9 @@ class LlamaForCausalLM(nn.Module):
         norm B, routed experts of all rows, A's output sent, shared expert B (A's travelling), B's output sent
         (the next layer's attention of A hides it)."""
         tp, moe = self.tp, layer.mlp
-        first = runs[0].x
-        normed = first.new_empty((sum(run.x.shape[0] for run in runs), first.shape[1]))
+        # the residual's dtype: a CPU model's packed o_proj may hand a narrower one to the norm, which promotes it
+        residual = runs[0].residual
+        normed = residual.new_empty((sum(run.x.shape[0] for run in runs), residual.shape[1]))
         shared = []
         for i, (half, run) in enumerate(zip(halves, runs)):
             run.wait()
