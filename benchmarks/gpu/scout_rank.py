@@ -133,6 +133,13 @@ def on_dummy_engine(cfg: dict, tensor_parallel_size: int, run: Callable[[LLMEngi
             torch.cuda.reset_peak_memory_stats()
 
 
+def warm_up(engine: LLMEngine, vocab: int) -> None:
+    """A prompt of a whole step and a part, then 2 decode steps, not reported: the kernels compiled and every
+    allocation of a timed step's shapes made before it (the first 32K-token step at TP 2 took 1.8 s after a
+    20,000-token warm-up, 0.33 s after this one)."""
+    decode_after_prefill_ms(engine, engine.config.max_num_batched_tokens + 4096, vocab, steps=2)
+
+
 def decode_after_prefill_ms(engine: LLMEngine, n: int, vocab: int, steps: int = 8) -> tuple[float, float]:
     """(prefill seconds, median decode step ms) of one request of ``n`` prompt tokens, its KV computed for real."""
     engine.add_request(f"real-{n}", prompt(n, vocab, n + 1), SamplingParams(
@@ -265,7 +272,7 @@ def engine_rows(engine: LLMEngine, label: str, vocab: int, n: int, contexts: lis
     Profiles come last: once torch's profiler has run in a process, every later CUDA launch there costs more host
     time (a decode graph's launch went from 0.04 to 0.6 ms), so a number timed after one would read high."""
     rows, kv = [], kv_label(engine)
-    decode_after_prefill_ms(engine, 20000, vocab, steps=2)  # compiles the kernels; not reported
+    warm_up(engine, vocab)
     if n:
         seconds, ms = decode_after_prefill_ms(engine, n, vocab)
         out["prefill"] = seconds

@@ -116,8 +116,7 @@ def report(engine, tp: int, n: int, every: int, halves: int | None) -> None:
     vocab = engine.model.cfg.vocab_size
     if halves is not None:
         engine.collective_rpc(scout_rank.set_prefill_halves, halves)
-    # a whole step and a part, so the timed steps' shapes met every allocation and kernel before
-    scout_rank.decode_after_prefill_ms(engine, engine.config.max_num_batched_tokens + 4096, vocab, steps=2)
+    scout_rank.warm_up(engine, vocab)
     with tempfile.TemporaryFile("w+") as log:
         smi = subprocess.Popen(["nvidia-smi", "--query-gpu=index,clocks.sm,power.draw,temperature.gpu",
                                 "--format=csv,noheader", "-lms", "1000"], stdout=log)
