@@ -617,11 +617,13 @@ def main() -> None:
         rows = [row for kv_dtype in (args.kv_dtypes or "bfloat16").split(",")
                 for row in full_model_rows(args.tensor_parallel_size, args.tp_prefill_length, contexts, kv_dtype,
                                            args.step_tokens)]
-        print_table(rows, f"full-size Llama-4-Scout over {args.tensor_parallel_size} GPUs, block {BLOCK_SIZE}")
+        print_table(rows, f"full-size Llama-4-Scout over {args.tensor_parallel_size} GPUs, block {BLOCK_SIZE}",
+                    args.step_tokens)
         return
     if args.tensor_parallel_size in (2, 4, 8):
         rows = tensor_parallel_rows(args.tensor_parallel_size, args.tp_prefill_length, contexts, args.step_tokens)
-        print_table(rows, f"Llama-4-Scout, tensor parallelism {args.tensor_parallel_size} vs 1, block {BLOCK_SIZE}")
+        print_table(rows, f"Llama-4-Scout, tensor parallelism {args.tensor_parallel_size} vs 1, block {BLOCK_SIZE}",
+                    args.step_tokens)
         return
     cfg = rank_config(8)
     model = random_model(cfg)
@@ -681,9 +683,9 @@ def main() -> None:
         print(f"plot: {args.plot}")
 
 
-def print_table(rows: list[list[str]], title: str) -> None:
+def print_table(rows: list[list[str]], title: str, step_tokens: int = STEP_TOKENS) -> None:
     print(f"\n{torch.cuda.get_device_name()} x {torch.cuda.device_count()}: {title} "
-          "(48 layers, 12 full + 36 chunked(8192), 16 experts), batch 1, step 16,384 tokens")
+          f"(48 layers, 12 full + 36 chunked(8192), 16 experts), batch 1, steps of {step_tokens:,} tokens")
     print(markdown_table(["KV dtype", "measure", "value", "note"], rows))
 
 
