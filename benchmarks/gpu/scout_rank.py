@@ -366,7 +366,8 @@ def full_model_rows(size: int, n: int, contexts: list[int], kv_dtype: str = "bfl
     cfg = rank_config(8)
     if contexts:  # without decode contexts (``--decode-contexts ''``) only the full model runs: its prefill
         rows += on_dummy_engine(cfg, 1, lambda engine: engine_rows(engine, "one TP-8 rank (Scout/8, 1 GPU)",
-                                                                   cfg["vocab_size"], 0, contexts, rank), kv_dtype)
+                                                                   cfg["vocab_size"], 0, contexts, rank), kv_dtype,
+                                max_num_batched_tokens=step_tokens)
     full = json.loads(CONFIG.read_text())
 
     def full_rows(engine: LLMEngine) -> list[list[str]]:

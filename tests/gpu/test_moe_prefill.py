@@ -140,6 +140,7 @@ def test_routed_rows_added_in_ranges_are_the_whole_steps_bits(top_k):
     whole = routed.added_to(shared.clone())
     ranges = [routed.added_to(shared[rows].clone(), rows) for rows in (slice(0, 377), slice(377, None))]
     assert torch.equal(torch.cat(ranges), whole)
-    assert not torch.equal(whole[377:], shared[377:] + routed.out[:623])  # rows found by place, not by position
+    if top_k == 1:  # expert order is not token order here: rows taken by position would differ
+        assert not torch.equal(whole[377:], shared[377:] + routed.out[377:])
     if not INTERPRET:  # the forward's own dispatch at this size
         assert moe.routed(x).place is not None
