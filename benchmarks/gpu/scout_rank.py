@@ -263,7 +263,7 @@ def tensor_parallel_rows(size: int, n: int, contexts: list[int], step_tokens: in
 
 def engine_rows(engine: LLMEngine, label: str, vocab: int, n: int, contexts: list[int], out: dict,
                 prefill_step: bool = True) -> list[list[str]]:
-    """Prefill of ``n`` tokens and the decode step after it; one STEP_TOKENS-token prefill step over 524,288 cached
+    """Prefill of ``n`` tokens and the decode step after it; one whole prefill step over 524,288 cached
     tokens (tensor parallelism: its layers whole and in two halves; not with ``prefill_step`` off); decode steps at
     ``contexts`` over random KV (CUDA graphs) with rank 0's host time by phase, then with async scheduling; peak
     memory per GPU. Times go into ``out`` too.
@@ -281,7 +281,7 @@ def engine_rows(engine: LLMEngine, label: str, vocab: int, n: int, contexts: lis
         print(rows[-2], rows[-1], flush=True)
     if prefill_step or contexts:
         engine.collective_rpc(fill_random_cache)
-    step_fits = prefill_step and STEP_TOKENS + (1 << 19) <= engine.max_model_len
+    step_fits = prefill_step and engine.config.max_num_batched_tokens + (1 << 19) <= engine.max_model_len
     if step_fits:
         rows += prefill_step_rows(engine, label, vocab)
     fitting = [ctx for ctx in contexts if ctx <= engine.max_model_len]
@@ -322,14 +322,14 @@ def engine_rows(engine: LLMEngine, label: str, vocab: int, n: int, contexts: lis
 
 
 def prefill_step_rows(engine: LLMEngine, label: str, vocab: int) -> list[list[str]]:
-    """A STEP_TOKENS-token prefill step over 524,288 cached tokens, best wall time of 2; under tensor parallelism
+    """A whole prefill step over 524,288 cached tokens, best wall time of 2; under tensor parallelism
     with its layers whole (all-reduces waited for) and in two overlapped halves (``prefill_overlap_tokens``)."""
     rows, halves, kv = [], engine.config.prefill_overlap_tokens, kv_label(engine)
     ways = [(halves, "")] if engine.workers is None else [(0, ", layers whole"), (halves, ", two halves")]
     for tokens, how in ways:
         engine.collective_rpc(set_prefill_halves, tokens)
         best = min(step_seconds(engine, 1 << 19, vocab) for _ in range(2))
-        rows.append([kv, f"{label}: {STEP_TOKENS:,}-token prefill step over 524,288{how}",
+        rows.append([kv, f"{label}: {engine.config.max_num_batched_tokens:,}-token prefill step over 524,288{how}",
                      f"{1000 * best:.1f} ms", ""])
         print(rows[-1], flush=True)
     return rows
@@ -477,9 +477,11 @@ VLLM_PREFILLS = [(2065427, 69.35, "bfloat16", 0.3), (2845646, 334.9, "bfloat16",
 
 
 def step_seconds(engine: LLMEngine, context: int, vocab: int) -> float:
-    """Wall time of one engine step prefilling STEP_TOKENS new tokens over ``context`` cached ones (the cache FILLED
-    WITH RANDOM VALUES up to the context, as for decode), the first token sampled included."""
-    engine.add_request(f"step-{context}", prompt(context + STEP_TOKENS, vocab, 11), SamplingParams(
+    """Wall time of one engine step prefilling a whole step's new tokens (``max_num_batched_tokens``) over
+    ``context`` cached ones (the cache FILLED WITH RANDOM VALUES up to the context, as for decode), the first token
+    sampled included."""
+    tokens = engine.config.max_num_batched_tokens
+    engine.add_request(f"step-{context}", prompt(context + tokens, vocab, 11), SamplingParams(
         temperature=0, max_tokens=1))
     if context:
         seq = engine.scheduler.waiting.popleft()

@@ -1,7 +1,7 @@
-"""One 16,384-token prefill step of Scout with a TP-8 rank's shapes per GPU, at TP 1 or split over TP 2 GPUs:
-wall time over a chosen context, layers whole and in two halves, then rank 0's GPU profiled over one step of each:
-busy, idle within the step, and the kernels' (and copies') time summed by name, side by side. At TP 1 the halves
-communicate nothing: what they cost there is the split's own.
+"""One prefill step of Scout (16,384 tokens unless ``--step-tokens`` says otherwise) with a TP-8 rank's shapes per
+GPU, at TP 1 or split over TP 2 GPUs: wall time over a chosen context, layers whole and in two halves, then rank 0's
+GPU profiled over one step of each: busy, idle within the step, and the kernels' (and copies') time summed by name,
+side by side. At TP 1 the halves communicate nothing: what they cost there is the split's own.
 
     PYTHONPATH=. python tools/kernel_dev/tp_prefill_profile.py --tensor-parallel-size 2 --context 0
     PYTHONPATH=. python tools/kernel_dev/tp_prefill_profile.py --tensor-parallel-size 1 --context 0
@@ -74,12 +74,14 @@ def compare(engine, tp: int, context: int, top: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tensor-parallel-size", type=int, default=2, choices=(1, 2))
-    ap.add_argument("--context", type=int, default=0, help="cached tokens the step's 16,384 come after")
+    ap.add_argument("--context", type=int, default=0, help="cached tokens the step comes after")
+    ap.add_argument("--step-tokens", type=int, default=scout_rank.STEP_TOKENS, help="the step's new tokens")
     ap.add_argument("--top", type=int, default=22)
     args = ap.parse_args()
     tp = args.tensor_parallel_size
     scout_rank.on_dummy_engine(scout_rank.rank_config(8 // tp), tp,
-                               lambda engine: compare(engine, tp, args.context, args.top))
+                               lambda engine: compare(engine, tp, args.context, args.top),
+                               max_num_batched_tokens=args.step_tokens)
 
 
 if __name__ == "__main__":
