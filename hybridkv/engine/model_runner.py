@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from hybridkv.engine.block_copier import BlockCopier
-from hybridkv.engine.sampler import TokenScores, score_tokens
+from hybridkv.engine.sampler import TokenScores, host_to_device, score_tokens
 from hybridkv.engine.scheduler import SchedulerOutput
 from hybridkv.kv.cache_manager import KVCacheManager
 from hybridkv.kv.host_tier import BlockCopy
@@ -156,8 +156,8 @@ class ModelRunner:
                               argmax_only=step.argmax_only)
         input_ids = step.device_input_ids
         if input_ids is None:
-            input_ids = torch.from_numpy(step.input_ids).to(self.device)
-        positions = torch.from_numpy(step.positions()).to(self.device)
+            input_ids = host_to_device(torch.from_numpy(step.input_ids), self.device)
+        positions = host_to_device(torch.from_numpy(step.positions()), self.device)
         halves = self._begin_step(step)
         if halves:
             hidden = self.model(input_ids, positions, self.backend, halves=halves)
@@ -166,7 +166,7 @@ class ModelRunner:
         scores = self._score(hidden, step) if len(step.score_rows) else None
         if not len(step.sample_rows):
             return StepOutput(hidden.new_empty((0, 0), dtype=torch.float32), scores)
-        rows = hidden[torch.from_numpy(step.sample_rows).to(self.device)]
+        rows = hidden[host_to_device(torch.from_numpy(step.sample_rows), self.device)]
         return StepOutput(self.model.compute_logits(rows, step.argmax_only), scores, step.argmax_only)
 
     def graph_bucket(self, step: StepInput) -> tuple[int, bool] | None:
@@ -190,8 +190,8 @@ class ModelRunner:
 
     def _score(self, hidden: torch.Tensor, step: StepInput) -> TokenScores | None:
         """Every rank takes part in each LM-head call (under TP it gathers the vocabulary slices to rank 0)."""
-        rows = torch.from_numpy(step.score_rows).to(self.device)
-        token_ids = torch.from_numpy(step.score_token_ids).to(self.device)
+        rows = host_to_device(torch.from_numpy(step.score_rows), self.device)
+        token_ids = host_to_device(torch.from_numpy(step.score_token_ids), self.device)
         parts = []
         for i in range(0, len(rows), SCORE_ROWS):
             logits = self.model.compute_logits(hidden[rows[i : i + SCORE_ROWS]])
