@@ -5,7 +5,9 @@ parallelism the driver sends the same ``StepInput`` to every worker rank, which 
 
 Prompt logprobs come from the same forward: the hidden states of the prompt positions a step computes go through
 the LM head ``SCORE_ROWS`` rows at a time and only each row's scores are kept, so a long prompt costs no more
-memory than a batch of sampled rows, and a step without such requests computes nothing extra.
+memory than a batch of sampled rows, and a step without such requests computes nothing extra. Without them, the
+step's last layer runs past its K/V only for the sampled rows (``OutputRows``): a prompt's middle chunk skips that
+layer's attention and MLP, and its last chunk computes them for one row.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from hybridkv.engine.scheduler import SchedulerOutput
 from hybridkv.kv.cache_manager import KVCacheManager
 from hybridkv.kv.host_tier import BlockCopy
 from hybridkv.model.architectures.parallel import fuse_columns
-from hybridkv.model.attention.base import PagedAttentionBackend, StepHalf, StepSequence, split_step
+from hybridkv.model.attention.base import (
+    OutputRows, PagedAttentionBackend, StepHalf, StepSequence, output_sequences, split_step,
+)
 from hybridkv.model.causal_lm import CausalLM
 
 log = logging.getLogger("hybridkv")
@@ -89,6 +93,8 @@ class ModelRunner:
         self.halves_from_tokens = halves_from_tokens if model.tp.size > 1 and model.supports_step_halves else 0
         self.device = next(model.parameters()).device
         self.graphs = None  # DecodeGraphs when decode steps replay from CUDA graphs
+        # a step's last layer computes only its sampled rows (``OutputRows``); off only to measure what it saves
+        self.output_rows_only = True
 
     @property
     def can_capture(self) -> bool:
@@ -158,16 +164,34 @@ class ModelRunner:
         if input_ids is None:
             input_ids = host_to_device(torch.from_numpy(step.input_ids), self.device)
         positions = host_to_device(torch.from_numpy(step.positions()), self.device)
+        outputs = self._output_rows(step)  # before ``_begin_step``: the step's own state is the current one
         halves = self._begin_step(step)
-        if halves:
-            hidden = self.model(input_ids, positions, self.backend, halves=halves)
-        else:
-            hidden = self.model(input_ids, positions, self.backend)
+        extra = {"halves": halves} if halves else {}
+        if outputs is not None:
+            extra["outputs"] = outputs
+        hidden = self.model(input_ids, positions, self.backend, **extra)
         scores = self._score(hidden, step) if len(step.score_rows) else None
         if not len(step.sample_rows):
             return StepOutput(hidden.new_empty((0, 0), dtype=torch.float32), scores)
-        rows = hidden[host_to_device(torch.from_numpy(step.sample_rows), self.device)]
+        rows = hidden if outputs is not None else hidden[self._device_rows(step.sample_rows)]
         return StepOutput(self.model.compute_logits(rows, step.argmax_only), scores, step.argmax_only)
+
+    def _output_rows(self, step: StepInput) -> OutputRows | None:
+        """The sampled rows, for a forward whose last layer computes only them (``OutputRows``), when the step has
+        other rows and scores none of its prompt positions (their scores need every row's hidden state)."""
+        if not self.output_rows_only or len(step.score_rows) or len(step.sample_rows) == len(step.input_ids):
+            return None
+        seqs = output_sequences(step.seqs, step.sample_rows)
+        if seqs is None:
+            return None
+        state = None
+        if seqs:
+            self.backend.begin_step(seqs)
+            state = self.backend.step_state
+        return OutputRows(self._device_rows(step.sample_rows), state)
+
+    def _device_rows(self, rows: np.ndarray) -> torch.Tensor:
+        return host_to_device(torch.from_numpy(rows), self.device)
 
     def graph_bucket(self, step: StepInput) -> tuple[int, bool] | None:
         """The decode graph that replays ``step``, or None: it runs eagerly."""

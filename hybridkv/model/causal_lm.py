@@ -10,7 +10,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from hybridkv.model.architectures.parallel import TPGroup
-from hybridkv.model.attention.base import AttentionBackend
+from hybridkv.model.attention.base import AttentionBackend, OutputRows
 
 
 class ModelShape(Protocol):
@@ -41,8 +41,10 @@ class CausalLM(Protocol):
         """The most tokens one captured CUDA graph's forward may hold."""
         ...
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        """Final-normed hidden states [T, hidden] for flattened tokens ``input_ids`` [T] at ``positions`` [T]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                outputs: OutputRows | None = None) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] for flattened tokens ``input_ids`` [T] at ``positions`` [T].
+        ``outputs`` (a paged ``attn``): only those rows' [N, hidden], the last layer computing only them."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor | None:
@@ -50,5 +52,6 @@ class CausalLM(Protocol):
         ``argmax_only``: only each row's argmax is read, and only it must be exact."""
         ...
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                 outputs: OutputRows | None = None) -> torch.Tensor:
         ...

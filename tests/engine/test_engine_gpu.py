@@ -109,8 +109,9 @@ def test_gpu_hopper_prefill_kernel_agrees_with_the_torch_reference_backend(tiny_
     config = dict(block_size=block_size, max_num_batched_tokens=256)
     ref, _ = first_token_logprobs(model, prompts, "torch", "auto", **config)
     got, cuda_launches = first_token_logprobs(model, prompts, "triton", "auto", **config)
-    # 4 layers per step, at least 4 steps (888 prompt tokens in steps of 256)
-    assert cuda_launches >= 16, "the CUDA prefill kernel did not run"
+    # 3 layers per step (the last attends from its sampled rows alone, as decode queries: ``OutputRows``), at
+    # least 4 steps (889 prompt tokens in steps of 256)
+    assert cuda_launches >= 12, "the CUDA prefill kernel did not run"
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, ref, atol=0.05, rtol=0.1)
 
@@ -131,8 +132,8 @@ def test_gpu_hopper_fp8_compute_moves_logprobs_no_more_than_the_fp8_cache_itself
                                          fp8_attention_compute=True, **common)
     big_pages, big_launches = first_token_logprobs(model, prompts, "triton", "fp8_e4m3", block_size=128,
                                                    fp8_attention_compute=True, **common)
-    # 4 layers per step, at least 4 steps (888 prompt tokens in steps of 256)
-    assert launches >= 16 and big_launches >= 16, (launches, big_launches)
+    # 3 layers per step (the last one's sampled rows attend as decode queries), at least 4 steps
+    assert launches >= 12 and big_launches >= 12, (launches, big_launches)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(big_pages, got, atol=1e-3, rtol=0)
     fp8_compute_error = (got - ref).abs().amax(dim=1)

@@ -80,8 +80,9 @@ def test_steps_in_two_halves_are_token_exact_with_tp1(tiny_model, shut_down, mon
     prompts = parity_prompts()
     one = LLM(**engine_args(path))
     expected = [o.outputs[0].token_ids for o in generate(one, prompts)]
-    halved, moe_halved = [], []
+    halved, moe_halved, output_runs = [], [], []
     begin, moe_in_halves = ModelRunner._begin_step, LlamaForCausalLM._moe_in_halves
+    output_layer = LlamaForCausalLM._output_layer
 
     def spy(runner, step):
         halves = begin(runner, step)
@@ -92,8 +93,13 @@ def test_steps_in_two_halves_are_token_exact_with_tp1(tiny_model, shut_down, mon
         moe_halved.append(layer.self_attn.layer_id)
         return moe_in_halves(model, layer, halves, runs)
 
+    def output_spy(model, runs, states, attn, outputs):
+        output_runs.append((len(runs), len(outputs.rows)))
+        return output_layer(model, runs, states, attn, outputs)
+
     monkeypatch.setattr(ModelRunner, "_begin_step", spy)
     monkeypatch.setattr(LlamaForCausalLM, "_moe_in_halves", moe_spy)
+    monkeypatch.setattr(LlamaForCausalLM, "_output_layer", output_spy)
     llm = LLM(**engine_args(path), tensor_parallel_size=TP, prefill_overlap_tokens=1)
     shut_down(llm)
     assert [o.outputs[0].token_ids for o in generate(llm, prompts)] == expected
@@ -102,6 +108,9 @@ def test_steps_in_two_halves_are_token_exact_with_tp1(tiny_model, shut_down, mon
     moe_layers = [i for i, layer in enumerate(llm.engine.model.layers) if type(layer.mlp).__name__ == "MoE"]
     assert bool(moe_layers) == (name == "llama4")
     assert sorted(set(moe_halved)) == moe_layers and len(moe_halved) >= 8 * len(moe_layers)
+    # the last layer of steps in halves with rows nobody reads (prompt chunks) ran for the sampled rows alone
+    assert any(runs == 2 and rows == 0 for runs, rows in output_runs), output_runs
+    assert any(runs == 2 and rows > 0 for runs, rows in output_runs), output_runs
     with pytest.raises(ValueError, match="prefill_overlap_tokens must be >= 0"):
         LLM(**engine_args(path), prefill_overlap_tokens=-1)
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.kv.layer_specs import layer_kinds, text_config
-from hybridkv.model.attention.base import AttentionBackend
+from hybridkv.model.attention.base import AttentionBackend, OutputRows, PagedAttentionBackend
 from hybridkv.model.architectures.llama_config import ROPE_TYPES, RopeConfig
 from hybridkv.model.architectures.llama import rope_cos_sin, rope_halves, rope_inv_freq
 from hybridkv.model.architectures.parallel import (
@@ -175,12 +175,25 @@ class Gemma3Attention(nn.Module):
         self.qkv = FusedColumns(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend) -> torch.Tensor:
+        q, k, v = self._encode(x, rope)
+        return self.o_proj(attn.attend(self.layer_id, q, k, v, self.scale).flatten(-2))
+
+    def store(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+              attn: PagedAttentionBackend) -> torch.Tensor:
+        """``forward``'s first half (``OutputRows``): every row's K/V stored; returns every row's encoded queries."""
+        q, k, v = self._encode(x, rope)
+        attn.write(self.layer_id, k, v)
+        return q
+
+    def attend_rows(self, q: torch.Tensor, attn: PagedAttentionBackend, outputs: OutputRows) -> torch.Tensor:
+        """Its second half: the output rows' queries attend, and go through the output projection."""
+        return self.o_proj(outputs.attend(attn, self.layer_id, q, self.scale).flatten(-2))
+
+    def _encode(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         d = self.cfg.head_dim
         q, k, v = (part.unflatten(-1, (-1, d)) for part in self.qkv(x))
         q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope_halves(q, *rope), rope_halves(k, *rope)
-        out = attn.attend(self.layer_id, q, k, v, self.scale)
-        return self.o_proj(out.flatten(-2))
+        return rope_halves(q, *rope), rope_halves(k, *rope), v
 
 
 class Gemma3MLP(nn.Module):
@@ -210,6 +223,19 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, attn))
+        return self._mlp_block(x)
+
+    def output_rows(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: PagedAttentionBackend,
+                    outputs: OutputRows) -> torch.Tensor:
+        """``forward`` for ``outputs``' rows alone, past storing every row's K/V (``LlamaForCausalLM._output_layer``)."""
+        q = self.self_attn.store(self.input_layernorm(x), rope, attn)
+        if outputs.state is None:
+            return x[:0]
+        x = x[outputs.rows]
+        x = x + self.post_attention_layernorm(self.self_attn.attend_rows(q[outputs.rows], attn, outputs))
+        return self._mlp_block(x)
+
+    def _mlp_block(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
@@ -237,13 +263,20 @@ class Gemma3ForCausalLM(nn.Module):
     supports_step_halves = False  # its layers run whole steps (only Llama's overlap their all-reduces)
     max_graph_tokens = 1 << 30  # no MoE: nothing in the forward limits a graph's batch
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        """Final-normed hidden states [T, hidden] for flattened tokens ``input_ids`` [T] at ``positions`` [T]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                outputs: OutputRows | None = None) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] for flattened tokens ``input_ids`` [T] at ``positions`` [T]; of
+        ``outputs``' rows only if given, its last layer computing only them (``OutputRows``)."""
         inv_freqs, scale = self._device_constants(positions.device)
         ropes = {kind: rope_cos_sin(inv_freq, positions) for kind, inv_freq in inv_freqs.items()}
         x = self.embed_tokens(input_ids) * scale
-        for layer, kind in zip(self.layers, self.cfg.layer_kinds):
-            x = layer(x, ropes["sliding" if kind == "sliding" else "full"], attn)
+        layers = [(layer, ropes["sliding" if kind == "sliding" else "full"])
+                  for layer, kind in zip(self.layers, self.cfg.layer_kinds)]
+        for layer, rope in layers if outputs is None else layers[:-1]:
+            x = layer(x, rope, attn)
+        if outputs is not None:
+            layer, rope = layers[-1]
+            x = layer.output_rows(x, rope, attn, outputs)
         return self.norm(x)
 
     def _device_constants(self, device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:

@@ -25,13 +25,16 @@ tuning (per token) need nothing from other ranks.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.model.attention.base import AttentionBackend, KVSlots, StepHalf, StoresKVFromKernels
+from hybridkv.model.attention.base import (
+    AttentionBackend, KVSlots, OutputRows, PagedAttentionBackend, StepHalf, StoresKVFromKernels,
+)
 from hybridkv.model.architectures.llama_config import ModelConfig, RopeConfig
 from hybridkv.model.architectures.parallel import (
     ColumnParallelLinear,
@@ -205,21 +208,41 @@ class Attention(nn.Module):
         self.local_heads = (self.q_proj.out_features // cfg.head_dim, self.k_proj.out_features // cfg.head_dim)
 
     def forward(self, x: torch.Tensor, tables: PositionTables, attn: AttentionBackend) -> torch.Tensor:
+        q, kv = self._encode(x, tables, attn)
+        if kv is None:
+            out = attn.attend_stored(self.layer_id, q, self.scale)
+        else:
+            out = attn.attend(self.layer_id, q, *kv, self.scale)
+        return self.o_proj(out.flatten(-2))
+
+    def store(self, x: torch.Tensor, tables: PositionTables, attn: PagedAttentionBackend) -> torch.Tensor:
+        """The first half of ``forward`` (``OutputRows``): every row's K/V stored in the cache; returns the
+        position-encoded queries of every row."""
+        q, kv = self._encode(x, tables, attn)
+        if kv is not None:
+            attn.write(self.layer_id, *kv)
+        return q
+
+    def attend_rows(self, q: torch.Tensor, attn: PagedAttentionBackend, outputs: OutputRows) -> torch.Tensor:
+        """The second half: the output rows' queries (of ``store``) attend, and go through the output projection."""
+        return self.o_proj(outputs.attend(attn, self.layer_id, q, self.scale).flatten(-2))
+
+    def _encode(self, x: torch.Tensor, tables: PositionTables,
+                attn: AttentionBackend) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """(q, (k, v)) position-encoded, or (q, None) where one kernel encoded q and k and stored k and v in the
+        cache already."""
         d = self.cfg.head_dim
         qkv = self.qkv.joint(x) if tables.rolled is not None and self.use_rope else None
         if qkv is not None:  # q and k are neighbours in the fused output: one rotation over both
             q_heads, kv_heads = self.local_heads
             qk, v = qkv.view(x.shape[0], -1, d).split_with_sizes((q_heads + kv_heads, kv_heads), dim=1)
             q, k = rope_rolled(qk, *tables.rolled).split_with_sizes((q_heads, kv_heads), dim=1)
-        else:
-            q, k, v = (part.unflatten(-1, (-1, d)) for part in self.qkv(x))
-            if self._fused_kernel(q) and isinstance(attn, StoresKVFromKernels):
-                # one kernel encodes q and k and stores k and v in the cache
-                q = self._position_encode(q, k, tables, v, attn.kv_slots(self.layer_id))[0]
-                return self.o_proj(attn.attend_stored(self.layer_id, q, self.scale).flatten(-2))
-            q, k = self._position_encode(q, k, tables)
-        out = attn.attend(self.layer_id, q, k, v, self.scale)
-        return self.o_proj(out.flatten(-2))
+            return q, (k, v)
+        q, k, v = (part.unflatten(-1, (-1, d)) for part in self.qkv(x))
+        if self._fused_kernel(q) and isinstance(attn, StoresKVFromKernels):
+            return self._position_encode(q, k, tables, v, attn.kv_slots(self.layer_id))[0], None
+        q, k = self._position_encode(q, k, tables)
+        return q, (k, v)
 
     def _fused_kernel(self, q: torch.Tensor) -> bool:
         """The position encoding runs as one Triton kernel (``kernels/rope.py``)."""
@@ -511,11 +534,13 @@ class LlamaForCausalLM(nn.Module):
     supports_step_halves = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
-                halves: list[StepHalf] | None = None) -> torch.Tensor:
+                halves: list[StepHalf] | None = None, outputs: OutputRows | None = None) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for flattened tokens ``input_ids`` [T] at ``positions`` [T].
 
         ``halves`` (tensor parallelism, a paged ``attn``): the step's rows in two halves, each with its attention
-        state, run block by block in turn so that one half's all-reduce travels while the other half computes."""
+        state, run block by block in turn so that one half's all-reduce travels while the other half computes.
+        ``outputs`` (a paged ``attn``): only those rows' hidden states [N, hidden] are returned, and the last
+        layer computes only them, past storing every row's K/V (``_output_layer``)."""
         if self._inv_freq is None or self._inv_freq.device != positions.device:
             # once per device: no host-to-device copy in the steady state (and none inside a CUDA graph)
             self._inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.head_dim).to(positions.device)
@@ -528,13 +553,17 @@ class LlamaForCausalLM(nn.Module):
             tables.rolled = rope_halves_tables(tables.cos, tables.sin)
         x, residual = self.embed_tokens(input_ids), None
         if halves:
-            return self._layers_in_halves(x, tables, attn, halves)
+            return self._layers_in_halves(x, tables, attn, halves, outputs)
         if tables.rolled is not None and input_ids.shape[0] < DENSE_ROWS and self.cpu_decode() is not None:
             x, residual = self._cpu_decode(x, tables, attn)
-            return self.norm.add_forward(x, residual)[0]
+            hidden = self.norm.add_forward(x, residual)[0]
+            return hidden if outputs is None else hidden[outputs.rows]
+        layers = self.layers if outputs is None else self.layers[:-1]
         with self.tp.summing_in_norms(x):  # under TP, small steps sum each layer's parts inside its next norm
-            for layer in self.layers:
+            for layer in layers:
                 x, residual = layer(x, residual, tables, attn)
+            if outputs is not None:
+                return self._output_layer([_HalfRun(x, residual, tables)], [None], attn, outputs)
             return self.norm.add_forward(x, residual, self.tp)[0] if residual is not None else self.norm(x)
 
     def cpu_decode(self):
@@ -546,27 +575,58 @@ class LlamaForCausalLM(nn.Module):
             self._cpu_decode_checked = True
         return self._cpu_decode
 
-    def _layers_in_halves(self, x: torch.Tensor, tables: PositionTables, attn, halves: list[StepHalf]):
+    def _layers_in_halves(self, x: torch.Tensor, tables: PositionTables, attn, halves: list[StepHalf],
+                          outputs: OutputRows | None = None):
         """Every layer's blocks, half A then half B, each block's all-reduce travelling while the other half
         computes. E.g. attention(A), attention(B) while A's sum travels, MLP(A) while B's does, ... Returns the
-        final-normed hidden states of the whole step.
+        final-normed hidden states of the whole step (of ``outputs``' rows, if given).
 
         On the copy engines (``TPGroup.pushing_half``) a half's next norm sums its part; through NCCL the
         all-reduce is deferred, and waited for when the half's next block starts."""
         runs = [_HalfRun(x[h.rows], None, tables.rows(h.rows)) for h in halves]
         tp = self.tp
-        for layer in self.layers:
+        for layer in self.layers if outputs is None else self.layers[:-1]:
             self._block_in_halves(layer.attention_block, halves, runs, attn)
             if isinstance(layer.mlp, MoE) and not layer.mlp.fused(x):
                 self._moe_in_halves(layer, halves, runs)
             else:
                 self._block_in_halves(layer.mlp_block, halves, runs, attn)
+        if outputs is not None:
+            return self._output_layer(runs, [h.state for h in halves], attn, outputs)
         out = []
         for i, run in enumerate(runs):
             run.wait()
             with tp.pushing_half(i):
                 out.append(self.norm.add_forward(run.x, run.residual, tp)[0])
         return torch.cat(out)
+
+    def _output_layer(self, runs: list[_HalfRun], states: list, attn: PagedAttentionBackend,
+                      outputs: OutputRows) -> torch.Tensor:
+        """The last layer for ``outputs``' rows alone: each run (the whole step, or its two halves with their
+        attention states; None: the current one) stores its rows' K/V, then only the output rows attend, and go
+        through the MLP and the final norm. Returns their hidden states [N, hidden] (none in a mid-prompt chunk).
+
+        No other row's output of this layer reaches the cache or the logits, so this is the same function of the
+        output rows as the whole layer; their attention runs as decode queries (``OutputRows``)."""
+        layer, tp = self.layers[-1], self.tp
+        queries, residuals = [], []
+        for i, (run, state) in enumerate(zip(runs, states)):
+            run.wait()
+            if state is not None:
+                attn.step_state = state
+            with tp.pushing_half(i) if state is not None else nullcontext():
+                if run.residual is None:  # a one-layer model: x is the embedding
+                    h, residual = layer.input_layernorm(run.x), run.x
+                else:
+                    h, residual = layer.input_layernorm.add_forward(run.x, run.residual, tp)
+            queries.append(layer.self_attn.store(h, run.tables, attn))
+            residuals.append(residual)
+        if outputs.state is None:
+            return residuals[0].new_empty((0, residuals[0].shape[1]))
+        pick = lambda parts: (parts[0] if len(parts) == 1 else torch.cat(parts))[outputs.rows]  # noqa: E731
+        x = layer.self_attn.attend_rows(pick(queries), attn, outputs)
+        x, residual = layer.mlp_block(x, pick(residuals), None, attn)
+        return self.norm.add_forward(x, residual, tp)[0]
 
     def _block_in_halves(self, block, halves: list[StepHalf], runs: list[_HalfRun], attn) -> None:
         tp = self.tp

@@ -45,6 +45,50 @@ class StepHalf:
     state: Any
 
 
+@dataclass(slots=True)
+class OutputRows:
+    """The token rows of a step whose final hidden states are read (its sampled rows), for a forward that runs
+    its last layer's attention and MLP on those rows alone: no other row's output of that layer reaches anything
+    the engine keeps. Every row still has its K/V stored in the cache, which is what later steps read.
+
+    Each such row is the last of its sequence in the step, so it attends as a decode query at its position over
+    keys the step has stored: ``state`` is the backend's ``begin_step`` state of those one-token sequences
+    (``output_sequences``), None when no row is read (a chunk in the middle of a prompt).
+
+    E.g. a step of (context 0, 8 new: a prompt's middle chunk) and (context 100, 1 new: decoding): rows [8],
+    state from [(context 100, 1 new)]. For Llama-4 Scout, whose last layer is a full one, a 32K-token chunk over
+    1M cached tokens skips that layer's attention over 1M keys for 32,767 of its 32,768 queries."""
+
+    rows: torch.Tensor  # [N] int64 on the model's device, ascending
+    state: Any
+
+    def attend(self, attn: PagedAttentionBackend, layer_id: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention of the output rows' queries ``q`` [N, Hq, D], once every row's K/V of ``layer_id`` is stored;
+        the backend's step state is left as it was."""
+        step = attn.step_state
+        attn.step_state = self.state
+        try:
+            return attn.attend_stored(layer_id, q, scale)
+        finally:
+            attn.step_state = step
+
+
+def output_sequences(seqs: list[StepSequence], sample_rows: np.ndarray) -> list[StepSequence] | None:
+    """The one-token sequences whose attention ``OutputRows`` runs: each sequence whose last row of the step is
+    sampled, as a query at that row's position over the context the step leaves. None if some sampled row is not
+    the last of its sequence (then the step needs every row's output).
+
+    E.g. (context 0, 8 new) and (context 100, 1 new), sampled rows [8]: [(context 100, 1 new)]; sampled rows
+    [7, 8]: [(context 7, 1 new), (context 100, 1 new)]."""
+    q = np.fromiter([s.query_len for s in seqs], np.int64, len(seqs))
+    last = np.cumsum(q) - 1
+    sampled = np.isin(last, sample_rows)
+    if int(sampled.sum()) != len(sample_rows):
+        return None
+    return [replace(s, context_len=s.context_len + s.query_len - 1, query_len=1)
+            for s, keep in zip(seqs, sampled) if keep]
+
+
 def split_step(seqs: list[StepSequence], cut: int) -> tuple[list[StepSequence], list[StepSequence]]:
     """The step's sequences as two steps: its first ``cut`` token rows, and the rest. A sequence the cut crosses
     is in both, its second piece continuing where its first ends: layer by layer the first half writes its K/V
@@ -121,4 +165,12 @@ class PagedAttentionBackend(AttentionBackend, Protocol):
 
     def begin_step(self, seqs: list[StepSequence]) -> None:
         """Build the step's metadata (write slots, what each sequence reads) once, before the forward."""
+        ...
+
+    def write(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> Any:
+        """Store the step's K/V of one layer into their slots, without attending (``attend`` does both)."""
+        ...
+
+    def attend_stored(self, layer_id: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """``attend`` once the step's K/V of ``layer_id`` are stored."""
         ...

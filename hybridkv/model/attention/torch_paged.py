@@ -123,6 +123,11 @@ class TorchPagedAttention:
         self._step, self._seq_query_lens, self._seq_context_lens = state
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        self.write(layer_id, k, v)
+        return self.attend_stored(layer_id, q, scale)
+
+    def write(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the step's K/V of one layer into their slots."""
         layer = self.cache.layers[layer_id]
         step = self._step[layer.group_id]
         if step.one_slot is not None and k.dtype == self.kv_dtype:
@@ -133,6 +138,11 @@ class TorchPagedAttention:
             kv = torch.stack((k, v), 1)
             kv = kv if kv.dtype == self.kv_dtype else self._to_cache(kv)
             layer.view[step.write_blocks, :, step.write_offsets] = kv
+
+    def attend_stored(self, layer_id: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """``attend`` once the step's K/V of ``layer_id`` are in their slots."""
+        layer = self.cache.layers[layer_id]
+        step = self._step[layer.group_id]
         if len(step.reads) == 1:
             return self._attend_seq(layer, step.reads[0], q, self._seq_context_lens[0], scale)
         if q.shape[0] == len(step.reads):  # one query a sequence (decoding): their outputs side by side
