@@ -487,11 +487,14 @@ class DecoderLayer(nn.Module):
     def attention_block(
         self, x: torch.Tensor, residual: torch.Tensor | None, tables: PositionTables, attn: AttentionBackend
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.add_forward(x, residual, self.tp)
+        h, residual = self.input_norm(x, residual)
         return self.self_attn(h, tables, attn), residual
+
+    def input_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the attention's input, the residual stream): ``residual`` None in the first layer, ``x`` the embedding."""
+        if residual is None:
+            return self.input_layernorm(x), x
+        return self.input_layernorm.add_forward(x, residual, self.tp)
 
     def mlp_block(
         self, x: torch.Tensor, residual: torch.Tensor, tables: PositionTables, attn: AttentionBackend
@@ -615,10 +618,7 @@ class LlamaForCausalLM(nn.Module):
             if state is not None:
                 attn.step_state = state
             with tp.pushing_half(i) if state is not None else nullcontext():
-                if run.residual is None:  # a one-layer model: x is the embedding
-                    h, residual = layer.input_layernorm(run.x), run.x
-                else:
-                    h, residual = layer.input_layernorm.add_forward(run.x, run.residual, tp)
+                h, residual = layer.input_norm(run.x, run.residual)
             queries.append(layer.self_attn.store(h, run.tables, attn))
             residuals.append(residual)
         if outputs.state is None:
