@@ -89,14 +89,14 @@ class SmClock:
     """The SM clock (MHz) and board power (W) while timed code runs, sampled by ``nvidia-smi`` every 50 ms in the
     background. A variant whose dots see stale data draws less power and may clock higher; its time alone would
     credit that to the change. ``window()`` marks a span; ``median(span)`` is the samples' median in it, or None
-    (no nvidia-smi, or no sample landed)."""
+    (no nvidia-smi, or no sample landed). ``device``: the GPU's index (default: the current one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: int | None = None) -> None:
         self.samples: list[tuple[float, float, float]] = []  # (monotonic s, MHz, W)
         try:
             self._proc = subprocess.Popen(
                 ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "50",
-                 "-i", str(torch.cuda.current_device())], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                 "-i", str(torch.cuda.current_device() if device is None else device)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                 text=True)
         except OSError:
             self._proc = None
