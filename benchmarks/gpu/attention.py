@@ -94,10 +94,10 @@ class SmClock:
     def __init__(self, device: int | None = None) -> None:
         self.samples: list[tuple[float, float, float]] = []  # (monotonic s, MHz, W)
         try:
+            gpu = torch.cuda.current_device() if device is None else device
             self._proc = subprocess.Popen(
                 ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "50",
-                 "-i", str(torch.cuda.current_device() if device is None else device)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                text=True)
+                 "-i", str(gpu)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError:
             self._proc = None
             return
