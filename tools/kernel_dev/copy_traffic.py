@@ -11,7 +11,8 @@ each GPU also copies ``--message-mb`` to the other on a side stream, as ``CopyEn
 - ``half``: one copy of half the message;
 - ``within``: the whole message copied within the GPU instead (HBM, no NVLink).
 
-The defaults send about what TP 2 sends in the 1M-token prefill's 32K-token steps (168 MB each way every ~6 ms).
+The defaults send about what TP 2 sends in the 1M-token prefill's 32K-token steps (168 MB each way every ~7 ms
+here, every ~5.6 ms there).
 Modes take turns over ``--rounds``; the table gives each mode's mean time per period against ``none`` in the same
 run, with the median SM clock and power of each GPU.
 
