@@ -162,8 +162,8 @@ class ModelRunner:
                               argmax_only=step.argmax_only)
         input_ids = step.device_input_ids
         if input_ids is None:
-            input_ids = host_to_device(torch.from_numpy(step.input_ids), self.device)
-        positions = host_to_device(torch.from_numpy(step.positions()), self.device)
+            input_ids = self._on_device(step.input_ids)
+        positions = self._on_device(step.positions())
         outputs = self._output_rows(step)  # before ``_begin_step``: the step's own state is the current one
         halves = self._begin_step(step)
         extra = {"halves": halves} if halves else {}
@@ -173,7 +173,7 @@ class ModelRunner:
         scores = self._score(hidden, step) if len(step.score_rows) else None
         if not len(step.sample_rows):
             return StepOutput(hidden.new_empty((0, 0), dtype=torch.float32), scores)
-        rows = hidden if outputs is not None else hidden[self._device_rows(step.sample_rows)]
+        rows = hidden if outputs is not None else hidden[self._on_device(step.sample_rows)]
         return StepOutput(self.model.compute_logits(rows, step.argmax_only), scores, step.argmax_only)
 
     def _output_rows(self, step: StepInput) -> OutputRows | None:
@@ -188,10 +188,11 @@ class ModelRunner:
         if seqs:
             self.backend.begin_step(seqs)
             state = self.backend.step_state
-        return OutputRows(self._device_rows(step.sample_rows), state)
+        return OutputRows(self._on_device(step.sample_rows), state)
 
-    def _device_rows(self, rows: np.ndarray) -> torch.Tensor:
-        return host_to_device(torch.from_numpy(rows), self.device)
+    def _on_device(self, values: np.ndarray) -> torch.Tensor:
+        """A step's host array on this rank's device (``host_to_device``)."""
+        return host_to_device(torch.from_numpy(values), self.device)
 
     def graph_bucket(self, step: StepInput) -> tuple[int, bool] | None:
         """The decode graph that replays ``step``, or None: it runs eagerly."""
@@ -214,8 +215,8 @@ class ModelRunner:
 
     def _score(self, hidden: torch.Tensor, step: StepInput) -> TokenScores | None:
         """Every rank takes part in each LM-head call (under TP it gathers the vocabulary slices to rank 0)."""
-        rows = host_to_device(torch.from_numpy(step.score_rows), self.device)
-        token_ids = host_to_device(torch.from_numpy(step.score_token_ids), self.device)
+        rows = self._on_device(step.score_rows)
+        token_ids = self._on_device(step.score_token_ids)
         parts = []
         for i in range(0, len(rows), SCORE_ROWS):
             logits = self.model.compute_logits(hidden[rows[i : i + SCORE_ROWS]])
