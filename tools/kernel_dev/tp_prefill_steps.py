@@ -16,7 +16,7 @@ Run one size per process (an engine's GPU memory is only all given back when its
   it to the peer: the copies' memory traffic without NVLink.
 
 E.g. what the copies cost TP 2, and its SM clock (against TP 2 and TP 1 in halves as built; the figures are in
-``docs/benchmarks.md#tp-prefill-traffic``):
+``docs/design/decode.md#tp-prefill-traffic``):
 
     PYTHONPATH=. python tools/kernel_dev/tp_prefill_steps.py --tensor-parallel-size 2 --traffic none
     PYTHONPATH=. python tools/kernel_dev/tp_prefill_steps.py --tensor-parallel-size 1 --halves-from-tokens 4096 \
