@@ -9,8 +9,9 @@ it too: its windows then stay hot for the next sibling.
 Block 2, one full and one sliding group (window 4). Request a computed a 12-token system prompt S and its own
 question, then finished; the sliding blocks it moved past in S were freed as evict-first, and memory pressure
 evicted them. Request b = S + another question: the full group matches 6 blocks, the sliding group resumes
-nowhere, so b's hit is 0 tokens and its branch point (block 6) is registered under the hash of block 5. b keeps its own blocks 4 and 5 in LRU order, and request c = S + a third question resumes at
-token 12, its sliding table ``[null, null, null, null, 4', 5']``.
+nowhere, so b's hit is 0 tokens and its branch point (block 6) is registered under the hash of block 5. b keeps
+its own blocks 4 and 5 (4', 5') in LRU order, and request c = S + a third question resumes at token 12, its sliding
+table ``[null, null, null, null, 4', 5']``.
 """
 
 from __future__ import annotations
