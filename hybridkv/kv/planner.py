@@ -103,29 +103,56 @@ class CapacityPlan:
     notes: list[str] = field(default_factory=list)
 
 
-def plan_capacity(
-    hf_config: dict[str, Any],
-    *,
-    tensor_parallel_size: int = 1,
-    kv_cache_dtype: str = "auto",
-    block_size: int = 16,
-    kv_memory_bytes: int | None = None,
-    gpu_memory_bytes: int | None = None,
-    gpu_memory_utilization: float = 0.9,
-    max_model_len: int | None = None,
-    max_num_batched_tokens: int = 8192,
-    hybrid: bool = True,
-    max_num_seqs: int = 256,
-    segment_bytes: int = 0,
-) -> CapacityPlan:
+@dataclass(slots=True)
+class PlanInputs:
+    """What a plan is asked about: one rank's memory and the engine settings that size its KV pool.
+
+    Give exactly one of ``kv_memory_bytes`` (the KV pool itself) and ``gpu_memory_bytes`` (the pool is then
+    estimated: ``gpu_memory * utilization - weights - runtime - step reserve``). ``max_num_seqs`` and
+    ``segment_bytes`` (the attention backend's FP8 widening scratch) only size the step reserve of that estimate,
+    as the engine's ``EngineConfig`` fields of the same names do.
+
+    >>> PlanInputs(tensor_parallel_size=8, kv_memory_bytes=89 << 30).block_size
+    16
+    """
+
+    tensor_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    kv_memory_bytes: int | None = None
+    gpu_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None  # the length to check; None: report the longest that fits
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    segment_bytes: int = 0
+
+
+def plan_capacity(hf_config: dict[str, Any], inputs: PlanInputs, *, hybrid: bool = True) -> CapacityPlan:
     """Plan the KV pool of one rank. Raises ValueError only for bad input, never because a length does not fit.
 
-    ``max_num_seqs`` and ``segment_bytes`` (the attention backend's FP8 widening scratch) only size the step
-    reserve when ``gpu_memory_bytes`` is given, as the engine's ``EngineConfig`` fields of the same names do.
+    Llama-4 Scout at TP 8 with 89.71 GiB of KV per rank (the module docstring's numbers)::
+
+        plan_capacity(scout, PlanInputs(tensor_parallel_size=8, kv_memory_bytes=int(89.71 * GIB)))
     """
-    _check_inputs(kv_memory_bytes, gpu_memory_bytes, gpu_memory_utilization, max_model_len, max_num_batched_tokens)
-    if max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    _check_inputs(inputs)
+    plan, layout = _plan(hf_config, inputs, hybrid)
+    lengths = list(CONCURRENCY_LENGTHS)
+    if plan.row_tokens > 0 and plan.row_tokens not in lengths:
+        lengths.append(plan.row_tokens)
+    plan.concurrency = [concurrency_at(layout, plan.usable_blocks, plan.max_num_batched_tokens, n) for n in lengths]
+    if not plan.fits:
+        plan.reason = _not_fit_reason(plan, layout)
+    plan.notes = _notes(plan, hf_config, layout)
+    return plan
+
+
+def _plan(hf_config: dict[str, Any], inputs: PlanInputs, hybrid: bool) -> tuple[CapacityPlan, KVLayout]:
+    """The pool, its longest request and whether the asked length fits (no concurrency, reason or notes)."""
+    tensor_parallel_size, kv_cache_dtype, block_size = (
+        inputs.tensor_parallel_size, inputs.kv_cache_dtype, inputs.block_size
+    )
+    kv_memory_bytes, max_model_len = inputs.kv_memory_bytes, inputs.max_model_len
     cfg = text_config(hf_config)
     real_specs = layer_specs_from_hf_config(hf_config, tensor_parallel_size, kv_cache_dtype)
     specs = real_specs if hybrid else [FullAttentionSpec(s.num_kv_heads, s.head_dim, s.dtype) for s in real_specs]
@@ -134,13 +161,13 @@ def plan_capacity(
     memory = None
     if kv_memory_bytes is None:
         memory = estimate_memory(
-            hf_config, tensor_parallel_size, gpu_memory_bytes, gpu_memory_utilization, max_num_batched_tokens,
-            max_num_seqs, segment_bytes,
+            hf_config, tensor_parallel_size, inputs.gpu_memory_bytes, inputs.gpu_memory_utilization,
+            inputs.max_num_batched_tokens, inputs.max_num_seqs, inputs.segment_bytes,
         )
         kv_memory_bytes = memory.kv_memory_bytes
     num_blocks = layout.num_blocks(kv_memory_bytes)
     usable = max(0, num_blocks - 1)  # block 0 is the null block
-    step = max_num_batched_tokens
+    step = inputs.max_num_batched_tokens
     max_pos = cfg.get("max_position_embeddings")
 
     longest = longest_fitting(layout, usable, step, _search_upper(layout, usable, max_model_len, max_pos))
@@ -173,35 +200,25 @@ def plan_capacity(
         concurrency=[],
         memory=memory,
     )
-    lengths = list(CONCURRENCY_LENGTHS)
-    if row_tokens > 0 and row_tokens not in lengths:
-        lengths.append(row_tokens)
-    plan.concurrency = [concurrency_at(layout, usable, step, n) for n in lengths]
-    if not fits:
-        plan.reason = _not_fit_reason(plan, layout)
-    plan.notes = _notes(plan, hf_config, layout)
-    return plan
+    return plan, layout
 
 
-def _check_inputs(
-    kv_memory_bytes: int | None,
-    gpu_memory_bytes: int | None,
-    utilization: float,
-    max_model_len: int | None,
-    max_num_batched_tokens: int,
-) -> None:
+def _check_inputs(inputs: PlanInputs) -> None:
+    kv_memory_bytes, gpu_memory_bytes = inputs.kv_memory_bytes, inputs.gpu_memory_bytes
     if (kv_memory_bytes is None) == (gpu_memory_bytes is None):
         raise ValueError("give exactly one of kv_memory_bytes and gpu_memory_bytes")
     if kv_memory_bytes is not None and kv_memory_bytes < 0:
         raise ValueError(f"KV memory must be >= 0 bytes, got {kv_memory_bytes}")
     if gpu_memory_bytes is not None and gpu_memory_bytes <= 0:
         raise ValueError(f"GPU memory must be > 0 bytes, got {gpu_memory_bytes}")
-    if not 0 < utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
-    if max_model_len is not None and max_model_len < 1:
-        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-    if max_num_batched_tokens < 1:
-        raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+    if not 0 < inputs.gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {inputs.gpu_memory_utilization}")
+    if inputs.max_model_len is not None and inputs.max_model_len < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {inputs.max_model_len}")
+    if inputs.max_num_batched_tokens < 1:
+        raise ValueError(f"max_num_batched_tokens must be >= 1, got {inputs.max_num_batched_tokens}")
+    if inputs.max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {inputs.max_num_seqs}")
 
 
 def _search_upper(layout: KVLayout, usable: int, requested: int | None, max_pos: Any) -> int:

@@ -15,6 +15,7 @@ from hybridkv.kv.planner import (
     GIB,
     RUNTIME_BYTES,
     estimate_weights,
+    PlanInputs,
     plan_capacity,
     plan_to_dict,
 )
@@ -54,9 +55,13 @@ def gemma3_like(**overrides) -> dict:
     return cfg | overrides
 
 
+def make_plan(config: dict, hybrid: bool = True, **inputs):
+    return plan_capacity(config, PlanInputs(**inputs), hybrid=hybrid)
+
+
 def scout_plan(scout: dict, **kw):
     kw.setdefault("kv_memory_bytes", SCOUT_KV)
-    return plan_capacity(scout, tensor_parallel_size=8, **kw)
+    return make_plan(scout, tensor_parallel_size=8, **kw)
 
 
 def test_test_data_matches_shared_config():
@@ -164,7 +169,7 @@ def test_physical_limit_is_a_model_property(scout):
 )
 def test_max_model_len_equals_cache_manager(scout, config, tp, memory, block, step, hybrid):
     cfg = scout if config == "scout" else gemma3_like()
-    plan = plan_capacity(
+    plan = make_plan(
         cfg, tensor_parallel_size=tp, kv_memory_bytes=memory, block_size=block,
         max_num_batched_tokens=step, hybrid=hybrid,
     )
@@ -184,7 +189,7 @@ def test_max_model_len_equals_cache_manager(scout, config, tp, memory, block, st
 @pytest.mark.parametrize("block", [1, 16, 64, 256, 1024])
 @pytest.mark.parametrize("step", [1, 512, 8192])
 def test_gemma3_sliding_rows_keep_a_window_plus_a_step(block, step):
-    plan = plan_capacity(
+    plan = make_plan(
         gemma3_like(), kv_memory_bytes=GIB, block_size=block, max_num_batched_tokens=step, max_model_len=32_768
     )
     full, sliding = plan.types
@@ -197,7 +202,7 @@ def test_gemma3_sliding_rows_keep_a_window_plus_a_step(block, step):
 
 def test_all_sliding_model_is_not_bounded_by_kv():
     cfg = gemma3_like(sliding_window_pattern=None, model_type="mistral")
-    plan = plan_capacity(cfg, kv_memory_bytes=GIB)
+    plan = make_plan(cfg, kv_memory_bytes=GIB)
     assert plan.physical_limit_tokens is None
     assert plan.max_model_len == 32_768 and plan.fits
     assert any("every layer is local" in n for n in plan.notes)
@@ -268,3 +273,4 @@ def test_capacity_docstring_example(scout):
     layout = plan_layout(layer_specs_from_hf_config(scout, 8), 16)
     assert peak_blocks(layout, 131_072, 8192) == 8192 + 3 * 1024 == 11_264
     assert longest_fitting(layout, 11_264, 8192, 10**7) == 131_072
+
