@@ -22,7 +22,7 @@ Pure Python: nothing here imports torch.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from hybridkv.kv.capacity import GIB, longest_fitting, peak_blocks, pool_tokens, step_reserve_bytes
@@ -36,6 +36,8 @@ CONCURRENCY_LENGTHS = (8 * 1024, 128 * 1024, 1024 * 1024)
 # Memory in use before the KV cache besides the weights, per rank: CUDA context (~0.5 GiB), NCCL buffers, CUDA
 # graphs. The engine measures it; the planner can only estimate it.
 RUNTIME_BYTES = GIB
+# Tensor-parallel sizes a plan whose weights leave no KV memory is tried at, to name the smallest that fits.
+TP_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 
 
 @dataclass(slots=True)
@@ -134,6 +136,9 @@ def plan_capacity(hf_config: dict[str, Any], inputs: PlanInputs, *, hybrid: bool
     Llama-4 Scout at TP 8 with 89.71 GiB of KV per rank (the module docstring's numbers)::
 
         plan_capacity(scout, PlanInputs(tensor_parallel_size=8, kv_memory_bytes=int(89.71 * GIB)))
+
+    A plan that does not fit says why in ``reason``; when the GPU memory leaves nothing for the KV cache (Scout's
+    200.7 GiB of bf16 weights on one 139.8 GiB GPU), it names the smallest tensor-parallel size that fits.
     """
     _check_inputs(inputs)
     plan, layout = _plan(hf_config, inputs, hybrid)
@@ -142,7 +147,7 @@ def plan_capacity(hf_config: dict[str, Any], inputs: PlanInputs, *, hybrid: bool
         lengths.append(plan.row_tokens)
     plan.concurrency = [concurrency_at(layout, plan.usable_blocks, plan.max_num_batched_tokens, n) for n in lengths]
     if not plan.fits:
-        plan.reason = _not_fit_reason(plan, layout)
+        plan.reason = _not_fit_reason(plan, layout, hf_config, inputs)
     plan.notes = _notes(plan, hf_config, layout)
     return plan
 
@@ -268,14 +273,60 @@ def type_usage(layout: KVLayout, num_tokens: int, max_step_tokens: int) -> list[
     return sorted(rows.values(), key=lambda r: (ATTENTION_KINDS.index(r.kind), r.label))
 
 
-def _not_fit_reason(plan: CapacityPlan, layout: KVLayout) -> str:
-    need = peak_blocks(layout, plan.requested_max_model_len or 0, plan.max_num_batched_tokens)
+def _not_fit_reason(plan: CapacityPlan, layout: KVLayout, hf_config: dict[str, Any], inputs: PlanInputs) -> str:
+    if plan.memory is not None and plan.memory.kv_memory_bytes == 0:
+        tp = _smallest_fitting_tp(hf_config, inputs, plan.hybrid)
+        fitting = (f"the smallest tensor-parallel size that fits is {tp}" if tp is not None
+                   else f"no tensor-parallel size up to {TP_CANDIDATES[-1]} fits")
+        return f"{_no_kv_memory(plan.memory, plan.tensor_parallel_size)}; {fitting}"
+    if plan.requested_max_model_len is None:
+        need = peak_blocks(layout, 1, plan.max_num_batched_tokens)
+        return (
+            f"no request fits: {plan.kv_memory_bytes / GIB:.2f} GiB holds {plan.usable_blocks:,} usable blocks of "
+            f"{plan.page_bytes:,} B, and one token needs {need:,}"
+        )
+    need = peak_blocks(layout, plan.requested_max_model_len, plan.max_num_batched_tokens)
     parts = " + ".join(f"{r.label} {r.groups} x {r.blocks_per_group:,}" for r in plan.types)
     return (
         f"max_model_len {plan.requested_max_model_len:,} needs {need:,} blocks ({parts}) of {plan.page_bytes:,} B "
         f"but {plan.kv_memory_bytes / GIB:.2f} GiB holds {plan.usable_blocks:,} usable; "
         f"the longest that fits is {plan.max_model_len:,}"
     )
+
+
+def _no_kv_memory(memory: MemoryEstimate, tensor_parallel_size: int) -> str:
+    """Why the estimate left no KV memory: the weights alone, or with the runtime and the step reserve."""
+    budget = int(memory.gpu_memory_bytes * memory.gpu_memory_utilization)
+    usable = (
+        f"the {budget / GIB:.2f} GiB the engine may use ({memory.gpu_memory_bytes / GIB:.2f} GiB x "
+        f"{memory.gpu_memory_utilization})"
+    )
+    if memory.weights_bytes > budget:
+        return (
+            f"the weights alone ({memory.weights_bytes / GIB:.2f} GiB per rank at tensor-parallel size "
+            f"{tensor_parallel_size}) exceed {usable}"
+        )
+    return (
+        f"weights {memory.weights_bytes / GIB:.2f} GiB + runtime {memory.runtime_bytes / GIB:.2f} GiB + step "
+        f"reserve {memory.activation_reserve_bytes / GIB:.2f} GiB per rank at tensor-parallel size "
+        f"{tensor_parallel_size} leave no KV memory of {usable}"
+    )
+
+
+def _smallest_fitting_tp(hf_config: dict[str, Any], inputs: PlanInputs, hybrid: bool) -> int | None:
+    """The smallest tensor-parallel size above the asked one over which the model's heads split and at which the
+    plan fits; None if no size up to ``TP_CANDIDATES[-1]`` does."""
+    heads = int(text_config(hf_config)["num_attention_heads"])
+    for tp in TP_CANDIDATES:
+        if tp <= inputs.tensor_parallel_size or heads % tp:
+            continue
+        try:
+            plan, _ = _plan(hf_config, replace(inputs, tensor_parallel_size=tp), hybrid)
+        except ValueError:  # the KV heads neither split nor replicate evenly over tp ranks
+            continue
+        if plan.fits:
+            return tp
+    return None
 
 
 def _notes(plan: CapacityPlan, hf_config: dict[str, Any], layout: KVLayout) -> list[str]:

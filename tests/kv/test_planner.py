@@ -274,3 +274,26 @@ def test_capacity_docstring_example(scout):
     assert peak_blocks(layout, 131_072, 8192) == 8192 + 3 * 1024 == 11_264
     assert longest_fitting(layout, 11_264, 8192, 10**7) == 131_072
 
+
+def test_weights_beyond_the_gpu_name_the_smallest_tensor_parallel_size_that_fits(scout):
+    """Scout's bf16 weights on one 139.8 GiB GPU leave no KV memory: the reason says the weights alone do not fit
+    and names TP 2, the smallest size at which the same inputs plan a fitting pool (TP 1 is where they do not)."""
+    inputs = dict(gpu_memory_bytes=int(139.8 * GIB))
+    plan = make_plan(scout, **inputs)
+    budget = int(139.8 * GIB * 0.9)
+    assert plan.memory.weights_bytes > budget and plan.kv_memory_bytes == 0 and not plan.fits
+    assert plan.reason.startswith(f"the weights alone ({plan.memory.weights_bytes / GIB:.2f} GiB per rank")
+    assert plan.reason.endswith("the smallest tensor-parallel size that fits is 2")
+    assert make_plan(scout, tensor_parallel_size=2, **inputs).fits
+    # a length no size up to 64 holds (Scout's 40 heads split over 2, 4, 8 only)
+    assert make_plan(scout, max_model_len=10**9, **inputs).reason.endswith("no tensor-parallel size up to 64 fits")
+    # weights that fit, but with the runtime and the step reserve leave nothing: said so, and TP 2 again
+    tight = make_plan(scout, gpu_memory_bytes=int(201 * GIB), gpu_memory_utilization=1.0)
+    assert tight.memory.weights_bytes < 201 * GIB and tight.kv_memory_bytes == 0
+    assert "+ step reserve" in tight.reason and tight.reason.endswith("fits is 2")
+
+
+def test_a_pool_too_small_for_one_token_says_so_without_a_length_asked(scout):
+    plan = scout_plan(scout, kv_memory_bytes=4096)
+    assert plan.usable_blocks == 0 and plan.max_model_len == 0 and not plan.fits
+    assert plan.reason == "no request fits: 0.00 GiB holds 0 usable blocks of 98,304 B, and one token needs 4"
