@@ -13,6 +13,7 @@ from hybridkv.cli import build_parser, main
 
 REPO = Path(__file__).parents[1]
 SCOUT = REPO / "tests" / "data" / "scout-text-config.json"
+GIB = 1 << 30
 SCOUT_ARGS = ["plan", "--model", str(SCOUT), "--tensor-parallel-size", "8", "--kv-memory-gib", "89.71"]
 
 
@@ -120,3 +121,22 @@ def test_gpu_memory_reserve_is_the_engines_for_the_same_flags(capsys):
         assert main([*gpu, *extra]) == 0
         memory = json.loads(capsys.readouterr().out)["memory"]
         assert memory["activation_reserve_bytes"] == step_reserve_bytes(config, 5120, 202_048)
+
+
+def test_weights_that_do_not_fit_are_named_with_the_smallest_tp_that_fits(capsys):
+    """Scout's bf16 weights (~200.7 GiB) on one 139.8 GiB GPU: no traceback, but a plan that says the weights alone
+    do not fit and names the smallest tensor-parallel size that does (2: ~100 GiB per rank)."""
+    one_gpu = ["plan", "--model", str(SCOUT), "--gpu-memory-gib", "139.8"]
+    proc = subprocess.run([sys.executable, "-m", "hybridkv.cli", *one_gpu], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    reason = next(line for line in proc.stdout.splitlines() if line.startswith("does not fit: "))
+    assert "the weights alone (200.7" in reason and "tensor-parallel size 1) exceed the 125.82 GiB" in reason
+    assert reason.endswith("the smallest tensor-parallel size that fits is 2")
+
+    assert main([*one_gpu, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] is False and plan["kv_memory_bytes"] == 0 and plan["memory"]["weights_bytes"] > 200 * GIB
+    assert plan["reason"].endswith("is 2") and plan["comparison"]["reason"].endswith("is 2")
+    assert main([*one_gpu, "--tensor-parallel-size", "2", "--json"]) == 0  # and 2 does fit
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] is True and plan["reason"] == "" and plan["max_model_len"] > 0

@@ -51,7 +51,7 @@ from hybridkv.bench.tables import markdown_table
 from hybridkv.engine.llm_engine import EngineConfig, LLMEngine
 from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.engine.sequence import SequenceStatus
-from hybridkv.kv.planner import plan_capacity
+from hybridkv.kv.planner import PlanInputs, plan_capacity
 from hybridkv.model.loading.checkpoint import LoadedModel
 from hybridkv.model.architectures.llama_config import ModelConfig
 from hybridkv.model.architectures.llama import LlamaForCausalLM
@@ -372,9 +372,9 @@ def full_model_rows(size: int, n: int, contexts: list[int], kv_dtype: str = "bfl
 
     def full_rows(engine: LLMEngine) -> list[list[str]]:
         kv_bytes = engine.kv.pool.num_blocks * engine.layout.page_bytes
-        plan = plan_capacity(full, tensor_parallel_size=size, kv_cache_dtype=engine.config.kv_cache_dtype,
-                             block_size=BLOCK_SIZE, kv_memory_bytes=kv_bytes,
-                             max_num_batched_tokens=engine.config.max_num_batched_tokens)
+        plan = plan_capacity(full, PlanInputs(tensor_parallel_size=size, kv_cache_dtype=engine.config.kv_cache_dtype,
+                                              block_size=BLOCK_SIZE, kv_memory_bytes=kv_bytes,
+                                              max_num_batched_tokens=engine.config.max_num_batched_tokens))
         label = f"Scout, TP {size}"
         out = [[kv_dtype, f"{label}: max_model_len plan / engine", f"{plan.max_model_len:,} / "
                 f"{engine.max_model_len:,}", f"KV {kv_bytes / 2**30:.2f} GiB per GPU"]]
@@ -639,9 +639,9 @@ def main() -> None:
         engine = engine_for(loaded, kv_dtype, args.block_size)
         kv_bytes = engine.kv.pool.num_blocks * engine.layout.page_bytes
         full = json.loads(CONFIG.read_text())
-        plan = plan_capacity(full, tensor_parallel_size=8, kv_cache_dtype=engine.config.kv_cache_dtype,
-                             block_size=args.block_size, kv_memory_bytes=kv_bytes,
-                             max_num_batched_tokens=engine.config.max_num_batched_tokens)
+        plan = plan_capacity(full, PlanInputs(tensor_parallel_size=8, kv_cache_dtype=engine.config.kv_cache_dtype,
+                                              block_size=args.block_size, kv_memory_bytes=kv_bytes,
+                                              max_num_batched_tokens=engine.config.max_num_batched_tokens))
         rows.append([kv_dtype, "KV memory allocated", f"{kv_bytes / 2**30:.2f} GiB", f"weights {weights_gib:.2f} GiB"])
         rows.append([kv_dtype, "max_model_len plan / engine", f"{plan.max_model_len:,} / {engine.max_model_len:,}",
                      "engine capped by max_position_embeddings" if engine.max_model_len < plan.max_model_len else ""])

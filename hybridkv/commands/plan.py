@@ -14,7 +14,7 @@ from typing import Callable
 from hybridkv.engine.args import add_kv_offload_arg, kv_offload_bytes
 from hybridkv.kv.dtypes import KV_CACHE_DTYPES
 from hybridkv.kv.host_tier import host_tier_tokens
-from hybridkv.kv.planner import CONCURRENCY_LENGTHS, CapacityPlan, plan_capacity, plan_to_dict
+from hybridkv.kv.planner import CONCURRENCY_LENGTHS, CapacityPlan, PlanInputs, plan_capacity, plan_to_dict
 from hybridkv.model.loading.hf_config import load_hf_config, model_hf_config
 
 GIB = 1 << 30
@@ -59,9 +59,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _run_plan(args: argparse.Namespace) -> int:
     try:
         config = _load_config(args.model)
-        kw = _plan_kwargs(args)
-        plan = plan_capacity(config, hybrid=not args.no_hybrid, **kw)
-        other = plan_capacity(config, hybrid=args.no_hybrid, **kw)
+        inputs = _plan_inputs(args)
+        plan = plan_capacity(config, inputs, hybrid=not args.no_hybrid)
+        other = plan_capacity(config, inputs, hybrid=args.no_hybrid)
     except json.JSONDecodeError as e:
         return _fail(f"{args.model}: not valid JSON ({e.msg}, line {e.lineno})")
     except (OSError, ValueError) as e:
@@ -114,12 +114,12 @@ def _load_config(model: str) -> dict:
     return load_hf_config(model)
 
 
-def _plan_kwargs(args: argparse.Namespace) -> dict[str, object]:
+def _plan_inputs(args: argparse.Namespace) -> PlanInputs:
     for name in ("kv_memory_gib", "gpu_memory_gib"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
-    return dict(
+    return PlanInputs(
         tensor_parallel_size=args.tensor_parallel_size,
         kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,

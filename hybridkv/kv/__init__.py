@@ -4,7 +4,8 @@ Pure Python + numpy: nothing here imports torch.
 """
 
 from hybridkv.kv.block_pool import BlockPool, KVBlock
-from hybridkv.kv.cache_manager import CacheHit, CacheRequest, KVCacheManager, KVRequest, PrefixCacheStats
+from hybridkv.kv.cache_manager import KVCacheManager
+from hybridkv.kv.request import CacheHit, CacheRequest, KVRequest, PrefixCacheStats
 from hybridkv.kv.layer_specs import layer_specs_from_hf_config
 from hybridkv.kv.layout import KVLayout, LayerGroup, plan_layout
 from hybridkv.kv.specs import AttentionSpec, ChunkedLocalSpec, FullAttentionSpec, SlidingWindowSpec

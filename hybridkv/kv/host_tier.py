@@ -2,7 +2,7 @@
 
 The device pool (``block_pool.py``) holds cached blocks until it needs their pages. With a host tier, a cached
 block the pool evicts from its LRU queue is first copied to a host page, keyed by the same block hash; a later
-prefix lookup finds it there (``KVCacheManager.find_cache_hit``: the longest hit is the fixed point over device
+prefix lookup finds it there (``tiers.DeviceAndHost``: the longest hit is the fixed point over device
 *and* host blocks, per group) and it is copied back into a freshly allocated device block before the request's
 first step reads it. Host pages have the device pages' size (all layers of one layer group, ``block_size`` tokens).
 

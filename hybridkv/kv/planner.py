@@ -22,7 +22,7 @@ Pure Python: nothing here imports torch.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from hybridkv.kv.capacity import GIB, longest_fitting, peak_blocks, pool_tokens, step_reserve_bytes
@@ -36,6 +36,8 @@ CONCURRENCY_LENGTHS = (8 * 1024, 128 * 1024, 1024 * 1024)
 # Memory in use before the KV cache besides the weights, per rank: CUDA context (~0.5 GiB), NCCL buffers, CUDA
 # graphs. The engine measures it; the planner can only estimate it.
 RUNTIME_BYTES = GIB
+# Tensor-parallel sizes a plan whose weights leave no KV memory is tried at, to name the smallest that fits.
+TP_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 
 
 @dataclass(slots=True)
@@ -103,29 +105,59 @@ class CapacityPlan:
     notes: list[str] = field(default_factory=list)
 
 
-def plan_capacity(
-    hf_config: dict[str, Any],
-    *,
-    tensor_parallel_size: int = 1,
-    kv_cache_dtype: str = "auto",
-    block_size: int = 16,
-    kv_memory_bytes: int | None = None,
-    gpu_memory_bytes: int | None = None,
-    gpu_memory_utilization: float = 0.9,
-    max_model_len: int | None = None,
-    max_num_batched_tokens: int = 8192,
-    hybrid: bool = True,
-    max_num_seqs: int = 256,
-    segment_bytes: int = 0,
-) -> CapacityPlan:
+@dataclass(slots=True)
+class PlanInputs:
+    """What a plan is asked about: one rank's memory and the engine settings that size its KV pool.
+
+    Give exactly one of ``kv_memory_bytes`` (the KV pool itself) and ``gpu_memory_bytes`` (the pool is then
+    estimated: ``gpu_memory * utilization - weights - runtime - step reserve``). ``max_num_seqs`` and
+    ``segment_bytes`` (the attention backend's FP8 widening scratch) only size the step reserve of that estimate,
+    as the engine's ``EngineConfig`` fields of the same names do.
+
+    >>> PlanInputs(tensor_parallel_size=8, kv_memory_bytes=89 << 30).block_size
+    16
+    """
+
+    tensor_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    kv_memory_bytes: int | None = None
+    gpu_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None  # the length to check; None: report the longest that fits
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    segment_bytes: int = 0
+
+
+def plan_capacity(hf_config: dict[str, Any], inputs: PlanInputs, *, hybrid: bool = True) -> CapacityPlan:
     """Plan the KV pool of one rank. Raises ValueError only for bad input, never because a length does not fit.
 
-    ``max_num_seqs`` and ``segment_bytes`` (the attention backend's FP8 widening scratch) only size the step
-    reserve when ``gpu_memory_bytes`` is given, as the engine's ``EngineConfig`` fields of the same names do.
+    Llama-4 Scout at TP 8 with 89.71 GiB of KV per rank (the module docstring's numbers)::
+
+        plan_capacity(scout, PlanInputs(tensor_parallel_size=8, kv_memory_bytes=int(89.71 * GIB)))
+
+    A plan that does not fit says why in ``reason``; when the GPU memory leaves nothing for the KV cache (Scout's
+    200.7 GiB of bf16 weights on one 139.8 GiB GPU), it names the smallest tensor-parallel size that fits.
     """
-    _check_inputs(kv_memory_bytes, gpu_memory_bytes, gpu_memory_utilization, max_model_len, max_num_batched_tokens)
-    if max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    _check_inputs(inputs)
+    plan, layout = _plan(hf_config, inputs, hybrid)
+    lengths = list(CONCURRENCY_LENGTHS)
+    if plan.row_tokens > 0 and plan.row_tokens not in lengths:
+        lengths.append(plan.row_tokens)
+    plan.concurrency = [concurrency_at(layout, plan.usable_blocks, plan.max_num_batched_tokens, n) for n in lengths]
+    if not plan.fits:
+        plan.reason = _not_fit_reason(plan, layout, hf_config, inputs)
+    plan.notes = _notes(plan, hf_config, layout)
+    return plan
+
+
+def _plan(hf_config: dict[str, Any], inputs: PlanInputs, hybrid: bool) -> tuple[CapacityPlan, KVLayout]:
+    """The pool, its longest request and whether the asked length fits (no concurrency, reason or notes)."""
+    tensor_parallel_size, kv_cache_dtype, block_size = (
+        inputs.tensor_parallel_size, inputs.kv_cache_dtype, inputs.block_size
+    )
+    kv_memory_bytes, max_model_len = inputs.kv_memory_bytes, inputs.max_model_len
     cfg = text_config(hf_config)
     real_specs = layer_specs_from_hf_config(hf_config, tensor_parallel_size, kv_cache_dtype)
     specs = real_specs if hybrid else [FullAttentionSpec(s.num_kv_heads, s.head_dim, s.dtype) for s in real_specs]
@@ -134,13 +166,13 @@ def plan_capacity(
     memory = None
     if kv_memory_bytes is None:
         memory = estimate_memory(
-            hf_config, tensor_parallel_size, gpu_memory_bytes, gpu_memory_utilization, max_num_batched_tokens,
-            max_num_seqs, segment_bytes,
+            hf_config, tensor_parallel_size, inputs.gpu_memory_bytes, inputs.gpu_memory_utilization,
+            inputs.max_num_batched_tokens, inputs.max_num_seqs, inputs.segment_bytes,
         )
         kv_memory_bytes = memory.kv_memory_bytes
     num_blocks = layout.num_blocks(kv_memory_bytes)
     usable = max(0, num_blocks - 1)  # block 0 is the null block
-    step = max_num_batched_tokens
+    step = inputs.max_num_batched_tokens
     max_pos = cfg.get("max_position_embeddings")
 
     longest = longest_fitting(layout, usable, step, _search_upper(layout, usable, max_model_len, max_pos))
@@ -173,35 +205,25 @@ def plan_capacity(
         concurrency=[],
         memory=memory,
     )
-    lengths = list(CONCURRENCY_LENGTHS)
-    if row_tokens > 0 and row_tokens not in lengths:
-        lengths.append(row_tokens)
-    plan.concurrency = [concurrency_at(layout, usable, step, n) for n in lengths]
-    if not fits:
-        plan.reason = _not_fit_reason(plan, layout)
-    plan.notes = _notes(plan, hf_config, layout)
-    return plan
+    return plan, layout
 
 
-def _check_inputs(
-    kv_memory_bytes: int | None,
-    gpu_memory_bytes: int | None,
-    utilization: float,
-    max_model_len: int | None,
-    max_num_batched_tokens: int,
-) -> None:
+def _check_inputs(inputs: PlanInputs) -> None:
+    kv_memory_bytes, gpu_memory_bytes = inputs.kv_memory_bytes, inputs.gpu_memory_bytes
     if (kv_memory_bytes is None) == (gpu_memory_bytes is None):
         raise ValueError("give exactly one of kv_memory_bytes and gpu_memory_bytes")
     if kv_memory_bytes is not None and kv_memory_bytes < 0:
         raise ValueError(f"KV memory must be >= 0 bytes, got {kv_memory_bytes}")
     if gpu_memory_bytes is not None and gpu_memory_bytes <= 0:
         raise ValueError(f"GPU memory must be > 0 bytes, got {gpu_memory_bytes}")
-    if not 0 < utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
-    if max_model_len is not None and max_model_len < 1:
-        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-    if max_num_batched_tokens < 1:
-        raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+    if not 0 < inputs.gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {inputs.gpu_memory_utilization}")
+    if inputs.max_model_len is not None and inputs.max_model_len < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {inputs.max_model_len}")
+    if inputs.max_num_batched_tokens < 1:
+        raise ValueError(f"max_num_batched_tokens must be >= 1, got {inputs.max_num_batched_tokens}")
+    if inputs.max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {inputs.max_num_seqs}")
 
 
 def _search_upper(layout: KVLayout, usable: int, requested: int | None, max_pos: Any) -> int:
@@ -251,14 +273,60 @@ def type_usage(layout: KVLayout, num_tokens: int, max_step_tokens: int) -> list[
     return sorted(rows.values(), key=lambda r: (ATTENTION_KINDS.index(r.kind), r.label))
 
 
-def _not_fit_reason(plan: CapacityPlan, layout: KVLayout) -> str:
-    need = peak_blocks(layout, plan.requested_max_model_len or 0, plan.max_num_batched_tokens)
+def _not_fit_reason(plan: CapacityPlan, layout: KVLayout, hf_config: dict[str, Any], inputs: PlanInputs) -> str:
+    if plan.memory is not None and plan.memory.kv_memory_bytes == 0:
+        tp = _smallest_fitting_tp(hf_config, inputs, plan.hybrid)
+        fitting = (f"the smallest tensor-parallel size that fits is {tp}" if tp is not None
+                   else f"no tensor-parallel size up to {TP_CANDIDATES[-1]} fits")
+        return f"{_no_kv_memory(plan.memory, plan.tensor_parallel_size)}; {fitting}"
+    if plan.requested_max_model_len is None:
+        need = peak_blocks(layout, 1, plan.max_num_batched_tokens)
+        return (
+            f"no request fits: {plan.kv_memory_bytes / GIB:.2f} GiB holds {plan.usable_blocks:,} usable blocks of "
+            f"{plan.page_bytes:,} B, and one token needs {need:,}"
+        )
+    need = peak_blocks(layout, plan.requested_max_model_len, plan.max_num_batched_tokens)
     parts = " + ".join(f"{r.label} {r.groups} x {r.blocks_per_group:,}" for r in plan.types)
     return (
         f"max_model_len {plan.requested_max_model_len:,} needs {need:,} blocks ({parts}) of {plan.page_bytes:,} B "
         f"but {plan.kv_memory_bytes / GIB:.2f} GiB holds {plan.usable_blocks:,} usable; "
         f"the longest that fits is {plan.max_model_len:,}"
     )
+
+
+def _no_kv_memory(memory: MemoryEstimate, tensor_parallel_size: int) -> str:
+    """Why the estimate left no KV memory: the weights alone, or with the runtime and the step reserve."""
+    budget = int(memory.gpu_memory_bytes * memory.gpu_memory_utilization)
+    usable = (
+        f"the {budget / GIB:.2f} GiB the engine may use ({memory.gpu_memory_bytes / GIB:.2f} GiB x "
+        f"{memory.gpu_memory_utilization})"
+    )
+    if memory.weights_bytes > budget:
+        return (
+            f"the weights alone ({memory.weights_bytes / GIB:.2f} GiB per rank at tensor-parallel size "
+            f"{tensor_parallel_size}) exceed {usable}"
+        )
+    return (
+        f"weights {memory.weights_bytes / GIB:.2f} GiB + runtime {memory.runtime_bytes / GIB:.2f} GiB + step "
+        f"reserve {memory.activation_reserve_bytes / GIB:.2f} GiB per rank at tensor-parallel size "
+        f"{tensor_parallel_size} leave no KV memory of {usable}"
+    )
+
+
+def _smallest_fitting_tp(hf_config: dict[str, Any], inputs: PlanInputs, hybrid: bool) -> int | None:
+    """The smallest tensor-parallel size above the asked one over which the model's heads split and at which the
+    plan fits; None if no size up to ``TP_CANDIDATES[-1]`` does."""
+    heads = int(text_config(hf_config)["num_attention_heads"])
+    for tp in TP_CANDIDATES:
+        if tp <= inputs.tensor_parallel_size or heads % tp:
+            continue
+        try:
+            plan, _ = _plan(hf_config, replace(inputs, tensor_parallel_size=tp), hybrid)
+        except ValueError:  # the KV heads neither split nor replicate evenly over tp ranks
+            continue
+        if plan.fits:
+            return tp
+    return None
 
 
 def _notes(plan: CapacityPlan, hf_config: dict[str, Any], layout: KVLayout) -> list[str]:

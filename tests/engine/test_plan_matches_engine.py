@@ -17,7 +17,7 @@ import pytest
 from hybridkv.engine.llm_engine import EngineConfig, LLMEngine, size_kv_cache, step_reserve_bytes
 from hybridkv.kv.capacity import GIB
 from hybridkv.engine.runtime import rank_layout
-from hybridkv.kv.planner import plan_capacity
+from hybridkv.kv.planner import PlanInputs, plan_capacity
 from hybridkv.model.attention.triton_paged import SEGMENT_BYTES
 from hybridkv.model.loading.checkpoint import load_checkpoint
 
@@ -26,11 +26,11 @@ MIB = 1 << 20
 
 
 def plan_for(hf_config: dict, config: EngineConfig, kv_bytes: int, max_model_len: int | None = None):
-    return plan_capacity(
-        hf_config, tensor_parallel_size=config.tensor_parallel_size, kv_cache_dtype=config.kv_cache_dtype,
+    return plan_capacity(hf_config, PlanInputs(
+        tensor_parallel_size=config.tensor_parallel_size, kv_cache_dtype=config.kv_cache_dtype,
         block_size=config.block_size, kv_memory_bytes=kv_bytes, max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=max_model_len,
-    )
+    ))
 
 
 def engine_default_len(plan) -> int:
@@ -72,8 +72,9 @@ def test_the_step_reserve_is_one_formula():
     hf_config = json.loads(SCOUT.read_text())
     for config, segment in [(EngineConfig(), 0), (EngineConfig(kv_cache_dtype="fp8_e4m3", max_num_seqs=64),
                                                    SEGMENT_BYTES)]:
-        plan = plan_capacity(hf_config, tensor_parallel_size=8, kv_cache_dtype=config.kv_cache_dtype,
-                             gpu_memory_bytes=139 * GIB, max_num_seqs=config.max_num_seqs, segment_bytes=segment)
+        plan = plan_capacity(hf_config, PlanInputs(tensor_parallel_size=8, kv_cache_dtype=config.kv_cache_dtype,
+                                                   gpu_memory_bytes=139 * GIB, max_num_seqs=config.max_num_seqs,
+                                                   segment_bytes=segment))
         assert plan.memory.activation_reserve_bytes == step_reserve_bytes(config, 5120, 202_048)
 
 

@@ -17,7 +17,7 @@ from tiny_models import random_prompts
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine.llm_engine import EngineConfig, LLMEngine
 from hybridkv.engine.tp_workers import TensorParallelError
-from hybridkv.kv.planner import plan_capacity
+from hybridkv.kv.planner import PlanInputs, plan_capacity
 from hybridkv.model.loading.hf_config import load_hf_config
 
 TP = 2
@@ -133,8 +133,8 @@ def test_tp2_is_token_exact_with_tp1_through_chunked_prefill_and_prefix_cache(ti
     # 2 KV heads: one per rank, so a rank's pages are half as big and the same bytes hold twice the blocks
     assert {s.num_kv_heads for s in llm.engine.layer_specs} == {1}
     assert llm.engine.layout.page_bytes * 2 == one.engine.layout.page_bytes
-    plan = plan_capacity(load_hf_config(path), tensor_parallel_size=TP, kv_cache_dtype="float32", block_size=4,
-                         kv_memory_bytes=KV_BYTES)
+    plan = plan_capacity(load_hf_config(path), PlanInputs(tensor_parallel_size=TP, kv_cache_dtype="float32",
+                                                          block_size=4, kv_memory_bytes=KV_BYTES))
     assert kv.pool.num_usable_blocks == plan.usable_blocks and llm.engine.layout.page_bytes == plan.page_bytes
     assert_rank0_holds_its_shard(llm.engine.model, one.engine.model)
 

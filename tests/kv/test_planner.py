@@ -15,6 +15,7 @@ from hybridkv.kv.planner import (
     GIB,
     RUNTIME_BYTES,
     estimate_weights,
+    PlanInputs,
     plan_capacity,
     plan_to_dict,
 )
@@ -54,9 +55,13 @@ def gemma3_like(**overrides) -> dict:
     return cfg | overrides
 
 
+def make_plan(config: dict, hybrid: bool = True, **inputs):
+    return plan_capacity(config, PlanInputs(**inputs), hybrid=hybrid)
+
+
 def scout_plan(scout: dict, **kw):
     kw.setdefault("kv_memory_bytes", SCOUT_KV)
-    return plan_capacity(scout, tensor_parallel_size=8, **kw)
+    return make_plan(scout, tensor_parallel_size=8, **kw)
 
 
 def test_test_data_matches_shared_config():
@@ -164,7 +169,7 @@ def test_physical_limit_is_a_model_property(scout):
 )
 def test_max_model_len_equals_cache_manager(scout, config, tp, memory, block, step, hybrid):
     cfg = scout if config == "scout" else gemma3_like()
-    plan = plan_capacity(
+    plan = make_plan(
         cfg, tensor_parallel_size=tp, kv_memory_bytes=memory, block_size=block,
         max_num_batched_tokens=step, hybrid=hybrid,
     )
@@ -184,7 +189,7 @@ def test_max_model_len_equals_cache_manager(scout, config, tp, memory, block, st
 @pytest.mark.parametrize("block", [1, 16, 64, 256, 1024])
 @pytest.mark.parametrize("step", [1, 512, 8192])
 def test_gemma3_sliding_rows_keep_a_window_plus_a_step(block, step):
-    plan = plan_capacity(
+    plan = make_plan(
         gemma3_like(), kv_memory_bytes=GIB, block_size=block, max_num_batched_tokens=step, max_model_len=32_768
     )
     full, sliding = plan.types
@@ -197,7 +202,7 @@ def test_gemma3_sliding_rows_keep_a_window_plus_a_step(block, step):
 
 def test_all_sliding_model_is_not_bounded_by_kv():
     cfg = gemma3_like(sliding_window_pattern=None, model_type="mistral")
-    plan = plan_capacity(cfg, kv_memory_bytes=GIB)
+    plan = make_plan(cfg, kv_memory_bytes=GIB)
     assert plan.physical_limit_tokens is None
     assert plan.max_model_len == 32_768 and plan.fits
     assert any("every layer is local" in n for n in plan.notes)
@@ -268,3 +273,27 @@ def test_capacity_docstring_example(scout):
     layout = plan_layout(layer_specs_from_hf_config(scout, 8), 16)
     assert peak_blocks(layout, 131_072, 8192) == 8192 + 3 * 1024 == 11_264
     assert longest_fitting(layout, 11_264, 8192, 10**7) == 131_072
+
+
+def test_weights_beyond_the_gpu_name_the_smallest_tensor_parallel_size_that_fits(scout):
+    """Scout's bf16 weights on one 139.8 GiB GPU leave no KV memory: the reason says the weights alone do not fit
+    and names TP 2, the smallest size at which the same inputs plan a fitting pool (TP 1 is where they do not)."""
+    inputs = dict(gpu_memory_bytes=int(139.8 * GIB))
+    plan = make_plan(scout, **inputs)
+    budget = int(139.8 * GIB * 0.9)
+    assert plan.memory.weights_bytes > budget and plan.kv_memory_bytes == 0 and not plan.fits
+    assert plan.reason.startswith(f"the weights alone ({plan.memory.weights_bytes / GIB:.2f} GiB per rank")
+    assert plan.reason.endswith("the smallest tensor-parallel size that fits is 2")
+    assert make_plan(scout, tensor_parallel_size=2, **inputs).fits
+    # a length no size up to 64 holds (Scout's 40 heads split over 2, 4, 8 only)
+    assert make_plan(scout, max_model_len=10**9, **inputs).reason.endswith("no tensor-parallel size up to 64 fits")
+    # weights that fit, but with the runtime and the step reserve leave nothing: said so, and TP 2 again
+    tight = make_plan(scout, gpu_memory_bytes=int(201 * GIB), gpu_memory_utilization=1.0)
+    assert tight.memory.weights_bytes < 201 * GIB and tight.kv_memory_bytes == 0
+    assert "+ step reserve" in tight.reason and tight.reason.endswith("fits is 2")
+
+
+def test_a_pool_too_small_for_one_token_says_so_without_a_length_asked(scout):
+    plan = scout_plan(scout, kv_memory_bytes=4096)
+    assert plan.usable_blocks == 0 and plan.max_model_len == 0 and not plan.fits
+    assert plan.reason == "no request fits: 0.00 GiB holds 0 usable blocks of 98,304 B, and one token needs 4"

@@ -9,7 +9,7 @@ import pytest
 from test_lifecycle import SHUTDOWN_BOUND, ServerProcess
 
 from hybridkv.engine.llm_engine import EngineConfig, LLMEngine
-from hybridkv.kv.planner import plan_capacity
+from hybridkv.kv.planner import PlanInputs, plan_capacity
 from hybridkv.server.app import build_app
 from hybridkv.server.summary import startup_summary
 from hybridkv.server.tool_calls import ToolConfig
@@ -28,8 +28,8 @@ def summary_for(model_path, tools: ToolConfig | None = None, kv_bytes: int = KV_
 def test_the_summary_states_the_planners_numbers(tiny_model):
     model = tiny_model("gemma3")  # 5 sliding layers (window 8), 1 full, max_position_embeddings 512
     text, engine = summary_for(model.path, ToolConfig(True, "hermes"), kv_offload_bytes=KV_BYTES // 2)
-    plan = plan_capacity(engine.loaded.hf_config, kv_memory_bytes=KV_BYTES, block_size=4, kv_cache_dtype="float32",
-                         max_num_batched_tokens=64)
+    plan = plan_capacity(engine.loaded.hf_config, PlanInputs(kv_memory_bytes=KV_BYTES, block_size=4,
+                                                             kv_cache_dtype="float32", max_num_batched_tokens=64))
     lines = text.splitlines()
     assert lines[0] == "hybridkv serve ready at http://127.0.0.1:8123"
     assert lines[1] == f"  model: {engine.loaded.name}, served as 'tiny' on cpu, float32 (KV cache float32)"
@@ -39,9 +39,9 @@ def test_the_summary_states_the_planners_numbers(tiny_model):
     assert lines[3] == (f"  KV pool: {plan.usable_blocks:,} blocks of 4 tokens ({plan.page_bytes:,} B pages), "
                         f"{plan.pool_tokens:,} tokens per group when shared evenly: full 1 group of 1 layers, "
                         "sliding(8) 5 groups of 1 layers")
-    ratio = next(c for c in plan_capacity(engine.loaded.hf_config, kv_memory_bytes=KV_BYTES, block_size=4,
-                                          kv_cache_dtype="float32", max_num_batched_tokens=64,
-                                          max_model_len=512).concurrency if c.num_tokens == 512)
+    inputs = PlanInputs(kv_memory_bytes=KV_BYTES, block_size=4, kv_cache_dtype="float32", max_num_batched_tokens=64,
+                        max_model_len=512)
+    ratio = next(c for c in plan_capacity(engine.loaded.hf_config, inputs).concurrency if c.num_tokens == 512)
     assert lines[4] == (f"  concurrency at max_model_len: {ratio.ratio:,.2f}x "
                         f"({ratio.blocks_per_request:,} blocks per request)")
     pages = KV_BYTES // 2 // plan.page_bytes
