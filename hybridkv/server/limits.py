@@ -152,7 +152,6 @@ _UNSUPPORTED_BY_ENDPOINT = {
         "echo": "echoing the last message is not supported",
         "continue_final_message": "not supported",
         "chat_template": "a per-request chat template is not supported: the server's is used (--chat-template)",
-        "chat_template_kwargs": "not supported: the chat template gets the messages and the tools only",
         "audio": "audio output is not supported",
     },
 }
