@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API: ``build_app(engine_config or engine)`` returns a FastAPI app.
 
-Routes: ``/health``, ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (both streaming over SSE),
-``/metrics``. Bad input is a 4xx with OpenAI's error body; a client that goes away aborts its request.
+Routes: ``/health``, ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` (all three
+streaming over SSE), ``/metrics``. Bad input is a 4xx with OpenAI's error body; a client that goes away aborts its
+request.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.llm_engine import CompletionOutput, LLMEngine, RequestOutput
 from hybridkv.engine.output_processing import Logprobs, PromptLogprobs
+from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.model.loading.tokenizer import Tokenizer
 from hybridkv.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from hybridkv.server.auth import add_access_middleware
@@ -55,6 +57,8 @@ from hybridkv.server.protocol import (
     UsageInfo,
     random_id,
 )
+from hybridkv.server.responses import ResponseStore, ResponseTurn, renamed
+from hybridkv.server.responses_protocol import ResponsesRequest
 from hybridkv.server.tool_calls import (
     ToolCallStream,
     ToolConfig,
@@ -81,6 +85,7 @@ class ServerState:
     options: ServerOptions = field(default_factory=ServerOptions)
     tools: ToolConfig = field(default_factory=ToolConfig)
     template_renders_tools: bool = False
+    responses: ResponseStore = field(default_factory=ResponseStore)  # for previous_response_id
     _token_strings: dict[int, str] = field(default_factory=dict, repr=False)
 
     def token_str(self, token_id: int) -> str:
@@ -128,6 +133,8 @@ def build_app(engine: LLMEngine | EngineConfig, served_model_name: str | None = 
     app.add_api_route("/metrics", render_metrics, methods=["GET"])
     app.add_api_route("/v1/completions", create_completion, methods=["POST"])
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"])
+    app.add_api_route("/v1/responses", create_response, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", retrieve_response, methods=["GET"])
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
     app.add_api_route("/detokenize", detokenize, methods=["POST"])
     app.add_api_route("/tokenizer_info", tokenizer_info, methods=["GET"])
@@ -185,7 +192,7 @@ async def _parse_body(request: Request, model: type[BaseModel]):
     data = parse_json(raw, limits.max_json_depth)
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
-    refuse_unsupported(data, "chat" if model is ChatCompletionRequest else "completions")
+    refuse_unsupported(data, {ChatCompletionRequest: "chat", ResponsesRequest: "responses"}.get(model, "completions"))
     try:
         return model.model_validate(data)
     except ValidationError as error:
@@ -448,6 +455,21 @@ async def create_chat_completion(request: Request) -> Response:
     body = await _parse_body(request, ChatCompletionRequest)
     state = _state(request)
     _check_model(state, body.model)
+    plan, params, prompt = await _chat_prompt(state, body)
+    request_id = random_id("chatcmpl")
+    stream = await _submit(state, request_id, prompt, params, body.cache_salt)
+    if body.stream:
+        template = ChatCompletionChunk(id=request_id, model=state.model_name, choices=[])
+        return _sse(_chat_chunks(state, stream, template, params.n, body.include_usage, plan), stream)
+    final = await _final_output(stream, request)
+    choices = [_chat_choice(state, o, plan) for o in final.outputs]
+    response = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=_usage(final),
+                                      prompt_logprobs=await _prompt_logprobs_off_loop(state, final))
+    return JSONResponse(response.model_dump())
+
+
+async def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[ToolPlan, SamplingParams, list[int]]:
+    """The request's tool plan, sampling parameters and rendered prompt; APIError 400 naming a bad field."""
     tokenizer = state.tokenizer
     if tokenizer is None:
         raise APIError(400, "chat needs a tokenizer, and this server runs without one (--skip-tokenizer-init): "
@@ -463,16 +485,7 @@ async def create_chat_completion(request: Request) -> Response:
         raise APIError.bad_request(error) from None
     name = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     check_max_tokens(params.max_tokens, len(prompt), state.engine.engine.max_model_len, name)
-    request_id = random_id("chatcmpl")
-    stream = await _submit(state, request_id, prompt, params, body.cache_salt)
-    if body.stream:
-        template = ChatCompletionChunk(id=request_id, model=state.model_name, choices=[])
-        return _sse(_chat_chunks(state, stream, template, params.n, body.include_usage, plan), stream)
-    final = await _final_output(stream, request)
-    choices = [_chat_choice(state, o, plan) for o in final.outputs]
-    response = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=_usage(final),
-                                      prompt_logprobs=await _prompt_logprobs_off_loop(state, final))
-    return JSONResponse(response.model_dump())
+    return plan, params, prompt
 
 
 def _chat_choice(state: ServerState, o: CompletionOutput, plan: ToolPlan) -> ChatChoice:
@@ -520,6 +533,31 @@ async def _chat_chunks(
             yield _event(template.model_copy(update={"choices": [choice]}))
     if include_usage:
         yield _event(template.model_copy(update={"choices": [], "usage": _usage(out)}))
+
+
+# ---- OpenAI's Responses API: a chat request underneath (responses.py translates) ----------------------------
+async def create_response(request: Request) -> Response:
+    body = await _parse_body(request, ResponsesRequest)
+    state = _state(request)
+    _check_model(state, body.model)
+    turn = ResponseTurn(body, state.model_name, state.responses)
+    try:
+        chat = turn.chat_request()
+    except ValueError as error:
+        raise renamed(APIError.bad_request(error)) from None
+    try:
+        plan, params, prompt = await _chat_prompt(state, chat)
+        stream = await _submit(state, turn.id, prompt, params, None)
+    except APIError as error:
+        raise renamed(error) from None
+    if body.stream:
+        return _sse(turn.events(stream, plan), stream, done=False)
+    return JSONResponse(turn.finish(await _final_output(stream, request), plan))
+
+
+async def retrieve_response(request: Request, response_id: str) -> Response:
+    """A stored response, as it was returned."""
+    return JSONResponse(_state(request).responses.response(response_id))
 
 
 # ---- vLLM's tokenizer endpoints ----------------------------------------------------------------------------

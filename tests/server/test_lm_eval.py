@@ -3,7 +3,8 @@ multiple-choice task's per-choice loglikelihoods equal transformers' on the same
 task gets transformers' greedy text cut at its stop strings.
 
 lm-eval finds the server's ``/tokenizer_info`` and ``/tokenize`` and tokenizes through them (its remote tokenizer);
-with ``--batch_size N`` it sends N prompts per request. The checkpoint's tokenizer is the word tokenizer of ``tiny_models.py``: token i is the word ``w<i>``, EOS is w1.
+with ``--batch_size N`` it sends N prompts per request. The checkpoint's tokenizer is the word tokenizer of
+``tiny_models.py``: token i is the word ``w<i>``, EOS is w1.
 """
 
 from __future__ import annotations
