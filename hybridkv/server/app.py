@@ -285,16 +285,17 @@ async def create_completion(request: Request) -> Response:
 async def _submit_all(state: ServerState, request_id: str, prompts: list[list[int]], params,
                       cache_salt) -> list[RequestStream]:
     """One engine request per prompt (ids ``request_id``, then ``request_id-1`` ...); if one is refused, those
-    already queued are aborted."""
-    streams: list[RequestStream] = []
-    try:
-        for i, ids in enumerate(prompts):
-            streams.append(await _submit(state, request_id if i == 0 else f"{request_id}-{i}", ids, params,
-                                         cache_salt))
-    except BaseException:
+    already queued are aborted. The first goes alone (any grammar is compiled once, for it); the rest together,
+    so that the engine takes them in one step rather than one step each."""
+    first = await _submit(state, request_id, prompts[0], params, cache_salt)
+    rest = await asyncio.gather(*(_submit(state, f"{request_id}-{i}", ids, params, cache_salt)
+                                  for i, ids in enumerate(prompts[1:], 1)), return_exceptions=True)
+    streams = [first, *(s for s in rest if isinstance(s, RequestStream))]
+    error = next((e for e in rest if isinstance(e, BaseException)), None)
+    if error is not None:
         for stream in streams:
             stream.abort()
-        raise
+        raise error
     return streams
 
 
