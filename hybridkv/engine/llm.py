@@ -74,9 +74,11 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template (or ``chat_template``) to one conversation or a list of them, then
-        generate. ``tools`` (OpenAI's tool definitions) go to the template; the output is not parsed, as in vLLM."""
+        generate. ``tools`` (OpenAI's tool definitions) and ``chat_template_kwargs`` (e.g. ``{"enable_thinking":
+        False}``) go to the template; the output is not parsed, as in vLLM."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         if tok is None:
@@ -84,7 +86,8 @@ class LLM:
         if chat_template is not None:
             tok = replace(tok, chat_template=chat_template)
         prompts = [
-            {"prompt_token_ids": self.engine.chat_token_ids(list(c), add_generation_prompt, tools, tok)}
+            {"prompt_token_ids": self.engine.chat_token_ids(list(c), add_generation_prompt, tools, tok,
+                                                                template_kwargs=chat_template_kwargs)}
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -48,6 +48,9 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 # stands for a sampled token still on the device (async scheduling): never a real id, never hashed or fed as one
 PLACEHOLDER = -1
 
+# what the engine itself hands a chat template; a request's template kwargs may not replace them
+_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "tools", "bos_token", "eos_token")
+
 
 @dataclass(slots=True)
 class CompletionOutput:
@@ -325,16 +328,22 @@ class LLMEngine:
     def chat_token_ids(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None, tokenizer: Tokenizer | None = None,
-        add_special_tokens: bool = False,
+        add_special_tokens: bool = False, template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a conversation rendered by the chat template, tokenized like a text prompt (with its length
         check) but without special tokens (unless ``add_special_tokens``): the template writes any BOS itself.
         ``tools`` (OpenAI's tool definitions) go to the template. ``tokenizer``: this engine's with another chat
-        template."""
+        template. ``template_kwargs``: more variables for the template (vLLM's ``chat_template_kwargs``, e.g.
+        ``{"enable_thinking": False}``); the ones set here (``messages``, ``tools`` ...) are refused."""
         tok = tokenizer or self.tokenizer
         if tok is None:
             raise ValueError("chat needs a tokenizer, and this engine has none (skip_tokenizer_init)")
         extra = {"tools": tools} if tools else {}
+        for name, value in (template_kwargs or {}).items():
+            if name in _TEMPLATE_VARIABLES:
+                raise ValueError(f"chat_template_kwargs: {name!r} is set from the request itself, so it cannot be "
+                                 f"passed here (reserved: {', '.join(_TEMPLATE_VARIABLES)})")
+            extra[name] = value
         text = tok.apply_chat_template(messages, add_generation_prompt, **extra)
         return self.tokenize(text, add_special_tokens=add_special_tokens)
 

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API: ``build_app(engine_config or engine)`` returns a FastAPI app.
 
-Routes: ``/health``, ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (both streaming over SSE),
-``/metrics``. Bad input is a 4xx with OpenAI's error body; a client that goes away aborts its request.
+Routes: ``/health``, ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` (all three
+streaming over SSE), ``/metrics``. Bad input is a 4xx with OpenAI's error body; a client that goes away aborts its
+request.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.llm_engine import CompletionOutput, LLMEngine, RequestOutput
 from hybridkv.engine.output_processing import Logprobs, PromptLogprobs
+from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.model.loading.tokenizer import Tokenizer
 from hybridkv.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from hybridkv.server.auth import add_access_middleware
@@ -55,6 +57,8 @@ from hybridkv.server.protocol import (
     UsageInfo,
     random_id,
 )
+from hybridkv.server.responses import ResponseStore, ResponseTurn, renamed
+from hybridkv.server.responses_protocol import ResponsesRequest
 from hybridkv.server.tool_calls import (
     ToolCallStream,
     ToolConfig,
@@ -81,6 +85,7 @@ class ServerState:
     options: ServerOptions = field(default_factory=ServerOptions)
     tools: ToolConfig = field(default_factory=ToolConfig)
     template_renders_tools: bool = False
+    responses: ResponseStore = field(default_factory=ResponseStore)  # for previous_response_id
     _token_strings: dict[int, str] = field(default_factory=dict, repr=False)
 
     def token_str(self, token_id: int) -> str:
@@ -128,6 +133,8 @@ def build_app(engine: LLMEngine | EngineConfig, served_model_name: str | None = 
     app.add_api_route("/metrics", render_metrics, methods=["GET"])
     app.add_api_route("/v1/completions", create_completion, methods=["POST"])
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"])
+    app.add_api_route("/v1/responses", create_response, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", retrieve_response, methods=["GET"])
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
     app.add_api_route("/detokenize", detokenize, methods=["POST"])
     app.add_api_route("/tokenizer_info", tokenizer_info, methods=["GET"])
@@ -185,7 +192,7 @@ async def _parse_body(request: Request, model: type[BaseModel]):
     data = parse_json(raw, limits.max_json_depth)
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
-    refuse_unsupported(data, "chat" if model is ChatCompletionRequest else "completions")
+    refuse_unsupported(data, {ChatCompletionRequest: "chat", ResponsesRequest: "responses"}.get(model, "completions"))
     try:
         return model.model_validate(data)
     except ValidationError as error:
@@ -242,36 +249,64 @@ async def render_metrics(request: Request) -> Response:
 
 # ---- completions -------------------------------------------------------------------------------------------
 async def create_completion(request: Request) -> Response:
+    """One prompt or a list of them (vLLM's batch): prompt i's ``n`` choices are indices ``i*n .. i*n+n-1``, and
+    usage is their sum."""
     body = await _parse_body(request, CompletionRequest)
     state = _state(request)
     _check_model(state, body.model)
     try:
-        prompt, params = body.single_prompt(), body.sampling_params()
+        prompts, params = body.prompts(), body.sampling_params()
     except ValueError as error:
         raise APIError.bad_request(error) from None
     if body.echo and state.tokenizer is None:
         raise APIError(400, "echo: needs a tokenizer to write the prompt's text, and this server runs without one "
                             "(--skip-tokenizer-init)", "echo")
-    text = prompt if isinstance(prompt, str) else None
-    prompt = await _prompt_ids(state, prompt, params.max_tokens, "max_tokens")
+    ids = [await _prompt_ids(state, p, params.max_tokens, "max_tokens") for p in prompts]  # all checked first
     request_id = random_id("cmpl")
-    stream = await _submit(state, request_id, prompt, params, body.cache_salt)
+    streams = await _submit_all(state, request_id, ids, params, body.cache_salt)
     response = CompletionResponse(id=request_id, model=state.model_name, choices=[])
-    echo = _Echo(state, body, text) if body.echo else None
+    echoes = [_Echo(state, body, p if isinstance(p, str) else None) if body.echo else None for p in prompts]
     if body.stream:
-        chunks = _completion_chunks(state, stream, response, body.include_usage, echo)
-        return _sse(chunks, stream)
-    final = await _final_output(stream, request)
-    response.choices = [_completion_choice(state, o, o.text, o.logprobs) for o in final.outputs]
-    response.usage = _usage(final)
-    prompt_logprobs = await _prompt_logprobs_off_loop(state, final)
-    for choice, o in zip(response.choices, final.outputs):
-        choice.prompt_logprobs = prompt_logprobs
-        if echo is not None:
-            echo.apply(choice, final, o.logprobs)
-    if echo is not None:
-        echo.usage(response.usage)
+        chunks = _completion_chunks(state, streams, response, body.include_usage, echoes, params.n)
+        return _sse(chunks, *streams)
+    finals = await _final_outputs(streams, request)
+    for i, (final, echo) in enumerate(zip(finals, echoes)):
+        prompt_logprobs = await _prompt_logprobs_off_loop(state, final)
+        for o in final.outputs:
+            choice = _completion_choice(state, o, o.text, o.logprobs, i * params.n)
+            choice.prompt_logprobs = prompt_logprobs
+            if echo is not None:
+                echo.apply(choice, final, o.logprobs)
+            response.choices.append(choice)
+    response.usage = _summed_usage(finals, echoes)
     return JSONResponse(response.model_dump())
+
+
+async def _submit_all(state: ServerState, request_id: str, prompts: list[list[int]], params,
+                      cache_salt) -> list[RequestStream]:
+    """One engine request per prompt (ids ``request_id``, then ``request_id-1`` ...); if one is refused, those
+    already queued are aborted. The first goes alone (any grammar is compiled once, for it); the rest together,
+    so that the engine takes them in one step rather than one step each."""
+    first = await _submit(state, request_id, prompts[0], params, cache_salt)
+    rest = await asyncio.gather(*(_submit(state, f"{request_id}-{i}", ids, params, cache_salt)
+                                  for i, ids in enumerate(prompts[1:], 1)), return_exceptions=True)
+    streams = [first, *(s for s in rest if isinstance(s, RequestStream))]
+    error = next((e for e in rest if isinstance(e, BaseException)), None)
+    if error is not None:
+        for stream in streams:
+            stream.abort()
+        raise error
+    return streams
+
+
+def _summed_usage(finals: list[RequestOutput], echoes: list[_Echo | None]) -> UsageInfo:
+    total = UsageInfo()
+    for final, echo in zip(finals, echoes):
+        usage = _usage(final) if echo is None else echo.usage(_usage(final))
+        total.prompt_tokens += usage.prompt_tokens
+        total.completion_tokens += usage.completion_tokens
+        total.total_tokens += usage.total_tokens
+    return total
 
 
 @dataclass(slots=True)
@@ -335,9 +370,11 @@ def _finite(logprob: float) -> float:
     return max(logprob, -9999.0)
 
 
-def _completion_choice(state: ServerState, o: CompletionOutput, text: str, rows: list[Logprobs] | None):
+def _completion_choice(state: ServerState, o: CompletionOutput, text: str, rows: list[Logprobs] | None,
+                       first_index: int = 0):
+    """``first_index``: the index of the prompt's first choice (prompt i of a list: ``i * n``)."""
     logprobs = None if rows is None else _completion_logprobs(state, rows)
-    return CompletionChoice(index=o.index, text=text, logprobs=logprobs, finish_reason=o.finish_reason,
+    return CompletionChoice(index=first_index + o.index, text=text, logprobs=logprobs, finish_reason=o.finish_reason,
                             stop_reason=o.stop_reason)
 
 
@@ -362,21 +399,56 @@ def _append_logprob(out: CompletionLogprobs, token: str, logprob: float | None, 
 
 
 async def _completion_chunks(
-    state: ServerState, stream: RequestStream, template: CompletionResponse, include_usage: bool,
-    echo: _Echo | None = None,
+    state: ServerState, streams: list[RequestStream], template: CompletionResponse, include_usage: bool,
+    echoes: list[_Echo | None], n: int,
 ) -> AsyncIterator[str]:
-    deltas = ChoiceDeltas()
-    echoed: set[int] = set()
-    async for out in stream:
-        for o, rows in deltas.new(out):
-            choice = _completion_choice(state, o, o.delta_text, rows)
-            if echo is not None and o.index not in echoed:  # max_tokens 0: this first chunk is also the last
+    """The prompts' chunks as each comes (prompt i's choices at ``i*n ..``); usage, summed, after the last."""
+    deltas = [ChoiceDeltas() for _ in streams]
+    echoed: set[tuple[int, int]] = set()
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in _merged(streams):
+        finals[i] = out
+        for o, rows in deltas[i].new(out):
+            choice = _completion_choice(state, o, o.delta_text, rows, i * n)
+            echo = echoes[i]
+            if echo is not None and (i, o.index) not in echoed:  # max_tokens 0: this first chunk is also the last
                 echo.apply(choice, out, rows)
-                echoed.add(o.index)
+                echoed.add((i, o.index))
             yield _event(template.model_copy(update={"choices": [choice]}))
     if include_usage:
-        usage = _usage(out) if echo is None else echo.usage(_usage(out))
-        yield _event(template.model_copy(update={"choices": [], "usage": usage}))
+        yield _event(template.model_copy(update={"choices": [], "usage": _summed_usage(finals, echoes)}))
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(stream index, output) from several streams as each output arrives; a stream's error is raised here."""
+    if len(streams) == 1:  # the common case needs no tasks
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except Exception as error:  # noqa: BLE001 - raised by the consumer
+            await queue.put((i, error))
+        await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 # ---- chat completions --------------------------------------------------------------------------------------
@@ -384,20 +456,7 @@ async def create_chat_completion(request: Request) -> Response:
     body = await _parse_body(request, ChatCompletionRequest)
     state = _state(request)
     _check_model(state, body.model)
-    tokenizer = state.tokenizer
-    if tokenizer is None:
-        raise APIError(400, "chat needs a tokenizer, and this server runs without one (--skip-tokenizer-init): "
-                            "use /v1/completions with token ids")
-    try:
-        plan = plan_tools(body, state.tools, state.template_renders_tools)
-        params = body.sampling_params(plan.constraint)
-        # rendered and tokenized off the event loop (other requests keep streaming)
-        prompt = await asyncio.to_thread(state.engine.engine.chat_token_ids, body.template_messages(),
-                                         body.add_generation_prompt, plan.template_tools, tokenizer)
-    except ValueError as error:
-        raise APIError.bad_request(error) from None
-    name = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
-    check_max_tokens(params.max_tokens, len(prompt), state.engine.engine.max_model_len, name)
+    plan, params, prompt = await _chat_prompt(state, body)
     request_id = random_id("chatcmpl")
     stream = await _submit(state, request_id, prompt, params, body.cache_salt)
     if body.stream:
@@ -408,6 +467,26 @@ async def create_chat_completion(request: Request) -> Response:
     response = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=_usage(final),
                                       prompt_logprobs=await _prompt_logprobs_off_loop(state, final))
     return JSONResponse(response.model_dump())
+
+
+async def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[ToolPlan, SamplingParams, list[int]]:
+    """The request's tool plan, sampling parameters and rendered prompt; APIError 400 naming a bad field."""
+    tokenizer = state.tokenizer
+    if tokenizer is None:
+        raise APIError(400, "chat needs a tokenizer, and this server runs without one (--skip-tokenizer-init): "
+                            "use /v1/completions with token ids")
+    try:
+        plan = plan_tools(body, state.tools, state.template_renders_tools)
+        params = body.sampling_params(plan.constraint)
+        # rendered and tokenized off the event loop (other requests keep streaming)
+        prompt = await asyncio.to_thread(state.engine.engine.chat_token_ids, body.template_messages(),
+                                         body.add_generation_prompt, plan.template_tools, tokenizer,
+                                         template_kwargs=body.chat_template_kwargs)
+    except ValueError as error:
+        raise APIError.bad_request(error) from None
+    name = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+    check_max_tokens(params.max_tokens, len(prompt), state.engine.engine.max_model_len, name)
+    return plan, params, prompt
 
 
 def _chat_choice(state: ServerState, o: CompletionOutput, plan: ToolPlan) -> ChatChoice:
@@ -457,6 +536,31 @@ async def _chat_chunks(
         yield _event(template.model_copy(update={"choices": [], "usage": _usage(out)}))
 
 
+# ---- OpenAI's Responses API: a chat request underneath (responses.py translates) ----------------------------
+async def create_response(request: Request) -> Response:
+    body = await _parse_body(request, ResponsesRequest)
+    state = _state(request)
+    _check_model(state, body.model)
+    turn = ResponseTurn(body, state.model_name, state.responses)
+    try:
+        chat = turn.chat_request()
+    except ValueError as error:
+        raise renamed(APIError.bad_request(error)) from None
+    try:
+        plan, params, prompt = await _chat_prompt(state, chat)
+        stream = await _submit(state, turn.id, prompt, params, None)
+    except APIError as error:
+        raise renamed(error) from None
+    if body.stream:
+        return _sse(turn.events(stream, plan), stream, done=False)
+    return JSONResponse(turn.finish(await _final_output(stream, request), plan))
+
+
+async def retrieve_response(request: Request, response_id: str) -> Response:
+    """A stored response, as it was returned."""
+    return JSONResponse(_state(request).responses.response(response_id))
+
+
 # ---- vLLM's tokenizer endpoints ----------------------------------------------------------------------------
 def _tokenizer(state: ServerState, endpoint: str) -> Tokenizer:
     if state.tokenizer is None:
@@ -486,7 +590,8 @@ async def tokenize(request: Request) -> Response:
 def _chat_ids(engine: LLMEngine, tokenizer: Tokenizer, body: TokenizeRequest) -> list[int]:
     tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
     return engine.chat_token_ids([m.template_dict() for m in body.messages], body.add_generation_prompt, tools,
-                                 tokenizer, add_special_tokens=bool(body.add_special_tokens))
+                                 tokenizer, add_special_tokens=bool(body.add_special_tokens),
+                                 template_kwargs=body.chat_template_kwargs)
 
 
 async def detokenize(request: Request) -> Response:
@@ -541,16 +646,19 @@ class ChoiceDeltas:
             yield o, None if o.logprobs is None else o.logprobs[start:end]
 
 
-def _sse(events: AsyncIterator[str], stream: RequestStream) -> StreamingResponse:
+def _sse(events: AsyncIterator[str], *streams: RequestStream, done: bool = True) -> StreamingResponse:
+    """``done``: end with ``data: [DONE]`` (the completion endpoints; the Responses API has no such event)."""
     async def body() -> AsyncIterator[str]:
         try:
             async for event in events:
                 yield event
-            yield "data: [DONE]\n\n"
+            if done:
+                yield "data: [DONE]\n\n"
         except EngineDeadError as error:
             yield _event(error_body(503, str(error)))
-        finally:  # the client went away (cancellation) or we are done: either way free the request
-            stream.abort()
+        finally:  # the client went away (cancellation) or we are done: either way free the requests
+            for stream in streams:
+                stream.abort()
 
     return StreamingResponse(body(), media_type="text/event-stream")
 
@@ -561,7 +669,12 @@ def _event(model) -> str:
 
 async def _final_output(stream: RequestStream, request: Request) -> RequestOutput:
     """The request's last output; aborts it if the client disconnects first."""
-    task = asyncio.ensure_future(_last(stream))
+    return (await _final_outputs([stream], request))[0]
+
+
+async def _final_outputs(streams: list[RequestStream], request: Request) -> list[RequestOutput]:
+    """Each request's last output; aborts them all if the client disconnects first (or one fails)."""
+    task = asyncio.ensure_future(asyncio.gather(*(_last(s) for s in streams)))
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
@@ -571,10 +684,11 @@ async def _final_output(stream: RequestStream, request: Request) -> RequestOutpu
                 raise APIError(499, "client disconnected")
     finally:
         task.cancel()
-        stream.abort()
+        for stream in streams:
+            stream.abort()
 
 
-def _result(task: asyncio.Future) -> RequestOutput:
+def _result(task: asyncio.Future):
     try:
         return task.result()
     except EngineDeadError as error:

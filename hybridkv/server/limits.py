@@ -152,8 +152,17 @@ _UNSUPPORTED_BY_ENDPOINT = {
         "echo": "echoing the last message is not supported",
         "continue_final_message": "not supported",
         "chat_template": "a per-request chat template is not supported: the server's is used (--chat-template)",
-        "chat_template_kwargs": "not supported: the chat template gets the messages and the tools only",
         "audio": "audio output is not supported",
+    },
+    "responses": {
+        "background": "background responses are not supported: send stream: true to follow a long one",
+        "conversation": "conversations are not supported: chain responses with previous_response_id",
+        "prompt": "prompt templates are not supported: send input and instructions",
+        "reasoning": "reasoning options are not supported: this server runs no reasoning parser",
+        "max_tool_calls": "not supported",
+        "top_logprobs": "logprobs are not supported on /v1/responses; use /v1/chat/completions",
+        "include": "extra output data is not supported (no logprobs, reasoning or tool outputs to include)",
+        "context_management": "not supported",
     },
 }
 

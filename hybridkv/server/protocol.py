@@ -143,14 +143,17 @@ class CompletionRequest(_SamplingFields):
     def echo_only(self) -> bool:
         return self.echo and self.max_tokens == 0
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt this request carries; batches of prompts are refused with ValueError."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts this request carries, as vLLM reads ``prompt``: a string or a list of token ids is one
+        prompt; a list of strings or of token-id lists is several.
+
+        >>> CompletionRequest(prompt=["a", "b"]).prompts(), CompletionRequest(prompt=[1, 2]).prompts()
+        (['a', 'b'], [[1, 2]])
+        """
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise ValueError(f"prompt: exactly one prompt per request is supported, got {len(prompt)}")
-            prompt = prompt[0]
-        return prompt
+            return list(prompt)
+        return [prompt]
 
 
 class TextPart(_Model):
@@ -194,6 +197,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
     functions: list[Any] | None = None  # OpenAI's removed predecessors of tools: refused, see tool_calls.py
     function_call: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
 
     def sampling_params(self, tool_constraint: StructuredOutputsParams | None = None) -> SamplingParams:
         """``tool_constraint``: the grammar that ``tool_choice`` required or a named function asks for."""
@@ -230,6 +234,7 @@ class TokenizeRequest(_Model):
     continue_final_message: bool = False
     return_token_strs: bool = False
     tools: list[ToolDefinition] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

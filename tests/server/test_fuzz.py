@@ -1,6 +1,7 @@
-"""Hypothesis-generated requests (plausible values, edge values and arbitrary JSON in every field of both
-endpoints; strings with unpaired surrogates and NUL characters; raw bodies with NUL bytes and Content-Lengths that
-lie): every answer is a 2xx or a 4xx, and the server is healthy and holds no request or KV block after.
+"""Hypothesis-generated requests (plausible values, edge values and arbitrary JSON in every field of the three
+generating endpoints; strings with unpaired surrogates and NUL characters; raw bodies with NUL bytes and
+Content-Lengths that lie): every answer is a 2xx or a 4xx, and the server is healthy and holds no request or KV
+block after.
 
 Derandomized, so CI runs the same examples every time."""
 
@@ -94,12 +95,43 @@ message = st.fixed_dictionaries(
 CHAT = {**SAMPLING, "max_completion_tokens": few_tokens, "logprobs": st.booleans(),
         "top_logprobs": mostly(st.integers(0, 5), st.integers(-1, 21) | edge_ints),
         "add_generation_prompt": st.booleans(), "modalities": mostly(st.just(["text"]), st.just(["audio"]))}
+# the Responses API: input items, flat function tools, text.format, and the fields it refuses
+input_part = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                                    "text": text})
+input_item = st.one_of(
+    st.fixed_dictionaries({"role": mostly(st.sampled_from(["user", "assistant", "system", "developer"]),
+                                          st.just("tool"))},
+                          optional={"type": st.just("message"), "content": text | st.lists(input_part, max_size=2)}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": text, "name": text,
+                           "arguments": mostly(st.just('{"city": "Oslo"}'), text)}),
+    st.fixed_dictionaries({"type": mostly(st.just("function_call_output"), st.just("reasoning")), "call_id": text,
+                           "output": text}),
+)
+function_tool = st.fixed_dictionaries(
+    {"type": mostly(st.just("function"), st.just("web_search")), "name": mostly(st.just("get_weather"), text)},
+    optional={"parameters": mostly(st.just({"type": "object", "properties": {"city": {"type": "string"}}}),
+                                   any_json),
+              "description": text})
+text_format = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "json_object", "json_schema", "grammar"])},
+    optional={"name": text, "schema": mostly(st.just({"type": "object"}), any_json), "strict": st.booleans()})
+RESPONSES = {
+    "model": SAMPLING["model"], "temperature": SAMPLING["temperature"], "top_p": SAMPLING["top_p"],
+    "stream": st.booleans(), "instructions": text, "tools": st.lists(function_tool, max_size=2),
+    "tool_choice": st.sampled_from(["none", "auto", "required"]) | st.fixed_dictionaries(
+        {"type": st.just("function"), "name": mostly(st.just("get_weather"), text)}),
+    "parallel_tool_calls": st.booleans(), "text": st.fixed_dictionaries({}, optional={"format": text_format}),
+    "previous_response_id": text, "store": st.booleans(), "metadata": st.dictionaries(text, text, max_size=2),
+    "background": mostly(st.none(), st.just(True)), "include": mostly(st.just([]), st.just(["file_search_call"])),
+    "truncation": mostly(st.just("disabled"), st.just("auto")), "reasoning": mostly(st.none(), any_json),
+}
 REQUIRED = {
     "/v1/completions": {"prompt": text | token_ids | st.lists(text, max_size=2) | st.lists(token_ids, max_size=2),
                         "max_tokens": few_tokens},
     "/v1/chat/completions": {"messages": st.lists(message, min_size=1, max_size=3), "max_tokens": few_tokens},
+    "/v1/responses": {"input": text | st.lists(input_item, min_size=1, max_size=3), "max_output_tokens": few_tokens},
 }
-OPTIONAL = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT}
+OPTIONAL = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT, "/v1/responses": RESPONSES}
 
 
 def plausible(path: str) -> st.SearchStrategy:
@@ -120,12 +152,17 @@ ODD_PLACES = {
                                        {"messages": [{"role": "user", "content": [{"type": "text", "text": t}]}]},
                                        {"messages": [{"role": "user", "content": "hi", "name": t}]},
                                        {"messages": [{"role": "user", "content": "hi"}], "model": t}],
+    "/v1/responses": lambda t: [{"input": t}, {"input": [{"role": "user", "content": [{"type": "input_text",
+                                                                                        "text": t}]}]},
+                                {"input": "hi", "instructions": t}, {"input": "hi", "previous_response_id": t},
+                                {"input": [{"type": "function_call_output", "call_id": "c", "output": t}]}],
 }
 
 
 def odd_string_body(path: str) -> st.SearchStrategy:
+    limit = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
     return st.tuples(odd_strings, st.integers(0, 4)).map(
-        lambda t: {**(places := ODD_PLACES[path](t[0]))[t[1] % len(places)], "max_tokens": 2})
+        lambda t: {**(places := ODD_PLACES[path](t[0]))[t[1] % len(places)], limit: 2})
 
 
 PATHS = sorted(REQUIRED)
@@ -174,7 +211,7 @@ def exchange(port: int, raw: bytes) -> tuple[int, bytes]:
     return int(response.split(b" ", 2)[1]), response
 
 
-@settings(max_examples=200, deadline=None, derandomize=True, database=None,
+@settings(max_examples=300, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(request=requests)
 def test_no_request_gets_a_5xx(client, request):
@@ -184,6 +221,9 @@ def test_no_request_gets_a_5xx(client, request):
     if r.status_code >= 400:
         error = r.json()["error"]
         assert error["code"] == r.status_code and error["message"]
+    elif r.headers["content-type"].startswith("text/event-stream") and path == "/v1/responses":
+        last = r.text.rstrip().rsplit("\n\n", 1)[-1]  # no [DONE] here: the last event closes the response
+        assert last.split("\n")[0] in ("event: response.completed", "event: response.incomplete"), r.text
     elif r.headers["content-type"].startswith("text/event-stream"):
         assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text, r.text
 

@@ -3,7 +3,8 @@ multiple-choice task's per-choice loglikelihoods equal transformers' on the same
 task gets transformers' greedy text cut at its stop strings.
 
 lm-eval finds the server's ``/tokenizer_info`` and ``/tokenize`` and tokenizes through them (its remote tokenizer);
-the checkpoint's tokenizer is the word tokenizer of ``tiny_models.py``: token i is the word ``w<i>``, EOS is w1.
+with ``--batch_size N`` it sends N prompts per request. The checkpoint's tokenizer is the word tokenizer of
+``tiny_models.py``: token i is the word ``w<i>``, EOS is w1.
 """
 
 from __future__ import annotations
@@ -98,7 +99,10 @@ def server(model):
         yield srv
 
 
-def test_lm_eval_local_completions_matches_transformers(server, model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_lm_eval_local_completions_matches_transformers(server, model, tmp_path, monkeypatch, batch_size):
+    """``batch_size`` 4: lm-eval sends up to 4 prompts (token-id lists) per request and reads the choices back by
+    their ``index``."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # the json loader needs nothing from the hub
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     write_tasks(tmp_path, model)
@@ -111,6 +115,7 @@ def test_lm_eval_local_completions_matches_transformers(server, model, tmp_path,
         tasks=["hybridkv_mc", "hybridkv_gen"],
         task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
         log_samples=True,
+        batch_size=batch_size,
     )
     samples = results["samples"]["hybridkv_mc"]
     assert len(samples) == len(MC_DOCS) + 1

@@ -193,7 +193,7 @@ BAD_INPUTS = {
     "too long": (COMPLETIONS, {"prompt": [1] * 600}, 400, f"600 tokens long but max_model_len is {MAX_MODEL_LEN}"),
     "empty prompt": (COMPLETIONS, {"prompt": ""}, 400, "empty"),
     "token outside vocab": (COMPLETIONS, {"prompt": [10**9]}, 400, "outside the vocabulary"),
-    "two prompts": (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "one prompt"),
+    "a bad prompt in a list": (COMPLETIONS, {"prompt": [[1], [1] * 600]}, 400, "600 tokens long"),
 }
 
 
