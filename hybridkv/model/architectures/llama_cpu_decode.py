@@ -103,7 +103,7 @@ def _layer_of(layer: nn.Module) -> _Layer | None:
 class CpuDecodeLlama(nn.Module):
     """A ``CausalLM``: a 4-bit Llama-2/3 (``llama.LlamaForCausalLM``, placed on the CPU) whose steps of fewer than
     ``DENSE_ROWS`` tokens run ``CpuDecodeLayers``; larger ones, the model's own forward. The model is its one
-    child: the same parameters and modules, the packed layers' names prefixed with ``model.``."""
+    child: the same parameters and modules, their names prefixed with ``model.``."""
 
     supports_cuda_graphs = False
     supports_step_halves = False
