@@ -88,7 +88,7 @@ def main() -> None:
     rows = []
     for name in args.model:
         loaded = load_checkpoint(name, torch.bfloat16, progress=False)
-        model = loaded.model.to(args.device).eval()
+        model = loaded.model.place(args.device)
         seqs = corpus(loaded.tokenizer, args.seq_len, args.num_seqs)
         run = lambda kv_dtype, fp8: log_probs(  # noqa: E731
             model, loaded.hf_config, seqs, kv_dtype, fp8, args.block_size, args.step, args.device, args.backend)

@@ -85,7 +85,7 @@ def random_model(cfg: dict, device: str = "cuda") -> LlamaForCausalLM:
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02)
-    return model
+    return model.place(device)
 
 
 # 64-token pages: a prefill key tile (64 keys) then lies in one page, one table entry per tile instead of one per

@@ -170,8 +170,7 @@ class LLMEngine:
         self.loaded = loaded or _load_rank0(config, dtype, tp)
         if tp.size > 1 and loaded is not None:
             raise ValueError("tensor_parallel_size > 1 loads each rank's shard itself: pass model, not loaded")
-        self.model = self.loaded.model.to(device=config.device, dtype=dtype).eval()
-        self.int4_linears = _keep_4bit_weights(self.model, config, tp)
+        self.model, self.int4_linears = _keep_4bit_weights(self.loaded.model.place(config.device, dtype), config, tp)
         self.tokenizer = None if config.skip_tokenizer_init else self.loaded.tokenizer
         hf_config = self.loaded.hf_config
         kv_dtype = config.kv_cache_dtype
@@ -625,14 +624,15 @@ def _load_rank0(config: EngineConfig, dtype: torch.dtype, tp: TPGroup) -> Loaded
                            load_format=config.load_format, device=config.device, seed=config.seed)
 
 
-def _keep_4bit_weights(model: torch.nn.Module, config: EngineConfig, tp: TPGroup) -> int:
+def _keep_4bit_weights(model: torch.nn.Module, config: EngineConfig, tp: TPGroup) -> tuple[torch.nn.Module, int]:
     """``quantization`` auto on CPU: a GGUF's Q4_1 linear layers packed 4-bit (``model/int4_cpu.py``), and the
-    output head given an int8 copy for greedy rows (``model/int8_head_cpu.py``); returns how many linears were
-    packed (0: the model runs in its dtype, its head float32 for every row)."""
+    output head given an int8 copy for greedy rows (``model/int8_head_cpu.py``); returns the model to run (placed
+    again once packed: a 4-bit Llama's small steps in one loop) and how many linears were packed (0: the model
+    runs in its dtype, its head float32 for every row)."""
     if config.quantization not in ("auto", "none"):
         raise ValueError(f"unknown quantization {config.quantization!r}; choose auto or none")
     if config.quantization == "none" or config.device != "cpu" or tp.size > 1 or not int4_kernel_available():
-        return 0
+        return model, 0
     packed = pack_int4_linears(model, model.residual_branch_ends)
     if packed:
         head = model.embed_tokens if model.lm_head is None else model.lm_head
@@ -642,7 +642,7 @@ def _keep_4bit_weights(model: torch.nn.Module, config: EngineConfig, tp: TPGroup
                   else f"greedy tokens screened by an int8 head ({head.argmax_head.kind}'s GEMM)")
         log.info("%d linear layers kept 4-bit (Q4_1 weights, bf16 activations), %s; quantization=none: float32",
                  packed, screen)
-    return packed
+    return (model.place(config.device) if packed else model), packed
 
 
 def cpu_threads(asked: int) -> int:

@@ -147,7 +147,7 @@ def _build_runner(spec: WorkerSpec, tp: TPGroup) -> ModelRunner:
     c, device = spec.config, device_for_rank(spec.device, spec.rank)
     loaded = load_checkpoint(c.model, spec.dtype, progress=False, tokenizer=False, tp=tp, load_format=c.load_format,
                              device=device, seed=c.seed)
-    model = loaded.model.to(device=device, dtype=spec.dtype).eval()
+    model = loaded.model.place(device, spec.dtype)
     # the same layout and block count as the driver's, so its block tables address this rank's cache
     layout = rank_layout(loaded.hf_config, tp.size, spec.kv_dtype, c.block_size)
     return build_runtime(model, layout, spec.num_blocks, spec.kv_dtype, c.attention_backend, device,

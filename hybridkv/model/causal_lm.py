@@ -47,6 +47,12 @@ class CausalLM(Protocol):
         ``outputs`` (a paged ``attn``): only those rows' [N, hidden], the last layer computing only them."""
         ...
 
+    def place(self, device: torch.device | str, dtype: torch.dtype | None = None) -> CausalLM:
+        """This model on ``device`` (in ``dtype``; None: as it is) with its layers' ops bound for that device, once
+        (``architectures/device_ops.py``), or a wrapper of it that runs its steps (a 4-bit Llama on the CPU). A
+        model never placed runs its eager torch ops, on the CPU."""
+        ...
+
     def compute_logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor | None:
         """float32 logits [N, vocab] for the picked hidden rows; None on tensor-parallel ranks other than 0.
         ``argmax_only``: only each row's argmax is read, and only it must be exact."""

@@ -48,8 +48,9 @@ def build_model(
     hf_config: dict[str, Any], dtype: torch.dtype = torch.float32, tp: TPGroup | None = None,
     load_format: str = "auto", device: str = "cpu", seed: int = 0,
 ) -> CausalLM:
-    """This rank's model on ``device``. ``auto``: uninitialised (no random init: every parameter must be loaded
-    before use); ``dummy``: norms neutral, every other weight N(0, 0.02) drawn on ``device`` from ``seed + rank``."""
+    """This rank's model, placed on ``device`` (``CausalLM.place``). ``auto``: uninitialised (no random init:
+    every parameter must be loaded before use); ``dummy``: norms neutral, every other weight N(0, 0.02) drawn on
+    ``device`` from ``seed + rank``."""
     if dtype not in MODEL_TORCH_DTYPES:
         raise ValueError(f"dtype {dtype} is not supported; choose {', '.join(MODEL_DTYPES)}")
     if load_format not in LOAD_FORMATS:
@@ -61,7 +62,7 @@ def build_model(
     model = model.to_empty(device=device).eval()
     if load_format == "dummy":
         _random_weights(model, torch.Generator(device=device).manual_seed(seed + tp.rank))
-    return model
+    return model.place(device)
 
 
 @torch.no_grad()

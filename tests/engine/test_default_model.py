@@ -13,6 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hybridkv import LLM, SamplingParams  # noqa: E402
+from hybridkv.model.architectures.llama_cpu_decode import CpuDecodeLlama  # noqa: E402
 from hybridkv.model.int8_head_cpu import int8_kernel_available  # noqa: E402
 from hybridkv.model.loading.known_models import resolve_model  # noqa: E402
 
@@ -55,6 +56,7 @@ def test_the_default_keeps_q4_weights_4bit_and_its_greedy_tokens_still_match(hf_
     decoding is still token for token transformers' float32."""
     default = LLM(block_size=16)
     assert default.engine.int4_linears == 210
+    assert isinstance(default.engine.model, CpuDecodeLlama)  # placed after packing: its decode steps in one loop
     assert (default.engine.model.embed_tokens.argmax_head is not None) == int8_kernel_available()
     check_greedy_against_transformers(default, hf_model)
 

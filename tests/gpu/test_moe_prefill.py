@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 from hybridkv.kernels.moe_prefill import (  # noqa: E402
     MAX_COUNTS, add_routed, gather_gated, silu_mul, sort_by_expert, sorts,
 )
+from hybridkv.model.architectures.device_ops import bind_ops  # noqa: E402
 from hybridkv.model.architectures.llama import MoE  # noqa: E402
 from hybridkv.model.architectures.llama_config import ModelConfig  # noqa: E402
 from hybridkv.model.architectures.parallel import TPGroup  # noqa: E402
@@ -87,6 +88,7 @@ def tiny_moe(top_k: int, experts: int = 6) -> MoE:
     })
     torch.manual_seed(0)
     moe = MoE(cfg, DTYPE, TPGroup()).to(DEVICE)
+    bind_ops(moe, DEVICE)  # the forward's dispatch for the device, as ``CausalLM.place`` binds it
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.3)
     return moe

@@ -13,7 +13,7 @@ if not (torch.cuda.is_available() or INTERPRET):
 pytest.importorskip("triton")
 
 from hybridkv.kernels.rms_norm import rms_norm  # noqa: E402
-from hybridkv.model.architectures.llama import unit_rms  # noqa: E402
+from hybridkv.model.architectures.norms import unit_rms  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 # bitwise on a GPU; Triton 3.6's interpreter rounds float32 -> bf16 its own way (one bf16 step apart at most)

@@ -15,8 +15,10 @@ if not (torch.cuda.is_available() or INTERPRET):
 pytest.importorskip("triton")
 
 from hybridkv.kernels.rope import rope_qk  # noqa: E402
-from hybridkv.model.architectures.llama import (  # noqa: E402
-    RopeConfig, rope_cos_sin, rope_halves, rope_interleaved, rope_inv_freq, temperature_scales, unit_rms,
+from hybridkv.model.architectures.llama_config import RopeConfig  # noqa: E402
+from hybridkv.model.architectures.norms import unit_rms  # noqa: E402
+from hybridkv.model.architectures.position_encoding import (  # noqa: E402
+    rope_cos_sin, rope_halves, rope_interleaved, rope_inv_freq, temperature_scales,
 )
 
 DEVICE = "cpu" if INTERPRET else "cuda"

@@ -192,18 +192,17 @@ def packed_llama(hf_extra: dict, float_layer: str | None = None):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_small_steps_of_a_4bit_llama_run_one_flat_loop_with_the_layers_own_hidden_states(bias, monkeypatch):
-    """Steps below ``DENSE_ROWS`` tokens go through ``CpuDecodeLayers`` (the layers' modules skipped), and their
-    hidden states are the layers' own forward's bit for bit; larger steps take the layers' forward."""
-    import copy
-
+    """Placed on the CPU, a 4-bit Llama comes back as ``CpuDecodeLlama``: steps below ``DENSE_ROWS`` tokens go
+    through ``CpuDecodeLayers`` (the layers' modules skipped), and their hidden states are the layers' own
+    forward's bit for bit; larger steps take the layers' forward."""
     from hybridkv.kv.layer_specs import layer_specs_from_hf_config
-    from hybridkv.model.architectures.llama_cpu_decode import CpuDecodeLayers
+    from hybridkv.model.architectures.llama_cpu_decode import CpuDecodeLayers, CpuDecodeLlama
     from hybridkv.model.attention.dense import DenseAttention
 
-    model, hf = packed_llama({"attention_bias": bias})
-    own = copy.deepcopy(model)
-    own.cpu_decode = lambda: None  # the layers' own forward only
-    assert isinstance(model.cpu_decode(), CpuDecodeLayers)
+    own, hf = packed_llama({"attention_bias": bias})
+    model = own.place("cpu")
+    assert isinstance(model, CpuDecodeLlama) and model.model is own and model.embed_tokens is own.embed_tokens
+    assert dict(model.named_parameters()) == {f"model.{n}": p for n, p in own.named_parameters()}
     loops = []
     call = CpuDecodeLayers.__call__
     monkeypatch.setattr(CpuDecodeLayers, "__call__", lambda self, *a: loops.append(len(a[0])) or call(self, *a))
@@ -212,12 +211,13 @@ def test_small_steps_of_a_4bit_llama_run_one_flat_loop_with_the_layers_own_hidde
     with torch.no_grad():
         for n in (11, 1, DENSE_ROWS + 1):
             got = model(ids[:n], torch.arange(n), DenseAttention(specs, [n]))
-            want = own(ids[:n], torch.arange(n), DenseAttention(specs, [n]))
+            want = own(ids[:n], torch.arange(n), DenseAttention(specs, [n]))  # the layers' own forward only
             assert torch.equal(got, want)
     assert loops == [11, 1]
+    assert model.place("cpu").model is own  # placed again (a second engine over the same model): wrapped again
 
 
 def test_a_llama_with_a_float_linear_runs_its_layers_own_forward():
     model, _ = packed_llama({}, float_layer="layers.1.mlp.down_proj")
     assert isinstance(model.layers[0].mlp.down_proj, Int4Linear)
-    assert model.cpu_decode() is None
+    assert model.place("cpu") is model

@@ -19,7 +19,7 @@ from hybridkv.kv.layer_specs import layer_specs_from_hf_config  # noqa: E402
 from hybridkv.kv.specs import ChunkedLocalSpec, FullAttentionSpec  # noqa: E402
 from hybridkv.model.attention.dense import DenseAttention, allowed_mask  # noqa: E402
 from hybridkv.model.architectures.llama_config import ModelConfig  # noqa: E402
-from hybridkv.model.architectures.llama import rope_inv_freq  # noqa: E402
+from hybridkv.model.architectures.position_encoding import rope_inv_freq  # noqa: E402
 from hybridkv.model.loading.weights import load_safetensors_model  # noqa: E402
 
 VOCAB = 128
@@ -333,7 +333,7 @@ def test_config_scout_style_dict():
 def test_rope_rolled_is_rope_halves_bit_for_bit():
     """The CPU path's one rotation over q and k: x * cos + roll(x) * signed sin, the chunk-and-cat formula's values
     exactly (``a + b * -s`` is ``a - b * s``), in float32 and bf16."""
-    from hybridkv.model.architectures.llama import rope_cos_sin, rope_halves_tables, rope_rolled
+    from hybridkv.model.architectures.position_encoding import rope_cos_sin, rope_halves_tables, rope_rolled
 
     def chunk_and_cat(x, cos, sin):
         x1, x2 = x.float().chunk(2, dim=-1)
@@ -350,7 +350,7 @@ def test_rope_rolled_is_rope_halves_bit_for_bit():
 def test_fused_qkv_on_cpu_rotates_q_and_k_together_with_the_same_attention_output(name, tmp_path_factory):
     """Once q/k/v are one GEMM (``fuse_columns``, as the engine runs), a CPU forward rotates q and k in one pass
     over the fused output (``PositionTables.rolled``): bit for bit each layer's output when they are rotated apart."""
-    from hybridkv.model.architectures.llama import PositionTables, rope_cos_sin, rope_halves_tables
+    from hybridkv.model.architectures.position_encoding import PositionTables, rope_cos_sin, rope_halves_tables
     from hybridkv.model.architectures.parallel import fuse_columns
 
     _, model, config, _ = save_and_load(name, tmp_path_factory)

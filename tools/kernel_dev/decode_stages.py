@@ -37,6 +37,7 @@ from scout_rank import engine_for, fill_random, rank_config, random_model  # noq
 
 import hybridkv.kernels.fused_moe as fused_moe  # noqa: E402
 from hybridkv.model.architectures import llama  # noqa: E402
+from hybridkv.model.architectures.norms import RMSNorm  # noqa: E402
 from hybridkv.model.attention.triton_paged import TritonPagedAttention  # noqa: E402
 from hybridkv.model.loading.checkpoint import LoadedModel  # noqa: E402
 from hybridkv.model.loading.tokenizer import word_tokenizer  # noqa: E402
@@ -77,11 +78,14 @@ class Patches:
 
 def take_out(stage: str, engine, model, patches: Patches) -> None:
     backend = engine.runner.backend
+    # a layer's dispatched ops are bound on each instance when the model is placed (``device_ops.py``): patched
+    # there, not on the class
     if stage == "no_norm":
-        patches.set(llama.RMSNorm, "add_forward", lambda self, x, residual, tp=None: (x, residual))
-        patches.set(llama.RMSNorm, "forward", lambda self, x: x)
+        for norm in (m for m in model.modules() if isinstance(m, RMSNorm)):
+            patches.set(norm, "add_forward", lambda x, residual, tp=None: (x, residual))
+            patches.set(norm, "forward", lambda x: x)
     elif stage == "no_rope":
-        patches.set(llama.Attention, "_position_encode", lambda self, q, k, tables, v=None, slots=None: (q, k))
+        patches.set(llama.Attention, "_rope_kernel", lambda self, q, k, tables, v=None, slots=None: (q, k))
     elif stage in ("no_kv_write", "no_combine"):
         name = "kv_write_kernel" if stage == "no_kv_write" else "combine_splits_kernel"
         patches.set(backend, "kernels", _Skip(backend.kernels, {name}))
@@ -103,7 +107,8 @@ def take_out(stage: str, engine, model, patches: Patches) -> None:
 
         patches.set(fused_moe, "route", routed_once)
     elif stage == "no_moe":
-        patches.set(llama.MoE, "forward", lambda self, x: x)
+        for moe in (m for m in model.modules() if isinstance(m, llama.MoE)):
+            patches.set(moe, "forward", lambda x: x)
     elif stage != "base":
         raise SystemExit(f"unknown stage {stage!r}")
 

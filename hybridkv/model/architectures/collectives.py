@@ -77,7 +77,8 @@ class OneShotAllReduce:
         return all(torch.cuda.can_device_access_peer(a, b) for a in range(size) for b in range(size) if a != b)
 
     def fits(self, x: torch.Tensor) -> bool:
-        return x.is_cuda and self.takes(x.numel() * x.element_size(), x.dtype)
+        """``x`` (on this rank's GPU, as every tensor a CUDA model sums is) takes the one-shot path."""
+        return self.takes(x.numel() * x.element_size(), x.dtype)
 
     def takes(self, nbytes: int, dtype: torch.dtype) -> bool:
         """A message of ``nbytes`` of ``dtype`` fits the buffer, in a dtype torch's kernel sums."""

@@ -33,7 +33,6 @@ from torch import nn
 from hybridkv.kv.layer_specs import layer_kinds, text_config
 from hybridkv.model.attention.base import AttentionBackend, OutputRows, PagedAttentionBackend
 from hybridkv.model.architectures.llama_config import ROPE_TYPES, RopeConfig
-from hybridkv.model.architectures.llama import rope_cos_sin, rope_halves, rope_inv_freq
 from hybridkv.model.architectures.parallel import (
     ColumnParallelLinear,
     FusedColumns,
@@ -43,6 +42,9 @@ from hybridkv.model.architectures.parallel import (
     VocabParallelEmbedding,
     vocab_parallel_logits,
 )
+from hybridkv.model.architectures.device_ops import bind_ops
+from hybridkv.model.architectures.position_encoding import rope_cos_sin, rope_halves, rope_inv_freq
+from hybridkv.model.causal_lm import CausalLM
 
 GEMMA3_MODEL_TYPES = ("gemma3", "gemma3_text")
 _GLOBAL_THETA = 1_000_000.0  # transformers' Gemma3TextConfig.default_theta
@@ -254,9 +256,9 @@ class Gemma3ForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         # A float32 scalar cast to the weight dtype, as transformers does (bf16 rounds sqrt(640) to 25.25).
         self.embed_scale = cfg.hidden_size**0.5
-        # RoPE frequencies per layer kind and the embedding scale, on the device of the last forward: built once,
-        # so the steady state copies nothing from the host (a CUDA graph could not hold such a copy)
-        self._constants: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None
+        # RoPE frequencies per layer kind and the embedding scale, on the model's device (``place``): the steady
+        # state copies nothing from the host (a CUDA graph could not hold such a copy)
+        self._constants = self._device_constants(torch.device("cpu"))
 
     supports_cuda_graphs = True
     residual_branch_ends = ()  # its post-attention and post-MLP norms read o_proj's and down_proj's outputs first
@@ -267,7 +269,7 @@ class Gemma3ForCausalLM(nn.Module):
                 outputs: OutputRows | None = None) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for flattened tokens ``input_ids`` [T] at ``positions`` [T]; of
         ``outputs``' rows only if given, its last layer computing only them (``OutputRows``)."""
-        inv_freqs, scale = self._device_constants(positions.device)
+        inv_freqs, scale = self._constants
         ropes = {kind: rope_cos_sin(inv_freq, positions) for kind, inv_freq in inv_freqs.items()}
         x = self.embed_tokens(input_ids) * scale
         layers = [(layer, ropes["sliding" if kind == "sliding" else "full"])
@@ -279,14 +281,18 @@ class Gemma3ForCausalLM(nn.Module):
             x = layer.output_rows(x, rope, attn, outputs)
         return self.norm(x)
 
+    def place(self, device: torch.device | str, dtype: torch.dtype | None = None) -> CausalLM:
+        """This model on ``device`` (in ``dtype``; None: as it is), its linears' GEMMs bound for the device."""
+        self.to(device=device, dtype=dtype).eval()
+        bind_ops(self, device)
+        self._constants = self._device_constants(torch.device(device))
+        return self
+
     def _device_constants(self, device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        if self._constants is None or self._constants[1].device != device:
-            cfg, dtype = self.cfg, self.embed_tokens.weight.dtype
-            inv_freqs = {"full": rope_inv_freq(cfg.rope_full, cfg.head_dim).to(device),
-                         "sliding": rope_inv_freq(cfg.rope_sliding, cfg.head_dim).to(device)}
-            scale = torch.tensor(self.embed_scale, dtype=torch.float32, device=device).to(dtype)
-            self._constants = (inv_freqs, scale)
-        return self._constants
+        cfg, dtype = self.cfg, self.embed_tokens.weight.dtype
+        inv_freqs = {"full": rope_inv_freq(cfg.rope_full, cfg.head_dim).to(device),
+                     "sliding": rope_inv_freq(cfg.rope_sliding, cfg.head_dim).to(device)}
+        return inv_freqs, torch.tensor(self.embed_scale, dtype=torch.float32, device=device).to(dtype)
 
     def compute_logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor | None:
         """float32 logits [N, vocab] for the hidden rows the caller picked (e.g. each sequence's last token).

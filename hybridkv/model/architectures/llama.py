@@ -16,6 +16,11 @@ Llama-4 differs from Llama-3 in ways that are easy to get wrong (checked against
 - MoE: sigmoid of the top-k router logits scales the expert's *input*, not its output; a shared expert is
   always added; non-MoE layers use a dense MLP of ``intermediate_size_mlp``.
 
+Device dispatch is decided once, when the model is placed (``LlamaForCausalLM.place``, ``device_ops.py``): on CUDA
+the norms, the position encoding, the MLP's activation and the MoE's routing run Triton kernels, elsewhere eager
+torch; no forward asks which device it is on. A 4-bit model on the CPU is placed as ``CpuDecodeLlama``
+(``llama_cpu_decode.py``).
+
 Tensor parallelism (``tp``, see ``parallel.py``): each rank holds its query heads and their KV heads, a slice of
 every MLP's, expert's and the shared expert's intermediate dimension, and a slice of the vocabulary. Norms and
 the router are replicated, so every rank routes every token the same way; QK-norm (per head) and temperature
@@ -24,7 +29,6 @@ tuning (per token) need nothing from other ranks.
 
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -35,7 +39,10 @@ from torch import nn
 from hybridkv.model.attention.base import (
     AttentionBackend, KVSlots, OutputRows, PagedAttentionBackend, StepHalf, StoresKVFromKernels,
 )
-from hybridkv.model.architectures.llama_config import ModelConfig, RopeConfig
+from hybridkv.model.architectures.device_ops import DeviceOps, bind_ops
+from hybridkv.model.architectures.llama_config import ModelConfig
+from hybridkv.model.architectures.llama_cpu_decode import CpuDecodeLlama
+from hybridkv.model.architectures.norms import RMSNorm, unit_rms, unit_rms_kernel
 from hybridkv.model.architectures.parallel import (
     ColumnParallelLinear,
     FusedColumns,
@@ -45,132 +52,11 @@ from hybridkv.model.architectures.parallel import (
     VocabParallelEmbedding,
     vocab_parallel_logits,
 )
-from hybridkv.model.int4_cpu import DENSE_ROWS
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            from hybridkv.kernels.rms_norm import rms_norm  # triton is only needed on GPU
-
-            return rms_norm(x, self.eps, self.weight)
-        weight = self.weight
-        if x.dtype == weight.dtype == torch.float32:
-            # the same arithmetic as below (float32 statistics, then the weight) in one call: fewer small ops
-            return torch.rms_norm(x, weight.shape, weight, self.eps)
-        return unit_rms(x, self.eps) * weight
-
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor, tp: TPGroup | None = None,
-                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): a layer's residual add and the next norm, the norm into ``out`` if
-        given. On CUDA one kernel, which leaves the sum in ``residual``'s memory. ``tp`` while it is
-        ``summing_in_norms``: ``x`` is this rank's part of a sum over ranks, which the same kernel sums (or while
-        ``pushing_half``)."""
-        if tp is not None and tp.sums_in_norms:
-            return tp.add_norm(x, residual, self.weight, self.eps, out), residual
-        if x.is_cuda:
-            from hybridkv.kernels.rms_norm import rms_norm
-
-            return rms_norm(x, self.eps, self.weight, residual=residual, out=out), residual
-        residual = x + residual
-        y = self.forward(residual)  # (no hooks on a norm: nn.Module's call is ~10 us a layer on CPU)
-        return (y if out is None else out.copy_(y)), residual
-
-
-def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.is_cuda:
-        from hybridkv.kernels.rms_norm import rms_norm
-
-        return rms_norm(x, eps)
-    # float32 statistics so bf16/fp16 models normalise like transformers does.
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (rope.theta**exponents)
-    if rope.rope_type == "linear":
-        return inv_freq / rope.factor
-    if rope.rope_type == "llama3":
-        return _llama3_scale(inv_freq, rope)
-    return inv_freq
-
-
-def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
-    # Long wavelengths are slowed by `factor`, short ones kept, the band between blended linearly in 1/wavelen.
-    old_len = rope.original_max_position_embeddings
-    wavelen = 2 * math.pi / inv_freq
-    low_freq_wavelen = old_len / rope.low_freq_factor
-    high_freq_wavelen = old_len / rope.high_freq_factor
-    band = rope.high_freq_factor - rope.low_freq_factor
-    # Scout has low == high factor: no blend band; avoid the 0/0 that transformers hides behind torch.where.
-    smooth = (old_len / wavelen - rope.low_freq_factor) / band if band else torch.zeros_like(inv_freq)
-    blended = (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, blended)
-    return torch.where(wavelen < high_freq_wavelen, inv_freq, scaled)
-
-
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [T, 1, D/2] in float32 (broadcast over heads)."""
-    angles = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
-    return angles.cos()[:, None, :], angles.sin()[:, None, :]
-
-
-def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Llama-2/3 layout: dim i pairs with dim i + D/2."""
-    return rope_rolled(x, *rope_halves_tables(cos, sin))
-
-
-def rope_halves_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rope_halves``' tables [T, 1, D]: cos twice, and -sin then sin (what multiplies the rolled x)."""
-    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-
-
-def rope_rolled(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """``rope_halves`` with its full-width tables: ``x * cos + roll(x, D/2) * signed_sin``, i.e. ``x1 cos - x2 sin``
-    and ``x2 cos + x1 sin``, bit for bit (``a + b * -s`` is ``a - b * s``); four ops over any number of heads."""
-    if x.dtype != torch.float32:
-        return rope_rolled(x.float(), cos, signed_sin).to(x.dtype)
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
-
-
-def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Llama-4 layout: dim 2i pairs with dim 2i + 1 (a complex multiply by e^{i angle})."""
-    pairs = x.float().unflatten(-1, (-1, 2))
-    re, im = pairs[..., 0], pairs[..., 1]
-    return torch.stack((re * cos - im * sin, re * sin + im * cos), dim=-1).flatten(-2).to(x.dtype)
-
-
-def temperature_scales(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
-    """Per-token q multiplier of Llama-4 NoPE layers, shape [T, 1, 1]."""
-    scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
-    return scales[:, None, None]
-
-
-@dataclass(slots=True)
-class PositionTables:
-    """What position encoding needs of a step's tokens, computed once per forward and shared by every layer:
-    RoPE's cos and sin [T, 1, D/2] and, for Llama-4's NoPE layers, the q temperature [T, 1, 1] (or None). On CPU
-    for Llama-2/3's layout also ``rope_halves_tables``' [T, 1, D] (``rolled``): one ``rope_rolled`` over q and k."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-    temperature: torch.Tensor | None
-    rolled: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def rows(self, rows: slice) -> PositionTables:
-        temperature = None if self.temperature is None else self.temperature[rows]
-        rolled = None if self.rolled is None else (self.rolled[0][rows], self.rolled[1][rows])
-        return PositionTables(self.cos[rows], self.sin[rows], temperature, rolled)
+from hybridkv.model.architectures.position_encoding import (
+    PositionTables, rope_cos_sin, rope_halves, rope_halves_tables, rope_interleaved, rope_inv_freq, rope_rolled,
+    temperature_scales,
+)
+from hybridkv.model.causal_lm import CausalLM
 
 
 @dataclass(slots=True)
@@ -189,7 +75,9 @@ class _HalfRun:
         self.pending = []
 
 
-class Attention(nn.Module):
+class Attention(DeviceOps, nn.Module):
+    dispatched = ("_encode",)
+
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype | None, tp: TPGroup) -> None:
         super().__init__()
         self.cfg = cfg
@@ -206,6 +94,7 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(q_size, h, cfg.attention_bias, dtype, tp)
         self.qkv = FusedColumns(self.q_proj, self.k_proj, self.v_proj)
         self.local_heads = (self.q_proj.out_features // cfg.head_dim, self.k_proj.out_features // cfg.head_dim)
+        self.rope_kernel_fits = cfg.head_dim & (cfg.head_dim - 1) == 0  # CUDA's encoding kernel takes this head_dim
 
     def forward(self, x: torch.Tensor, tables: PositionTables, attn: AttentionBackend) -> torch.Tensor:
         q, kv = self._encode(x, tables, attn)
@@ -227,51 +116,73 @@ class Attention(nn.Module):
         """The second half: the output rows' queries (of ``store``) attend, and go through the output projection."""
         return self.o_proj(outputs.attend(attn, self.layer_id, q, self.scale).flatten(-2))
 
-    def _encode(self, x: torch.Tensor, tables: PositionTables,
-                attn: AttentionBackend) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """(q, (k, v)) position-encoded, or (q, None) where one kernel encoded q and k and stored k and v in the
-        cache already."""
-        d = self.cfg.head_dim
+    def _encode_native(self, x: torch.Tensor, tables: PositionTables,
+                       attn: AttentionBackend) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """(q, (k, v)) position-encoded: ``_encode``'s eager torch."""
         qkv = self.qkv.joint(x) if tables.rolled is not None and self.use_rope else None
         if qkv is not None:  # q and k are neighbours in the fused output: one rotation over both
             q_heads, kv_heads = self.local_heads
-            qk, v = qkv.view(x.shape[0], -1, d).split_with_sizes((q_heads + kv_heads, kv_heads), dim=1)
+            qk, v = qkv.view(x.shape[0], -1, self.cfg.head_dim).split_with_sizes((q_heads + kv_heads, kv_heads), dim=1)
             q, k = rope_rolled(qk, *tables.rolled).split_with_sizes((q_heads, kv_heads), dim=1)
             return q, (k, v)
-        q, k, v = (part.unflatten(-1, (-1, d)) for part in self.qkv(x))
-        if self._fused_kernel(q) and isinstance(attn, StoresKVFromKernels):
-            return self._position_encode(q, k, tables, v, attn.kv_slots(self.layer_id))[0], None
-        q, k = self._position_encode(q, k, tables)
+        q, k, v = self._heads(x)
+        q, k = self._position_encode(q, k, tables, unit_rms)
         return q, (k, v)
 
-    def _fused_kernel(self, q: torch.Tensor) -> bool:
-        """The position encoding runs as one Triton kernel (``kernels/rope.py``)."""
-        return q.is_cuda and self.cfg.head_dim & (self.cfg.head_dim - 1) == 0
+    def _encode_cuda(self, x: torch.Tensor, tables: PositionTables,
+                     attn: AttentionBackend) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """(q, (k, v)) position-encoded, or (q, None) where one kernel encoded q and k and stored k and v in the
+        cache already (``kernels/rope.py``, for a power-of-two head_dim)."""
+        q, k, v = self._heads(x)
+        if not self.rope_kernel_fits:
+            q, k = self._position_encode(q, k, tables, unit_rms_kernel)
+        elif isinstance(attn, StoresKVFromKernels):
+            return self._rope_kernel(q, k, tables, v, attn.kv_slots(self.layer_id))[0], None
+        else:
+            q, k = self._rope_kernel(q, k, tables)
+        return q, (k, v)
 
-    def _position_encode(
-        self, q: torch.Tensor, k: torch.Tensor, tables: PositionTables, v: torch.Tensor | None = None,
-        slots: KVSlots | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    _encode = _encode_native  # until ``bind_ops`` binds the device's
+
+    def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        d = self.cfg.head_dim
+        q, k, v = (part.unflatten(-1, (-1, d)) for part in self.qkv(x))
+        return q, k, v
+
+    def _encoding(self) -> tuple[bool, bool]:
+        """(rotate, qk_norm): this layer rotates q and k (RoPE), and RMS-normalises them after (Llama-4's RoPE
+        layers); a layer that does not rotate scales q by the temperature, if any."""
         cfg = self.cfg
-        rotate = self.use_rope or not cfg.is_llama4
-        qk_norm = cfg.is_llama4 and self.use_rope and cfg.use_qk_norm
-        temperature = None if rotate else tables.temperature
-        if self._fused_kernel(q):
-            from hybridkv.kernels.rope import rope_qk
+        return self.use_rope or not cfg.is_llama4, cfg.is_llama4 and self.use_rope and cfg.use_qk_norm
 
-            return rope_qk(q, k, tables.cos, tables.sin, rotate=rotate, interleaved=cfg.is_llama4,
-                           qk_norm=qk_norm, eps=cfg.rms_norm_eps, temperature=temperature, v=v, slots=slots)
+    def _position_encode(self, q: torch.Tensor, k: torch.Tensor, tables: PositionTables,
+                         norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k position-encoded in eager torch, QK-norm by ``norm`` (``unit_rms`` or, on CUDA, its kernel)."""
+        rotate, qk_norm = self._encoding()
         if rotate:
-            encode = rope_interleaved if cfg.is_llama4 else rope_halves
+            encode = rope_interleaved if self.cfg.is_llama4 else rope_halves
             q, k = encode(q, tables.cos, tables.sin), encode(k, tables.cos, tables.sin)
             if qk_norm:
-                q, k = unit_rms(q, cfg.rms_norm_eps), unit_rms(k, cfg.rms_norm_eps)
-        elif temperature is not None:
-            q = (q * temperature).to(q.dtype)
+                q, k = norm(q, self.cfg.rms_norm_eps), norm(k, self.cfg.rms_norm_eps)
+        elif tables.temperature is not None:
+            q = (q * tables.temperature).to(q.dtype)
         return q, k
 
+    def _rope_kernel(self, q: torch.Tensor, k: torch.Tensor, tables: PositionTables, v: torch.Tensor | None = None,
+                     slots: KVSlots | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``_position_encode`` in one Triton kernel, which also stores k and v in the cache given ``slots``."""
+        from hybridkv.kernels.rope import rope_qk  # triton is only needed on GPU
 
-class MLP(nn.Module):
+        cfg = self.cfg
+        rotate, qk_norm = self._encoding()
+        temperature = None if rotate else tables.temperature
+        return rope_qk(q, k, tables.cos, tables.sin, rotate=rotate, interleaved=cfg.is_llama4, qk_norm=qk_norm,
+                       eps=cfg.rms_norm_eps, temperature=temperature, v=v, slots=slots)
+
+
+class MLP(DeviceOps, nn.Module):
+    dispatched = ("forward",)
+
     def __init__(
         self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype | None, tp: TPGroup, reduce: bool = True
     ) -> None:
@@ -282,13 +193,19 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, bias, dtype, tp, reduce)
         self.gate_up = FusedColumns(self.gate_proj, self.up_proj)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and self.gate_up.weight is not None:
-            from hybridkv.kernels.moe_prefill import silu_mul  # triton is only needed on GPU
-
-            return self.down_proj(silu_mul(self.gate_up.joint(x)))
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
         return self.down_proj(F.silu(gate) * up)
+
+    def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        """Once gate and up are one GEMM (``fuse_columns``), the activation in one kernel over its output."""
+        if self.gate_up.weight is None:
+            return self.forward_native(x)
+        from hybridkv.kernels.moe_prefill import silu_mul  # triton is only needed on GPU
+
+        return self.down_proj(silu_mul(self.gate_up.joint(x)))
+
+    forward = forward_native  # until ``bind_ops`` binds the device's
 
 
 class Experts(nn.Module):
@@ -325,7 +242,9 @@ def fused_moe_max_pairs() -> int:
     return MAX_PAIRS
 
 
-class MoE(nn.Module):
+class MoE(DeviceOps, nn.Module):
+    dispatched = ("forward", "fused", "routed")
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None, tp: TPGroup) -> None:
         super().__init__()
         self.tp = tp
@@ -346,22 +265,42 @@ class MoE(nn.Module):
     # 1 step 4.50 -> 4.06 ms on an H200; at batch 32 cuBLAS reads it faster (benchmarks/gpu/decode.py)
     SHARED_IN_FUSED_ROWS = 16
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused(x):
-            return self.tp.all_reduce(self._fused_decode(x))
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.routed(x).added_to(self.shared_expert(x)))
 
-    def fused(self, x: torch.Tensor) -> bool:
-        """``x``'s rows run the fused decode kernels (``_fused_decode``), shared and routed experts together."""
-        return x.is_cuda and x.shape[0] * self.top_k <= fused_moe_max_pairs()
+    def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused(x):
+            return self.tp.all_reduce(self._fused_decode(x))
+        return self.forward_native(x)
 
-    def routed(self, x: torch.Tensor) -> RoutedRows:
+    def fused_native(self, x: torch.Tensor) -> bool:
+        """``x``'s rows run the fused decode kernels (``_fused_decode``), shared and routed experts together."""
+        return False
+
+    def fused_cuda(self, x: torch.Tensor) -> bool:
+        return x.shape[0] * self.top_k <= fused_moe_max_pairs()
+
+    def routed_native(self, x: torch.Tensor) -> RoutedRows:
         """The routed experts' outputs for the rows of ``x``, each row's to be added to its shared-expert output."""
-        top_logits, top_ids = torch.topk(self.router(x), self.top_k, dim=-1)
-        gates = torch.sigmoid(top_logits.float()).to(x.dtype)
-        if x.is_cuda and self._grouped_mm_ok and self._sorts(top_ids):
+        top_ids, gates = self._route(x)
+        return RoutedRows(self._routed(x, top_ids, gates), None, self.top_k)
+
+    def routed_cuda(self, x: torch.Tensor) -> RoutedRows:
+        top_ids, gates = self._route(x)
+        if self._grouped_mm_ok and self._sorts(top_ids):
             return self._routed_by_kernels(x, top_ids, gates)
         return RoutedRows(self._routed(x, top_ids, gates), None, self.top_k)
+
+    forward, fused, routed = forward_native, fused_native, routed_native  # until ``bind_ops`` binds the device's
+
+    def bind_ops(self, device: torch.device) -> None:
+        super().bind_ops(device)
+        self._arrived = None  # made on the device at the first fused step
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each row's top-k expert ids, their gates in ``x``'s dtype)."""
+        top_logits, top_ids = torch.topk(self.router(x), self.top_k, dim=-1)
+        return top_ids, torch.sigmoid(top_logits.float()).to(x.dtype)
 
     def _fused_decode(self, x: torch.Tensor) -> torch.Tensor:
         """Decode sizes: the router in one launch, then the selected experts (with the shared expert, for few
@@ -369,7 +308,7 @@ class MoE(nn.Module):
         from hybridkv.kernels.fused_moe import fused_moe, fused_moe_counters, route
 
         experts = self.experts
-        if self._arrived is None or self._arrived.device != x.device:
+        if self._arrived is None:
             num_experts, inter, hidden = experts.down_proj.shape
             self._arrived = fused_moe_counters(num_experts, inter, hidden, x.device)
         top_ids, gates = route(x, self.router.weight, self.top_k, self._arrived)
@@ -503,13 +442,14 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(DeviceOps, nn.Module):
     """Decoder + LM head. Parameter names follow transformers' with ``model.`` dropped and ``feed_forward`` ->
     ``mlp`` (see ``loading.weights.hf_to_local_name``). ``tp``: which tensor-parallel shard this is (default: the whole)."""
 
     # linears whose output only ever feeds a residual add (``DecoderLayer``'s, or the MoE's sum of its shared and
     # routed experts): any dtype that promotes to the residual's exactly may come out of them (``pack_int4_linears``)
     residual_branch_ends = ("o_proj", "down_proj")
+    dispatched = ("position_tables",)
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None, tp: TPGroup | None = None) -> None:
         super().__init__()
@@ -521,11 +461,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
         if not cfg.tie_word_embeddings:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
-        self._inv_freq: torch.Tensor | None = None  # on the device of the last forward
-        # ``llama_cpu_decode``'s loop for small CPU steps, looked for at the first one (the engine packs the linears
-        # 4-bit right after loading, before any forward); None: the layers' own forward
-        self._cpu_decode = None
-        self._cpu_decode_checked = False
+        # on the model's device (``place``): no host-to-device copy in the steady state (and none in a CUDA graph)
+        self._inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
 
     # A CUDA graph can hold a forward of this many tokens (the fused MoE kernels have no host sync up to it).
     @property
@@ -544,23 +481,10 @@ class LlamaForCausalLM(nn.Module):
         state, run block by block in turn so that one half's all-reduce travels while the other half computes.
         ``outputs`` (a paged ``attn``): only those rows' hidden states [N, hidden] are returned, and the last
         layer computes only them, past storing every row's K/V (``_output_layer``)."""
-        if self._inv_freq is None or self._inv_freq.device != positions.device:
-            # once per device: no host-to-device copy in the steady state (and none inside a CUDA graph)
-            self._inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.head_dim).to(positions.device)
-        cfg = self.cfg
-        temperature = None
-        if cfg.is_llama4 and cfg.attn_temperature_tuning:
-            temperature = temperature_scales(positions, cfg.floor_scale, cfg.attn_scale)
-        tables = PositionTables(*rope_cos_sin(self._inv_freq, positions), temperature)
-        if not positions.is_cuda and not cfg.is_llama4:
-            tables.rolled = rope_halves_tables(tables.cos, tables.sin)
+        tables = self.position_tables(positions)
         x, residual = self.embed_tokens(input_ids), None
         if halves:
             return self._layers_in_halves(x, tables, attn, halves, outputs)
-        if tables.rolled is not None and input_ids.shape[0] < DENSE_ROWS and self.cpu_decode() is not None:
-            x, residual = self._cpu_decode(x, tables, attn)
-            hidden = self.norm.add_forward(x, residual)[0]
-            return hidden if outputs is None else hidden[outputs.rows]
         layers = self.layers if outputs is None else self.layers[:-1]
         with self.tp.summing_in_norms(x):  # under TP, small steps sum each layer's parts inside its next norm
             for layer in layers:
@@ -569,14 +493,32 @@ class LlamaForCausalLM(nn.Module):
                 return self._output_layer([_HalfRun(x, residual, tables)], [None], attn, outputs)
             return self.norm.add_forward(x, residual, self.tp)[0] if residual is not None else self.norm(x)
 
-    def cpu_decode(self):
-        """``CpuDecodeLayers`` over this model's layers when they are all 4-bit Llama-2/3 layers, else None."""
-        if not self._cpu_decode_checked:
-            from hybridkv.model.architectures.llama_cpu_decode import CpuDecodeLayers  # it imports this module
+    def place(self, device: torch.device | str, dtype: torch.dtype | None = None) -> CausalLM:
+        """This model on ``device`` (in ``dtype``; None: as it is), every layer's ops bound for the device
+        (``device_ops.py``). A 4-bit Llama-2/3 (``pack_int4_linears``) comes back as ``CpuDecodeLlama``: its
+        small steps run its layers as one loop."""
+        self.to(device=device, dtype=dtype).eval()
+        bind_ops(self, device)
+        self._inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.head_dim).to(device)
+        return CpuDecodeLlama.of(self) or self
 
-            self._cpu_decode = CpuDecodeLayers.of(list(self.layers), self.cfg.is_llama4)
-            self._cpu_decode_checked = True
-        return self._cpu_decode
+    def position_tables_native(self, positions: torch.Tensor) -> PositionTables:
+        """What position encoding needs of ``positions`` in every layer; Llama-2/3's with ``rope_rolled``'s
+        full-width tables, for one rotation over q and k together on the CPU."""
+        tables = self.position_tables_cuda(positions)
+        if not self.cfg.is_llama4:
+            tables.rolled = rope_halves_tables(tables.cos, tables.sin)
+        return tables
+
+    def position_tables_cuda(self, positions: torch.Tensor) -> PositionTables:
+        """cos, sin (and Llama-4's temperature) of ``positions``: what CUDA's encoding kernel reads."""
+        cfg = self.cfg
+        temperature = None
+        if cfg.is_llama4 and cfg.attn_temperature_tuning:
+            temperature = temperature_scales(positions, cfg.floor_scale, cfg.attn_scale)
+        return PositionTables(*rope_cos_sin(self._inv_freq, positions), temperature)
+
+    position_tables = position_tables_native  # until ``bind_ops`` binds the device's
 
     def _layers_in_halves(self, x: torch.Tensor, tables: PositionTables, attn, halves: list[StepHalf],
                           outputs: OutputRows | None = None):

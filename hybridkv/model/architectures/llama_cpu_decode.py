@@ -1,5 +1,6 @@
 """A decode step of a 4-bit Llama-2/3 on CPU as one flat loop: ``LlamaForCausalLM.forward``'s arithmetic, bit for
-bit, without the modules around it.
+bit, without the modules around it. ``LlamaForCausalLM.place`` returns the model wrapped in ``CpuDecodeLlama``
+once its layers are packed 4-bit, so the model's own forward never asks which path to take.
 
 A decode step of SmolLM2-135M (30 layers, one token) takes ~15 ms on one core: ~6.5 ms in the 4-bit kernels, ~1.5
 ms in the int8 head, and the rest in ~30 small torch calls a layer and the Python between them. Going through the
@@ -10,7 +11,10 @@ directly (``Int4Linear.rows``), in the same order on the same values, so its hid
 
 It runs steps of fewer than ``DENSE_ROWS`` tokens (decode steps, small prefill chunks) of a model whose every
 layer is a dense Llama-2/3 layer with q/k/v, o_proj, gate/up and down_proj all 4-bit (``pack_int4_linears``: the
-embedded default); any other model or step runs the layers' own forward.
+embedded default); larger steps run the model's own forward, and any other model is not wrapped.
+
+It reads the layers by their parts (norms, fused linears), not by their classes, so it does not import
+``llama.py``, which imports it.
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from hybridkv.model.architectures.llama import MLP, DecoderLayer, PositionTables, RMSNorm, rope_rolled
-from hybridkv.model.attention.base import AttentionBackend
-from hybridkv.model.int4_cpu import Int4Columns, Int4Linear
+from hybridkv.model.architectures.norms import RMSNorm
+from hybridkv.model.architectures.position_encoding import PositionTables, rope_rolled
+from hybridkv.model.attention.base import AttentionBackend, OutputRows
+from hybridkv.model.causal_lm import CausalLM
+from hybridkv.model.int4_cpu import DENSE_ROWS, Int4Columns, Int4Linear
 
 
 @dataclass(slots=True)
@@ -44,15 +51,15 @@ class _Layer:
 
 @dataclass(slots=True)
 class CpuDecodeLayers:
-    """A 4-bit Llama's layers as one loop (``LlamaForCausalLM.cpu_decode``)."""
+    """A 4-bit Llama's layers as one loop (``CpuDecodeLlama``)."""
 
     layers: list[_Layer]
     head_dim: int
 
     @classmethod
-    def of(cls, layers: list[DecoderLayer], is_llama4: bool) -> CpuDecodeLayers | None:
-        """The loop over ``layers``, or None unless every one is a dense Llama-2/3 layer with RoPE whose linears
-        are all 4-bit, q/k/v and gate/up each packed as one."""
+    def of(cls, layers: list[nn.Module], is_llama4: bool) -> CpuDecodeLayers | None:
+        """The loop over ``layers`` (``llama.DecoderLayer``), or None unless every one is a dense Llama-2/3 layer
+        (no MoE: that is Llama-4's) with RoPE whose linears are all 4-bit, q/k/v and gate/up each packed as one."""
         if is_llama4:
             return None
         found = [_layer_of(layer) for layer in layers]
@@ -79,10 +86,9 @@ class CpuDecodeLayers:
         return x, residual
 
 
-def _layer_of(layer: DecoderLayer) -> _Layer | None:
-    attn, mlp = layer.self_attn, layer.mlp
-    if not (isinstance(mlp, MLP) and attn.use_rope and isinstance(attn.o_proj, Int4Linear)
-            and isinstance(mlp.down_proj, Int4Linear)):
+def _layer_of(layer: nn.Module) -> _Layer | None:
+    attn, mlp = layer.self_attn, layer.mlp  # a Llama-2/3 layer's MLP: ``llama.MLP``
+    if not (attn.use_rope and isinstance(attn.o_proj, Int4Linear) and isinstance(mlp.down_proj, Int4Linear)):
         return None
     qkv, gate_up = attn.qkv, mlp.gate_up
     if not (isinstance(qkv, Int4Columns) and qkv.whole is not None and isinstance(gate_up, Int4Columns)
@@ -92,3 +98,49 @@ def _layer_of(layer: DecoderLayer) -> _Layer | None:
     return _Layer(attn.layer_id, layer.input_layernorm, layer.post_attention_layernorm, qkv.whole, attn.o_proj,
                   gate_up.whole, mlp.down_proj, attn.scale, (q_heads + kv_heads, kv_heads), (q_heads, kv_heads),
                   tuple(gate_up.sizes))
+
+
+class CpuDecodeLlama(nn.Module):
+    """A ``CausalLM``: a 4-bit Llama-2/3 (``llama.LlamaForCausalLM``, placed on the CPU) whose steps of fewer than
+    ``DENSE_ROWS`` tokens run ``CpuDecodeLayers``; larger ones, the model's own forward. The model is its one
+    child: the same parameters and modules, their names prefixed with ``model.``."""
+
+    supports_cuda_graphs = False
+    supports_step_halves = False
+    max_graph_tokens = 0
+
+    def __init__(self, model: nn.Module, loop: CpuDecodeLayers) -> None:
+        super().__init__()
+        self.model, self.loop = model, loop
+        self.cfg, self.tp, self.residual_branch_ends = model.cfg, model.tp, model.residual_branch_ends
+
+    @classmethod
+    def of(cls, model: nn.Module) -> CpuDecodeLlama | None:
+        """``model`` wrapped, or None where its layers do not all run in the loop (``CpuDecodeLayers.of``)."""
+        loop = CpuDecodeLayers.of(list(model.layers), model.cfg.is_llama4)
+        return None if loop is None else cls(model, loop)
+
+    @property
+    def lm_head(self) -> nn.Module | None:
+        return self.model.lm_head
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.model.embed_tokens
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                outputs: OutputRows | None = None) -> torch.Tensor:
+        """``LlamaForCausalLM.forward``'s hidden states (one rank: no step halves)."""
+        model = self.model
+        if input_ids.shape[0] >= DENSE_ROWS:
+            return model(input_ids, positions, attn, outputs=outputs)
+        tables = model.position_tables(positions)
+        x, residual = self.loop(model.embed_tokens(input_ids), tables, attn)
+        hidden = model.norm.add_forward(x, residual)[0]
+        return hidden if outputs is None else hidden[outputs.rows]
+
+    def compute_logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor | None:
+        return self.model.compute_logits(hidden, argmax_only)
+
+    def place(self, device: torch.device | str, dtype: torch.dtype | None = None) -> CausalLM:
+        return self.model.place(device, dtype)

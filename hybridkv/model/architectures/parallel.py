@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.model.architectures.collectives import CopyEngineSums, OneShotAllReduce
+from hybridkv.model.architectures.device_ops import DeviceOps
 
 if TYPE_CHECKING:
     from hybridkv.model.int8_head_cpu import Int8ArgmaxHead
@@ -213,25 +214,39 @@ def shard_for_rank(model: nn.Module, name: str, source: Any) -> torch.Tensor:
 
 
 class DecodeGemm:
-    """``F.linear`` of one weight, through ``kernels/skinny_gemm.py`` for decode-sized CUDA inputs (a few rows),
+    """``F.linear`` of one weight on CUDA, through ``kernels/skinny_gemm.py`` for decode-sized inputs (a few rows),
     where cuBLAS's split-K GEMM and its reduce read the weight at a fraction of the memory bandwidth and stop the
-    decode kernels' programmatic dependent launches. Holds that kernel's arrival counters."""
+    decode kernels' programmatic dependent launches. Holds that kernel's arrival counters (made at the first
+    call, on the device ``bind_ops`` chose it for)."""
 
     def __init__(self) -> None:
         self.arrived: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.is_cuda:  # triton is only needed on GPU
-            from hybridkv.kernels.skinny_gemm import skinny_gemm, skinny_gemm_counters, skinny_gemm_fits
+        from hybridkv.kernels.skinny_gemm import skinny_gemm, skinny_gemm_counters, skinny_gemm_fits  # GPU only
 
-            if skinny_gemm_fits(x, weight):
-                if self.arrived is None or self.arrived.device != x.device:
-                    self.arrived = skinny_gemm_counters(weight.shape[0], x.device)
-                return skinny_gemm(x, weight, bias, self.arrived)
+        if skinny_gemm_fits(x, weight):
+            if self.arrived is None:
+                self.arrived = skinny_gemm_counters(weight.shape[0], x.device)
+            return skinny_gemm(x, weight, bias, self.arrived)
         return F.linear(x, weight, bias)
 
 
-class ColumnParallelLinear(nn.Linear):
+def gemm_for(device: torch.device):
+    """A linear's GEMM ``(x, weight, bias) -> y`` on ``device``: ``F.linear``, or on CUDA a ``DecodeGemm``."""
+    return DecodeGemm() if device.type == "cuda" else F.linear
+
+
+class LinearOps(DeviceOps):
+    """A linear (or a fused group of them) whose GEMM is chosen when the model is placed (``gemm_for``)."""
+
+    gemm = staticmethod(F.linear)  # until ``bind_ops``
+
+    def bind_ops(self, device: torch.device) -> None:
+        self.gemm = gemm_for(device)
+
+
+class ColumnParallelLinear(LinearOps, nn.Linear):
     """Output features split in ``count`` parts; this rank holds part ``index``. No communication."""
 
     def __init__(
@@ -241,7 +256,6 @@ class ColumnParallelLinear(nn.Linear):
         if out_features % self.count:
             raise ValueError(f"{out_features} output features cannot be split in {self.count}")
         super().__init__(in_features, out_features // self.count, bias=bias, dtype=dtype)
-        self.gemm = DecodeGemm()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gemm(x, self.weight, self.bias)
@@ -251,7 +265,7 @@ class ColumnParallelLinear(nn.Linear):
         return source[self.index * n : (self.index + 1) * n]
 
 
-class FusedColumns:
+class FusedColumns(LinearOps):
     """Linears that read the same input (q, k, v; gate, up) run as one GEMM over their concatenated weights: one
     launch and one pass over the input instead of several, and a wider GEMM (a decode step's q/k/v projections
     are 896 x 5120 together on a Scout rank, 128 x 5120 each for k and v).
@@ -265,7 +279,6 @@ class FusedColumns:
         self.sizes = [linear.out_features for linear in linears]
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
-        self.gemm = DecodeGemm()
 
     @torch.no_grad()
     def fuse(self) -> None:
@@ -300,7 +313,7 @@ def fuse_columns(model: nn.Module) -> None:
                 group.fuse()
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(LinearOps, nn.Linear):
     """Input features split over ranks; the partial outputs are summed over ranks.
 
     ``reduce=False`` leaves the sum to the caller (MoE adds experts and shared expert first: one all-reduce)."""
@@ -312,7 +325,6 @@ class RowParallelLinear(nn.Linear):
         self.tp, self.reduce = tp, reduce
         _, local = tp.part(in_features, "input features")
         super().__init__(local, out_features, bias=bias, dtype=dtype)
-        self.gemm = DecodeGemm()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
