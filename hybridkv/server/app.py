@@ -27,7 +27,8 @@ from hybridkv.model.loading.tokenizer import Tokenizer
 from hybridkv.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from hybridkv.server.auth import add_access_middleware
 from hybridkv.server.errors import APIError, error_body, error_response
-from hybridkv.server.limits import check_max_tokens, parse_json, read_body, refuse_unsupported
+from hybridkv.server.json_body import decode_json
+from hybridkv.server.limits import check_max_tokens, read_body, refuse_unsupported
 from hybridkv.server.metrics import ServerMetrics
 from hybridkv.server.options import ServerOptions
 from hybridkv.server.protocol import (
@@ -182,7 +183,7 @@ async def _parse_body(request: Request, model: type[BaseModel]):
     raw = await read_body(request, limits)
     if not raw.strip():
         raise APIError(400, "the request body is empty: a JSON object is expected")
-    data = parse_json(raw, limits.max_json_depth)
+    data = decode_json(raw, limits.max_json_depth)
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
     refuse_unsupported(data, "chat" if model is ChatCompletionRequest else "completions")
