@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hybridkv.engine.json_schema_check import check_schema, resolve_ref
 from hybridkv.engine.sampler import host_to_device
 from hybridkv.engine.sampling_params import StructuredOutputsParams
 
@@ -62,11 +63,16 @@ class StructuredOutputs:
 
     def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         """The compiled grammar (from the cache when this spec was seen); ValueError naming the field if invalid,
-        if a JSON schema refers outside itself, or if the grammar accepts no output at all."""
+        if a JSON schema refers outside itself, has no value or holds keywords the grammar would not enforce
+        (``json_schema_check.py``), or if the grammar accepts no output at all."""
         compiler = self.compiler
         kind = params.kind
         if kind == "json":
             check_refs(params.json)
+            try:
+                check_schema(params.json)
+            except ValueError as error:
+                raise ValueError(f"structured_outputs.json: {error}") from None
         try:
             grammar = _compile(compiler, params)
         except RuntimeError as error:  # xgrammar reports bad specs as RuntimeError with its C++ location first
@@ -170,30 +176,12 @@ def _ref_loop(root: dict, ref: str) -> bool:
     seen: set[str] = set()
     while ref not in seen:
         seen.add(ref)
-        target = _resolve(root, ref)
+        target = resolve_ref(root, ref)
         if not (isinstance(target, dict) and isinstance(target.get("$ref"), str)
                 and set(target) - _ANNOTATION_KEYWORDS == {"$ref"}):
             return False
         ref = target["$ref"]
     return True
-
-
-def _resolve(root: dict, ref: str) -> object:
-    """The schema a local JSON-pointer ``$ref`` (``#/$defs/a``) names; None when it names nothing."""
-    if ref == "#":
-        return root
-    if not ref.startswith("#/"):
-        return None  # an anchor ("#name"): not followed
-    node: object = root
-    for part in ref[2:].split("/"):
-        key = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and key in node:
-            node = node[key]
-        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
-            node = node[int(key)]
-        else:
-            return None
-    return node
 
 
 def choice_grammar(choices: Sequence[str]) -> str:
