@@ -275,3 +275,23 @@ def test_an_output_that_stops_satisfies_its_schema(llm, schema):
     for o in stopped:
         assert o.stop_reason is None
         jsonschema.validate(json.loads(o.text), schema)
+
+
+def test_a_grammar_not_compiled_within_the_bound_is_refused_and_its_compile_goes_on(tokenizer):
+    """A 4,000-value enum takes far longer than a millisecond to compile: refused at once; the compile finishes in
+    the background, and the same spec, sent again, gets that compile's grammar."""
+    structured = StructuredOutputs(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, compile_timeout_s=1e-3)
+    values = [f"city number {i}" for i in range(4000)]
+    params = StructuredOutputsParams(json={"type": "object", "properties": {"city": {"enum": values}},
+                                           "required": ["city"]})
+    with pytest.raises(ValueError) as info:
+        structured.compile(params)
+    assert str(info.value).startswith("structured_outputs.json: the grammar did not compile within 0.001 s "
+                                      "(grammar_compile_timeout_s, the server's --grammar-compile-timeout-s)")
+    (in_flight,) = structured._compiling.values()  # the one compile, going on
+    structured.compile_timeout_s = 0.0  # no bound: waits for it
+    matcher = structured.matcher(params)
+    assert in_flight.done() and not structured._compiling
+    assert matcher.accept_string('{"city": "city number 3999"}')
+    assert matcher.accept_token(tokenizer.eos_token_ids[0]) and matcher.is_terminated()
+    assert not structured.matcher(params).accept_string('{"city": "city number 4000"}')
