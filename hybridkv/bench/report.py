@@ -118,15 +118,34 @@ def write_plot(path: str | Path, results: list[RequestResult], m: BenchMetrics, 
 
 def _histogram(ax, label: str, values: list[float], stats: Stats) -> None:
     if values:
-        ax.hist(values, bins=min(50, max(5, len(values) // 2)), color="tab:blue", alpha=0.8)
+        top, above = histogram_top(values)
+        shown = [v for v in values if v <= top]
+        ax.hist(shown, bins=min(50, max(5, len(shown) // 2)), color="tab:blue", alpha=0.8)
         for value, name, style in ((stats.median, "median", "-"), (stats.p99, "p99", "--")):
-            ax.axvline(value, color="tab:red", linestyle=style, label=f"{name} {value:.2f}")
-        ax.legend()
+            if value <= top:
+                ax.axvline(value, color="tab:red", linestyle=style, label=f"{name} {value:.2f}")
+        ax.legend(title=None if not above else f"{above} above {top:.2f} not shown (max {max(values):.2f})")
     else:
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel(label)
     ax.set_ylabel("count")
     ax.set_title(f"{label.split()[0]} distribution (n={len(values)})")
+
+
+def histogram_top(values: list[float], q: float = 99.5, spread: float = 2.0) -> tuple[float, int]:
+    """Where a histogram's axis ends, and how many values lie past it: at the ``q``-th percentile when the largest
+    value is more than ``spread`` times that (one stall of seconds among 10 ms gaps would squash every bar into the
+    first), else at the largest value::
+
+        >>> histogram_top([10.0] * 999 + [5000.0])
+        (10.0, 1)
+        >>> histogram_top([10.0, 12.0, 15.0])
+        (15.0, 0)
+    """
+    top, largest = float(np.percentile(values, q)), max(values)
+    if largest <= spread * top:
+        return float(largest), 0
+    return top, sum(v > top for v in values)
 
 
 def _timeline(ax, results: list[RequestResult]) -> None:

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from typing import Any
+
+API_KEY_ENV = "OPENAI_API_KEY"  # what vLLM's bench reads, and the openai client
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -65,7 +68,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--summarize-instruction", action="store_true",
                    help='start every prompt with "Please summarize the following text." (counted in --input-len)')
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the arrival times")
-    p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (default: no header)")
+    p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY if set, as vLLM's "
+                                     "bench reads it; else no header)")
     p.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds per request")
     p.add_argument("--json", dest="json_path", metavar="OUT.json",
                    help="write metrics, config and per-request records (default: none written)")
@@ -106,6 +110,18 @@ def _load_tokenizer(name: str | None, model: str):
     return Tokenizer.from_hf_dir(resolved.path), resolved.name
 
 
+def plot_title(config: dict[str, Any]) -> str:
+    """What the run was, from its config::
+
+        >>> plot_title({"model": "m", "endpoint": "/v1/completions", "input_len": 512, "output_len": 128,
+        ...             "num_prompts": 64, "max_concurrency": 16, "request_rate": "inf"})
+        'm /v1/completions in=512 out=128 prompts=64 concurrency=16 rate=inf'
+    """
+    concurrency = config["max_concurrency"] or "unlimited"
+    return (f"{config['model']} {config['endpoint']} in={config['input_len']} out={config['output_len']} "
+            f"prompts={config['num_prompts']} concurrency={concurrency} rate={config['request_rate']}")
+
+
 def _config(args: argparse.Namespace, model: str, tokenizer_name: str) -> dict[str, Any]:
     rate = args.request_rate
     return {
@@ -136,7 +152,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
     from hybridkv.bench.metrics import compute_metrics, fill_output_tokens
     from hybridkv.bench.report import format_table, result_dict, write_json, write_plot
 
-    model = args.model or asyncio.run(first_model_id(args.base_url, args.api_key))
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    model = args.model or asyncio.run(first_model_id(args.base_url, api_key))
     tokenizer, tokenizer_name = _load_tokenizer(args.tokenizer, model)
     dataset_cfg = DatasetConfig(
         kind=args.dataset, input_len=args.input_len, output_len=args.output_len, num_prompts=args.num_prompts,
@@ -150,7 +167,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
               f"{summary['max_abs_deviation']} tokens", file=sys.stderr)
     client_cfg = ClientConfig(
         base_url=args.base_url, endpoint=args.endpoint, model=model, request_rate=args.request_rate,
-        max_concurrency=args.max_concurrency, seed=args.seed, timeout_s=args.request_timeout, api_key=args.api_key,
+        max_concurrency=args.max_concurrency, seed=args.seed, timeout_s=args.request_timeout, api_key=api_key,
     )
     with tqdm(total=len(samples), disable=args.no_progress, file=sys.stderr, desc="requests") as bar:
         results, duration = asyncio.run(run_requests(client_cfg, samples, on_done=lambda _: bar.update(1)))
@@ -161,5 +178,5 @@ def _bench_serve(args: argparse.Namespace) -> int:
     if args.json_path:
         write_json(args.json_path, result_dict(metrics, config, summary, results))
     if args.plot:
-        write_plot(args.plot, results, metrics, title=f"{model} {args.endpoint} in={args.input_len} out={args.output_len}")
+        write_plot(args.plot, results, metrics, title=plot_title(config))
     return 0 if metrics.completed else 1

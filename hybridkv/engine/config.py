@@ -61,6 +61,10 @@ class EngineConfig:
     seed: int = knob(0, "seed of the sampler (and of dummy weights)")
     device: str = knob("auto", "auto (CUDA when available) | cpu | cuda (Triton kernels)")
     skip_tokenizer_init: bool = knob(False, "load no tokenizer: prompts and outputs are token ids")
+    # a tool with a 100,000-value enum takes minutes to compile: answer at once rather than hold the request
+    grammar_compile_timeout_s: float = knob(
+        10.0, "structured outputs: a grammar (JSON schema, regex, EBNF) not compiled within this many seconds is "
+              "refused; its compile goes on in the background and is cached (0: no bound)")
     tensor_parallel_size: int = knob(1, "ranks (processes) to split the model over; this one is rank 0")
     distributed_timeout_s: float = knob(300.0, "a collective that waits this long raises: a rank has hung")
     # vLLM's name: its own custom all-reduce is on by default too

@@ -203,7 +203,8 @@ class LLMEngine:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, hf_config)
-        self.structured_outputs = StructuredOutputs(self.tokenizer, self.model.cfg.vocab_size, self.eos_token_ids)
+        self.structured_outputs = StructuredOutputs(self.tokenizer, self.model.cfg.vocab_size, self.eos_token_ids,
+                                                    config.grammar_compile_timeout_s)
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[str, _Request] = {}  # by ``Sequence.request_id``
         self._ahead: _Ahead | None = None

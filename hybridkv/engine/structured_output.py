@@ -2,7 +2,9 @@
 
 ``StructuredOutputs.compile`` turns ``StructuredOutputsParams`` into an xgrammar ``CompiledGrammar``; xgrammar's
 compiler keeps compiled grammars in a byte-bounded cache keyed by the spec's text, so a spec is compiled once
-(JSON schemas keep their key order: it is the order the properties must come in). Each sequence gets its
+(JSON schemas keep their key order: it is the order the properties must come in). A compile that takes longer than
+``compile_timeout_s`` is refused (and goes on in the background), and a JSON schema is first checked for a value
+and for keywords xgrammar would not enforce (``json_schema_check.py``). Each sequence gets its
 own ``GrammarMatcher``; every step the engine asks for the batch's bitmask (rows without a grammar allow every
 token), the sampler applies it to the logits, and the sampled token advances the matcher.
 
@@ -14,10 +16,13 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout  # the builtin TimeoutError from Python 3.11
 from typing import TYPE_CHECKING
 
 import torch
 
+from hybridkv.engine.json_schema_check import check_schema, resolve_ref
 from hybridkv.engine.sampler import host_to_device
 from hybridkv.engine.sampling_params import StructuredOutputsParams
 
@@ -40,12 +45,15 @@ GRAMMAR_CACHE_BYTES = 256 << 20
 class StructuredOutputs:
     """The engine's grammar compiler for one tokenizer (built on first use; safe to call from any thread)."""
 
-    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, stop_token_ids: Sequence[int],
+                 compile_timeout_s: float = 0.0) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
+        self.compile_timeout_s = compile_timeout_s  # 0: wait for any compile
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._lock = threading.Lock()
+        self._compiling: dict[tuple, Future] = {}  # by spec: compiles in flight, a refused one's included
 
     @property
     def compiler(self) -> xgrammar.GrammarCompiler:
@@ -62,18 +70,56 @@ class StructuredOutputs:
 
     def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         """The compiled grammar (from the cache when this spec was seen); ValueError naming the field if invalid,
-        if a JSON schema refers outside itself, or if the grammar accepts no output at all."""
+        if a JSON schema refers outside itself, has no value or holds keywords the grammar would not enforce
+        (``json_schema_check.py``), or if the grammar accepts no output at all."""
         compiler = self.compiler
         kind = params.kind
         if kind == "json":
             check_refs(params.json)
+            try:
+                check_schema(params.json)
+            except ValueError as error:
+                raise ValueError(f"structured_outputs.json: {error}") from None
         try:
-            grammar = _compile(compiler, params)
+            grammar = self._compile_within_bound(compiler, params)
         except RuntimeError as error:  # xgrammar reports bad specs as RuntimeError with its C++ location first
             raise ValueError(f"structured_outputs.{kind}: {_xgrammar_message(error)}") from None
         if not self._accepts_a_first_token(grammar):
             raise ValueError(f"structured_outputs.{kind}: no output satisfies it: not even a first token is allowed")
         return grammar
+
+    def _compile_within_bound(self, compiler: xgrammar.GrammarCompiler,
+                              params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+        """``_compile`` in a thread of its own, waited on for at most ``compile_timeout_s`` (0: any time): ValueError
+        past it.
+        xgrammar cannot stop a compile, so a refused one goes on and leaves its grammar in the cache; the same spec
+        sent meanwhile waits on that compile rather than starting another. (The compile releases the GIL: the
+        engine and the server go on meanwhile.)"""
+        key = _spec_key(params)
+        with self._lock:
+            future = self._compiling.get(key)
+            if future is None:
+                future = self._compiling[key] = Future()
+                threading.Thread(target=self._run_compile, args=(key, future, compiler, params), daemon=True,
+                                 name="grammar-compile").start()
+        try:
+            return future.result(timeout=self.compile_timeout_s or None)
+        except FutureTimeout:
+            raise ValueError(
+                f"structured_outputs.{params.kind}: the grammar did not compile within {self.compile_timeout_s:g} s "
+                "(grammar_compile_timeout_s, the server's --grammar-compile-timeout-s): it is too large (an enum of "
+                "tens of thousands of values is); its compile goes on, and the same spec sent again once it is done "
+                "is served from the cache") from None
+
+    def _run_compile(self, key: tuple, future: Future, compiler: xgrammar.GrammarCompiler,
+                     params: StructuredOutputsParams) -> None:
+        try:
+            future.set_result(_compile(compiler, params))
+        except BaseException as error:  # handed to whoever waits on it
+            future.set_exception(error)
+        finally:
+            with self._lock:
+                del self._compiling[key]
 
     def _accepts_a_first_token(self, grammar: xgrammar.CompiledGrammar) -> bool:
         import xgrammar as xgr
@@ -138,6 +184,11 @@ def _compile(compiler: xgrammar.GrammarCompiler, params: StructuredOutputsParams
     return compiler.compile_grammar(params.grammar)
 
 
+def _spec_key(params: StructuredOutputsParams) -> tuple:
+    spec = getattr(params, params.kind)
+    return params.kind, json.dumps(spec), params.disable_any_whitespace
+
+
 def check_refs(schema: dict) -> None:
     """ValueError naming the first ``$ref`` that points outside the schema (a URL, another file: xgrammar would drop
     it silently and leave that part unconstrained; nothing is ever fetched), or that only leads, through schemas that
@@ -170,30 +221,12 @@ def _ref_loop(root: dict, ref: str) -> bool:
     seen: set[str] = set()
     while ref not in seen:
         seen.add(ref)
-        target = _resolve(root, ref)
+        target = resolve_ref(root, ref)
         if not (isinstance(target, dict) and isinstance(target.get("$ref"), str)
                 and set(target) - _ANNOTATION_KEYWORDS == {"$ref"}):
             return False
         ref = target["$ref"]
     return True
-
-
-def _resolve(root: dict, ref: str) -> object:
-    """The schema a local JSON-pointer ``$ref`` (``#/$defs/a``) names; None when it names nothing."""
-    if ref == "#":
-        return root
-    if not ref.startswith("#/"):
-        return None  # an anchor ("#name"): not followed
-    node: object = root
-    for part in ref[2:].split("/"):
-        key = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and key in node:
-            node = node[key]
-        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
-            node = node[int(key)]
-        else:
-            return None
-    return node
 
 
 def choice_grammar(choices: Sequence[str]) -> str:

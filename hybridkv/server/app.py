@@ -28,8 +28,9 @@ from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.model.loading.tokenizer import Tokenizer
 from hybridkv.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from hybridkv.server.auth import add_access_middleware
-from hybridkv.server.errors import APIError, error_body, error_response
-from hybridkv.server.limits import check_max_tokens, parse_json, read_body, refuse_unsupported
+from hybridkv.server.errors import APIError, error_body, error_response, unserved_route
+from hybridkv.server.json_body import decode_json
+from hybridkv.server.limits import check_max_tokens, read_body, refuse_unsupported
 from hybridkv.server.metrics import ServerMetrics
 from hybridkv.server.options import ServerOptions
 from hybridkv.server.protocol import (
@@ -119,7 +120,8 @@ def build_app(engine: LLMEngine | EngineConfig, served_model_name: str | None = 
         finally:
             await asyncio.to_thread(async_engine.shutdown)
 
-    app = FastAPI(title="hybridkv", lifespan=lifespan)
+    docs = {} if options.fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="hybridkv", lifespan=lifespan, **docs)
     tokenizer = engine.tokenizer
     if tokenizer is not None and chat_template is not None:
         tokenizer = replace(tokenizer, chat_template=chat_template)
@@ -153,8 +155,9 @@ def _add_error_handlers(app: FastAPI) -> None:
             response.headers["connection"] = "close"
         return response
 
-    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = unserved_route(request.url.path) if exc.status_code == 404 else None
+        return error_response(exc.status_code, message or str(exc.detail))
 
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:  # uvicorn logs the traceback
         return error_response(500, f"internal server error ({type(exc).__name__})")
@@ -189,7 +192,7 @@ async def _parse_body(request: Request, model: type[BaseModel]):
     raw = await read_body(request, limits)
     if not raw.strip():
         raise APIError(400, "the request body is empty: a JSON object is expected")
-    data = parse_json(raw, limits.max_json_depth)
+    data = decode_json(raw, limits.max_json_depth)
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
     refuse_unsupported(data, {ChatCompletionRequest: "chat", ResponsesRequest: "responses"}.get(model, "completions"))

@@ -3,7 +3,9 @@ middleware, vLLM's flags).
 
 As in vLLM, ``/health`` and ``/metrics`` stay open (load balancers and Prometheus carry no key), and CORS
 preflight requests (``OPTIONS``) pass without one, since browsers never send credentials on them. vLLM leaves its
-tokenizer routes open too; here they need the key, as they spend the server's CPU on what a client sends.
+tokenizer routes open too; here they need the key, as they spend the server's CPU on what a client sends. So do
+FastAPI's ``/docs``, ``/redoc`` and ``/openapi.json``, which vLLM leaves open (and turns off with
+``--disable-fastapi-docs``, which hybridkv takes too): they describe every route to whoever asks.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from hybridkv.server.errors import error_response
 from hybridkv.server.options import ServerOptions
 
 PROTECTED_PREFIX = "/v1"
-PROTECTED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
+PROTECTED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info",
+                             "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
 
 def add_access_middleware(app: FastAPI, options: ServerOptions) -> None:
@@ -31,8 +34,8 @@ def add_access_middleware(app: FastAPI, options: ServerOptions) -> None:
 
 
 class BearerAuth:
-    """ASGI middleware: a ``/v1`` or tokenizer request without ``Authorization: Bearer <one of the keys>``
-    gets 401."""
+    """ASGI middleware: a ``/v1``, tokenizer or API-docs request without ``Authorization: Bearer <one of the
+    keys>`` gets 401."""
 
     def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
         self.app = app

@@ -1,22 +1,16 @@
-"""What a client may send, checked before the work it would cost: body size, JSON nesting, context length.
+"""What a client may send, checked before the work it would cost: body size, read time, context length, fields
+hybridkv does not implement (the body's JSON is decoded and checked in ``json_body.py``).
 
 A body is refused with 413 from its ``Content-Length`` before a byte is read, or as soon as a chunked body grows
 past the limit; a body that has not all arrived within ``body_read_timeout_s`` (a ``Content-Length`` larger than
-what is sent, a client that stalls) gets 408 and the connection is closed; JSON nested deeper than the limit is
-refused before the decoder recurses into it (a body of 100,000 nested arrays would otherwise raise RecursionError);
-NaN and Infinity (which Python's decoder accepts) are refused as the JSON standard does, and so are strings that
-are not Unicode (an escaped unpaired surrogate such as ``"\\ud800"``, which Python's decoder turns into a str that
-no tokenizer or UTF-8 encoder takes).
+what is sent, a client that stalls) gets 408 and the connection is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import re
 from dataclasses import dataclass
 
-import numpy as np
 from starlette.requests import Request
 
 from hybridkv.server.errors import APIError
@@ -24,14 +18,6 @@ from hybridkv.server.errors import APIError
 DEFAULT_MAX_BODY_BYTES = 100 << 20  # a 10M-token prompt sent as token ids is about 70 MB of JSON
 DEFAULT_MAX_JSON_DEPTH = 128  # a request is 4 levels deep; a JSON schema inside one rarely passes 20
 DEFAULT_BODY_READ_TIMEOUT_S = 30.0  # the whole body: 100 MiB at 30 MB/s, any chat request over a slow link
-# A JSON string (escapes included), written so the regex engine loops over plain characters without backtracking.
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-# Only a body with a \uD800-\uDFFF escape, or those code points' (invalid) UTF-8 bytes, which json.loads decodes
-# with "surrogatepass", can decode to an unpaired surrogate.
-_SURROGATE_BYTES = re.compile(rb"\\u[dD][89abcdefABCDEF]|\xed[\xa0-\xbf]")
-_SURROGATE = re.compile("[\ud800-\udfff]")
-_OPENERS = np.frombuffer(b"[{", np.uint8)
-_CLOSERS = np.frombuffer(b"]}", np.uint8)
 
 
 @dataclass(slots=True)
@@ -71,56 +57,6 @@ async def _read_chunks(request: Request, max_bytes: int, chunks: list[bytes]) ->
 def _too_large(what: str, max_bytes: int) -> APIError:
     return APIError(413, f"the request body {what}; at most {max_bytes:,} bytes are accepted "
                          "(the server's --max-request-body-bytes)")
-
-
-def json_depth(raw: bytes) -> int:
-    """How deeply arrays and objects nest in ``raw`` (brackets inside strings do not count)."""
-    a = np.frombuffer(_JSON_STRING.sub(b"", raw), np.uint8)
-    steps = np.isin(a, _OPENERS).astype(np.int32) - np.isin(a, _CLOSERS).astype(np.int32)
-    return int(np.cumsum(steps).max(initial=0))
-
-
-def parse_json(raw: bytes, max_depth: int):
-    """The decoded body; APIError 400 for malformed JSON, nesting deeper than ``max_depth``, NaN or Infinity, or a
-    string (or key) holding an unpaired surrogate."""
-    if raw.count(b"[") + raw.count(b"{") > max_depth:  # cheap: only such bodies can nest that deep
-        depth = json_depth(raw)
-        if depth > max_depth:
-            raise APIError(400, f"the request body nests JSON arrays and objects {depth:,} levels deep; "
-                                f"at most {max_depth} are accepted")
-    try:
-        data = json.loads(raw, parse_constant=_refuse_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise APIError(400, f"malformed JSON in the request body: {error}") from None
-    if _SURROGATE_BYTES.search(raw) or json.detect_encoding(raw) != "utf-8":
-        bad = unpaired_surrogate(data)
-        if bad is not None:
-            path, char = bad
-            raise APIError(400, f"{path or 'request body'}: not valid Unicode: the string holds an unpaired "
-                                f"surrogate (\\u{ord(char):04x}); send UTF-8 text, or escape characters outside "
-                                "the BMP as a surrogate pair", path.split(".")[0] or None)
-    return data
-
-
-def unpaired_surrogate(data, path: str = "") -> tuple[str, str] | None:
-    """(path of the first string or key holding an unpaired surrogate, that surrogate), or None. The decoder has
-    already joined every escaped pair into one character, so any surrogate left is unpaired."""
-    if isinstance(data, str):
-        found = _SURROGATE.search(data)
-        return None if found is None else (path, found.group())
-    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
-    for key, value in items:
-        # the path goes into the error message, which must itself be valid Unicode
-        name = key.encode("utf-8", "backslashreplace").decode() if isinstance(key, str) else str(key)
-        where = f"{path}.{name}" if path else name
-        found = (unpaired_surrogate(key, where) if isinstance(key, str) else None) or unpaired_surrogate(value, where)
-        if found is not None:
-            return found
-    return None
-
-
-def _refuse_constant(name: str):
-    raise APIError(400, f"malformed JSON in the request body: {name} is not a JSON number")
 
 
 def check_max_tokens(max_tokens: int | None, prompt_len: int, max_model_len: int, name: str = "max_tokens") -> None:

@@ -16,3 +16,4 @@ class ServerOptions:
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
     limits: RequestLimits = field(default_factory=RequestLimits)
+    fastapi_docs: bool = True  # /docs, /redoc, /openapi.json (vLLM's --disable-fastapi-docs turns them off)

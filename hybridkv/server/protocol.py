@@ -1,7 +1,8 @@
 """OpenAI-shaped request and response models (pydantic), with vLLM's extra sampling fields.
 
-Requests validate types here; value rules (``temperature >= 0`` ...) live in ``SamplingParams`` so the engine
-and the server share one set of messages. Unknown request fields are ignored, as OpenAI and vLLM do.
+Requests validate types here (booleans strictly, numbers finite); value rules (``temperature >= 0`` ...) live in
+``SamplingParams`` so the engine and the server share one set of messages. Unknown request fields are ignored, as
+OpenAI and vLLM do.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from hybridkv.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -28,12 +29,14 @@ def now() -> int:
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # OpenAI's API takes only true and false for a boolean ("yes", 1 and "true" are errors), and no number that is
+    # not finite (the string "inf" too)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 # ---- requests ----------------------------------------------------------------------------------------------
 class StreamOptions(_Model):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _SamplingFields(_Model):
@@ -48,18 +51,18 @@ class _SamplingFields(_Model):
     stop: str | list[str] | None = None
     seed: int | None = None
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias in [-100, 100]
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extras
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
     cache_salt: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -129,7 +132,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: StrictBool = False
 
     def sampling_params(self) -> SamplingParams:
         """With ``echo``, the prompt's tokens get ``logprobs`` too (as their prompt logprobs), and ``max_tokens``
@@ -189,12 +192,12 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
     functions: list[Any] | None = None  # OpenAI's removed predecessors of tools: refused, see tool_calls.py
     function_call: Any = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
@@ -229,10 +232,10 @@ class TokenizeRequest(_Model):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     # vLLM's defaults: True for a prompt, False for messages (the chat template writes any BOS itself)
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    return_token_strs: bool = False
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    return_token_strs: StrictBool = False
     tools: list[ToolDefinition] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -278,7 +281,7 @@ class JsonSchemaFormat(_Model):
     name: str | None = None
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None  # the schema is enforced either way
+    strict: StrictBool | None = None  # the schema is enforced either way
 
 
 class ResponseFormat(_Model):
@@ -305,10 +308,10 @@ class StructuredOutputsField(_Model):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
-    json_object: bool | None = None
-    disable_any_whitespace: bool = False
-    disable_fallback: bool = False  # one backend, nothing to fall back to
-    disable_additional_properties: bool = False  # xgrammar already closes objects without additionalProperties
+    json_object: StrictBool | None = None
+    disable_any_whitespace: StrictBool = False
+    disable_fallback: StrictBool = False  # one backend, nothing to fall back to
+    disable_additional_properties: StrictBool = False  # xgrammar already closes objects without additionalProperties
     whitespace_pattern: str | None = None
     structural_tag: str | dict[str, Any] | None = None
 
@@ -326,7 +329,7 @@ class FunctionDefinition(_Model):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ToolDefinition(_Model):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Discriminator, Field, Tag
+from pydantic import ConfigDict, Discriminator, Field, StrictBool, Tag
 
 from hybridkv.server.protocol import _Model, now
 
@@ -82,7 +82,7 @@ class FunctionTool(_Model):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
     def chat_tool(self) -> dict[str, Any]:
         function = {"name": self.name, "description": self.description, "parameters": self.parameters,
@@ -103,7 +103,7 @@ class TextFormat(_Model):
     name: str | None = None
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
     def response_format(self) -> dict[str, Any] | None:
         """The chat endpoint's ``response_format``."""
@@ -131,11 +131,11 @@ class ResponsesRequest(_Model):
     top_p: float | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
     text: TextConfig | None = None
     previous_response_id: str | None = None
-    store: bool = True
-    stream: bool = False
+    store: StrictBool = True
+    stream: StrictBool = False
     metadata: dict[str, str] | None = None
     user: str | None = None
     # accepted and unused: they change nothing in the answer

@@ -26,6 +26,7 @@ class FakeOptions:
     send_usage: bool = True
     fail_every: int = 0  # every n-th request answers HTTP 500 (0: never)
     seen: list[dict] = field(default_factory=list)
+    authorizations: list[str | None] = field(default_factory=list)  # each request's Authorization header
 
 
 def free_port() -> int:
@@ -65,6 +66,7 @@ def make_app(options: FakeOptions) -> FastAPI:
     async def handle(request: Request, chat: bool):
         body = await request.json()
         options.seen.append(body)
+        options.authorizations.append(request.headers.get("authorization"))
         if options.fail_every and len(options.seen) % options.fail_every == 0:
             return JSONResponse({"error": {"message": "injected failure"}}, status_code=500)
         return StreamingResponse(_stream(body, chat, options), media_type="text/event-stream")

@@ -95,3 +95,21 @@ def test_bench_requires_subcommand():
     with pytest.raises(SystemExit) as exit_info:
         main(["bench"])
     assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize("flag, env, sent", [
+    ((), "sk-from-env", "Bearer sk-from-env"),  # as vLLM's bench: OPENAI_API_KEY when --api-key is not given
+    (("--api-key", "sk-flag"), "sk-from-env", "Bearer sk-flag"),
+    ((), None, None),
+])
+def test_the_api_key_is_the_flag_else_openai_api_key(tmp_path, monkeypatch, flag, env, sent):
+    if env is None:
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("OPENAI_API_KEY", env)
+    options = FakeOptions()
+    with running_server(options) as url:
+        code, _ = bench(url, tmp_path, "--dataset", "random", "--input-len", "8", "--output-len", "2",
+                        "--num-prompts", "2", "--model", MODEL_ID, *flag)
+    assert code == 0
+    assert options.authorizations == [sent, sent]

@@ -127,7 +127,9 @@ LOOP_DEEP = {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "requ
     (StructuredOutputsParams(json=LOOP_DEEP),  # its first token, "{", is fine: found from the schema alone
      "structured_outputs.json: $ref '#/$defs/x' (at properties.a) only leads back to itself"),
     (StructuredOutputsParams(json={"allOf": [{"$ref": "#/$defs/a"}], "$defs": {"a": {"$ref": "#"}}}),
-     "structured_outputs.json: no output satisfies it: not even a first token is allowed"),
+     "structured_outputs.json: $ref '#/$defs/a' needs a value of itself inside itself (#/$defs/a -> # -> #/$defs/a)"),
+    (StructuredOutputsParams(json={"type": "string", "const": 5}),
+     "structured_outputs.json: const 5 is not a string (type), so no value satisfies the schema"),
     (StructuredOutputsParams(regex="[^\\s\\S]"), "structured_outputs.regex: no output satisfies it"),
     (StructuredOutputsParams(json={"$ref": "http://example.com/s.json"}),
      "structured_outputs.json: $ref 'http://example.com/s.json' (at the root) is not a reference inside the schema"),
@@ -246,3 +248,50 @@ def test_bitmask_on_cuda_logits(structured, tokenizer):
     out = Sampler(seed=0)(logits, params, [[1], [1]], [[], []], [None, None], token_bitmask=mask)
     assert out.token_ids[0] == seven
     assert torch.isfinite(logits).all()  # the sampler masks its own copy
+
+
+# schemas the checker accepts and xgrammar enforces in full, hard ones among them: an output that ends with the
+# grammar's own end (finish "stop", no stop string) satisfies the schema
+ENFORCED = [
+    {"type": "object", "properties": {"kind": {"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 3}]},
+                                      "next": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}},
+     "required": ["kind", "next"], "additionalProperties": False},
+    {"oneOf": [{"type": "object", "properties": {"t": {"const": "a"}, "x": {"type": "integer", "minimum": 5}},
+                "required": ["t", "x"], "additionalProperties": False},
+               {"type": "object", "properties": {"t": {"const": "b"}, "y": {"enum": [True, None]}},
+                "required": ["t", "y"], "additionalProperties": False}]},
+    {"type": "array", "minItems": 2, "maxItems": 3, "prefixItems": [{"type": "integer", "multipleOf": 3}],
+     "items": {"type": "string", "pattern": "^[a-c]+$"}},
+]
+
+
+@pytest.mark.parametrize("schema", ENFORCED)
+def test_an_output_that_stops_satisfies_its_schema(llm, schema):
+    params = SamplingParams(n=4, temperature=1.2, seed=3, max_tokens=48, structured_outputs=StructuredOutputsParams(
+        json=schema))
+    out = llm.generate("JSON: ", params, use_tqdm=False)[0]
+    stopped = [o for o in out.outputs if o.finish_reason == "stop"]
+    assert stopped, [o.text for o in out.outputs]
+    for o in stopped:
+        assert o.stop_reason is None
+        jsonschema.validate(json.loads(o.text), schema)
+
+
+def test_a_grammar_not_compiled_within_the_bound_is_refused_and_its_compile_goes_on(tokenizer):
+    """A 4,000-value enum takes far longer than a millisecond to compile: refused at once; the compile finishes in
+    the background, and the same spec, sent again, gets that compile's grammar."""
+    structured = StructuredOutputs(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, compile_timeout_s=1e-3)
+    values = [f"city number {i}" for i in range(4000)]
+    params = StructuredOutputsParams(json={"type": "object", "properties": {"city": {"enum": values}},
+                                           "required": ["city"]})
+    with pytest.raises(ValueError) as info:
+        structured.compile(params)
+    assert str(info.value).startswith("structured_outputs.json: the grammar did not compile within 0.001 s "
+                                      "(grammar_compile_timeout_s, the server's --grammar-compile-timeout-s)")
+    (in_flight,) = structured._compiling.values()  # the one compile, going on
+    structured.compile_timeout_s = 0.0  # no bound: waits for it
+    matcher = structured.matcher(params)
+    assert in_flight.done() and not structured._compiling
+    assert matcher.accept_string('{"city": "city number 3999"}')
+    assert matcher.accept_token(tokenizer.eos_token_ids[0]) and matcher.is_terminated()
+    assert not structured.matcher(params).accept_string('{"city": "city number 4000"}')

@@ -100,3 +100,45 @@ def test_serve_flags(monkeypatch):
         server_options_from_args(parse(["serve", "--request-body-timeout-s", "0"]))
     with pytest.raises(SystemExit):
         parse(["serve", "--allowed-origins", "https://x"])  # not a JSON list
+
+
+@pytest.mark.parametrize("path", ["/docs", "/redoc", "/openapi.json"])
+def test_the_api_docs_need_the_key(client, path):
+    r = client.get(path)
+    assert r.status_code == 401 and r.json()["error"]["message"].startswith("no API key"), r.text
+    assert r.headers["www-authenticate"] == "Bearer"
+    r = client.get(path, headers=bearer(KEYS[1]))
+    assert r.status_code == 200
+    if path == "/openapi.json":
+        assert "/v1/chat/completions" in r.json()["paths"]
+
+
+def test_disable_fastapi_docs_turns_them_off(monkeypatch):
+    parse = build_parser().parse_args
+    assert server_options_from_args(parse(["serve"])).fastapi_docs
+    options = server_options_from_args(parse(["serve", "--disable-fastapi-docs"]))
+    assert not options.fastapi_docs
+    with TestClient(build_app(EngineConfig(kv_cache_memory_bytes=16 << 20, max_model_len=64), options=options)) as c:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert c.get(path).status_code == 404
+
+
+@pytest.mark.parametrize("method, path, what", [
+    ("POST", "/v1/embeddings", "embeddings"), ("POST", "/v1/audio/transcriptions", "audio"),
+    ("POST", "/v1/images/generations", "image generation"), ("POST", "/v1/moderations", "moderations"),
+    ("GET", "/v1/files", "files"),
+])
+def test_unserved_openai_routes_say_so_in_openais_error_shape(client, method, path, what):
+    r = client.request(method, path, headers=bearer(KEYS[0]), json={"input": "hi", "model": "x"})
+    assert r.status_code == 404
+    assert r.json() == {"error": {
+        "message": f"this server does not serve {what} ({path}): hybridkv serves text generation only "
+                   "(/v1/completions, /v1/chat/completions)",
+        "type": "NotFoundError", "param": None, "code": 404}}
+    assert client.get("/v1/nothing", headers=bearer(KEYS[0])).json()["error"]["message"] == "Not Found"
+
+
+def test_the_openai_client_sees_embeddings_are_not_served(client):
+    api = openai.OpenAI(base_url="http://testserver/v1", api_key=KEYS[0], http_client=client, max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="this server does not serve embeddings"):
+        api.embeddings.create(model="x", input="hi")

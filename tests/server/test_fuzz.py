@@ -1,7 +1,8 @@
 """Hypothesis-generated requests (plausible values, edge values and arbitrary JSON in every field of the three
-generating endpoints; strings with unpaired surrogates and NUL characters; raw bodies with NUL bytes and
-Content-Lengths that lie): every answer is a 2xx or a 4xx, and the server is healthy and holds no request or KV
-block after.
+generating endpoints; strings with unpaired surrogates and NUL characters; raw bodies with NUL bytes and Content-Lengths that
+lie; numbers beyond a float's range or Python's int limit, NaN and Infinity, deep nesting, booleans that are not
+booleans; JSON schemas that are refused): every answer is a 2xx or a 4xx, never a 200 for a refused schema, and the
+server is healthy and holds no request or KV block after.
 
 Derandomized, so CI runs the same examples every time."""
 
@@ -165,11 +166,71 @@ def odd_string_body(path: str) -> st.SearchStrategy:
         lambda t: {**(places := ODD_PLACES[path](t[0]))[t[1] % len(places)], limit: 2})
 
 
+# JSON schemas no value satisfies, or with keywords the grammar would not enforce: docs/api.md says each is refused
+UNSATISFIABLE_SCHEMAS = [
+    {"not": {}},
+    {"allOf": [{"type": "string"}, {"type": "integer"}]},
+    {"type": "string", "const": 5},
+    {"type": "object", "required": ["a"], "additionalProperties": False},
+    {"type": []},
+    {"$defs": {"a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]},
+               "b": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "required": ["a"]}},
+     "$ref": "#/$defs/a"},
+    {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+    {"type": "string", "enum": [1, 2]},
+    {"type": "array", "minItems": 1, "items": False},
+    {"anyOf": [{"type": []}, {"not": True}]},
+    False,
+]
+UNENFORCED_SCHEMAS = [
+    {"type": ["string", "integer"], "not": {"type": "string"}},
+    {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+    {"type": "object", "required": ["a"]},
+    {"oneOf": [{"type": "number"}, {"type": "integer"}]},
+    {"type": "integer", "if": {"minimum": 3}, "then": {"maximum": 5}},
+    {"type": "number", "multipleOf": 0.5},
+]
+REFUSED_SCHEMAS = UNSATISFIABLE_SCHEMAS + UNENFORCED_SCHEMAS
+
+
+def constraint(schema, where: int, path: str = "/v1/chat/completions") -> dict:
+    """``schema`` as response_format, as structured_outputs.json, or (chat) as a required tool's parameters; for
+    /v1/responses as text.format or a required tool's parameters."""
+    if path == "/v1/responses":
+        return [{"text": {"format": {"type": "json_schema", "name": "s", "schema": schema}}},
+                {"tools": [{"type": "function", "name": "f", "parameters": schema}], "tool_choice": "required"}][where]
+    return [{"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},
+            {"structured_outputs": {"json": schema}},
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+             "tool_choice": "required"}][where]
+
+
+def refused_schema_body(path: str) -> st.SearchStrategy:
+    places = 3 if path == "/v1/chat/completions" else 2
+    return st.tuples(plausible(path), st.sampled_from(REFUSED_SCHEMAS), st.integers(0, places - 1)).map(
+        lambda t: {**{k: v for k, v in t[0].items() if k not in ("response_format", "structured_outputs", "text")},
+                   **constraint(t[1], t[2], path)})
+
+
+BOOLEANS = {"/v1/completions": ["echo", "stream", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output"],
+            "/v1/chat/completions": ["stream", "logprobs", "add_generation_prompt", "parallel_tool_calls",
+                                     "ignore_eos"],
+            "/v1/responses": ["stream", "store", "parallel_tool_calls"]}
+not_booleans = st.sampled_from(["yes", "true", "false", 1, 0, "on", 1.0, [], {}])
+
+
+def loose_boolean_body(path: str) -> st.SearchStrategy:
+    return st.tuples(plausible(path), st.sampled_from(BOOLEANS[path] + ["stream_options"]), not_booleans).map(
+        lambda t: {**t[0], t[1]: {"include_usage": t[2]} if t[1] == "stream_options" else t[2]})
+
+
 PATHS = sorted(REQUIRED)
 requests = st.one_of(
     *(st.tuples(st.just(path), plausible(path)) for path in PATHS),
     *(st.tuples(st.just(path), one_field_anything(path)) for path in PATHS),
     *(st.tuples(st.just(path), odd_string_body(path)) for path in PATHS),
+    *(st.tuples(st.just(path), refused_schema_body(path)) for path in PATHS),
+    *(st.tuples(st.just(path), loose_boolean_body(path)) for path in PATHS),
     st.tuples(st.sampled_from(PATHS), any_json),
 )
 
@@ -226,6 +287,105 @@ def test_no_request_gets_a_5xx(client, request):
         assert last.split("\n")[0] in ("event: response.completed", "event: response.incomplete"), r.text
     elif r.headers["content-type"].startswith("text/event-stream"):
         assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text, r.text
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(path=st.sampled_from(PATHS), data=st.data())
+def test_a_refused_schema_never_gets_a_200(client, path, data):
+    """Each schema docs/api.md says is refused, wherever it goes (response_format, structured_outputs, a required
+    tool), with any plausible other fields: a 4xx, never an output."""
+    body = data.draw(refused_schema_body(path))
+    r = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+    assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])  # the schema's 400, or another field's 4xx
+    assert r.json()["error"]["message"]
+
+
+SMALL_BODIES = {"/v1/completions": {"prompt": "hi", "max_tokens": 4},
+                "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+                "/v1/responses": {"input": "hi", "max_output_tokens": 4}}
+
+
+def test_every_refused_schema_is_a_400_saying_why(client):
+    for path in PATHS:
+        for schema in REFUSED_SCHEMAS:
+            for where in range(3 if path == "/v1/chat/completions" else 2):
+                r = client.post(path, json={**SMALL_BODIES[path], **constraint(schema, where, path)})
+                assert r.status_code == 400, (path, schema, where, r.text[:300])
+                message = r.json()["error"]["message"]
+                if where < (1 if path == "/v1/responses" else 2):  # in a tool, the array of calls around it may be what is refused first
+                    assert "no value satisfies the schema" in message or "grammar backend (xgrammar)" in message \
+                        or "valid dictionary" in message or "a JSON schema is an object" in message, message
+
+
+# number literals json.dumps cannot write: each replaces a value in a plausible body, as raw bytes
+HOSTILE_NUMBERS = [b"1e999", b"-1.5E+400", b"7" * 4301, b"-" + b"9" * 6000, b"NaN", b"Infinity", b"-Infinity",
+                   b"1" + b"0" * 400 + b".5"]
+NUMBER_PLACES = ["temperature", "top_p", "seed", "max_tokens", "n", "logit_bias.5", "prompt.1", "stop_token_ids.0",
+                 "response_format.json_schema.schema.maximum", "unknown_field.x"]
+MARK = "\u0001number\u0001"
+
+
+def with_number(body: dict, place: str) -> tuple[dict, str]:
+    """``body`` with MARK at ``place`` (a list index taken modulo the list's length), and the path it went to."""
+    body = json.loads(json.dumps(body))
+    *parents, last = place.split(".")
+    node = body
+    for key in parents:
+        node = node.setdefault(key, [0] if key in ("prompt", "stop_token_ids") else
+                               {"type": "json_schema", "json_schema": {"schema": {}}} if key == "response_format"
+                               else {})
+        if key == "prompt" and not isinstance(node, list):
+            node = body[key] = [1, 2]
+    if isinstance(node, list):
+        last = str(int(last) % len(node))
+        node[int(last)] = MARK
+    else:
+        node[last] = MARK
+    return body, ".".join([*parents, last])
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(path=st.sampled_from(PATHS), literal=st.sampled_from(HOSTILE_NUMBERS), place=st.sampled_from(NUMBER_PLACES),
+       data=st.data())
+def test_numbers_beyond_json_or_python_are_a_400_naming_the_field(port, path, literal, place, data):
+    """Over a real socket: the 400 names the field, and the kept-alive connection still serves the next request."""
+    body, place = with_number(data.draw(plausible(path)), place)
+    raw = json.dumps(body).encode().replace(json.dumps(MARK).encode(), literal)
+    head = (f"POST {path} HTTP/1.1\r\nhost: fuzz\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(raw)}\r\n\r\n").encode()
+    ok = b'{"prompt": "hi", "max_tokens": 1}'
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(head + raw)
+        first = _read_response(s)
+        s.sendall(raw_request("/v1/completions", ok, len(ok)))  # the same connection
+        second = _read_response(s)
+    assert first.startswith(b"HTTP/1.1 400 "), first[:300]
+    error = json.loads(first.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["param"] == place.split(".")[0] and error["message"].startswith(place + ": "), error
+    assert second.startswith(b"HTTP/1.1 200 "), second[:300]
+
+
+def _read_response(s: socket.socket) -> bytes:
+    """One HTTP response with a Content-Length, read off a kept-alive socket."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += s.recv(1 << 16)
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(
+        b"content-length:")))
+    while len(rest) < length:
+        rest += s.recv(1 << 16)
+    return head + b"\r\n\r\n" + rest
+
+
+def test_deep_nesting_in_any_field_is_a_400_naming_it(client):
+    for path in PATHS:
+        for field in ("prompt", "messages", "response_format", "tools", "unknown"):
+            raw = b'{"max_tokens": 1, "' + field.encode() + b'": ' + b"[" * 300 + b"]" * 300 + b"}"
+            r = client.post(path, content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text[:300]
 
 
 def raw_request(path: str, body: bytes, length: int | str) -> bytes:

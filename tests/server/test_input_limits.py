@@ -13,7 +13,7 @@ import pytest
 from test_openai_server import MODEL, TIMEOUT, Server
 
 from hybridkv.engine.llm_engine import EngineConfig, LLMEngine
-from hybridkv.server.limits import RequestLimits, json_depth
+from hybridkv.server.limits import RequestLimits
 from hybridkv.server.options import ServerOptions
 
 MAX_MODEL_LEN = 512
@@ -72,18 +72,60 @@ def test_a_chunked_body_is_cut_off_once_it_passes_the_limit(server):
 def test_100000_nested_arrays_are_a_400_not_a_recursion_error(server):
     body = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     error = error_of(post(server, COMPLETIONS, body), 400)
-    assert "100,001 levels deep; at most 128" in error["message"]
-
-
-def test_brackets_inside_strings_do_not_count_as_nesting():
-    assert json_depth(b'{"a": "[[[[\\"[[{{", "b": [[1], {"c": "]]]"}]}') == 3
-    assert json_depth(b"[" * 10 + b"]" * 10) == 10
+    assert error["message"] == "prompt: nests JSON arrays and objects 100,001 levels deep; at most 128 are accepted"
+    assert error["param"] == "prompt"
 
 
 def test_nan_and_infinity_are_not_json(server):
     for constant in ("NaN", "Infinity", "-Infinity"):
         body = f'{{"prompt": "hi", "temperature": {constant}}}'
-        assert "is not a JSON number" in error_of(post(server, COMPLETIONS, body), 400)["message"]
+        error = error_of(post(server, COMPLETIONS, body), 400)
+        assert error["message"] == f"temperature: {constant} is not a JSON number" and error["param"] == "temperature"
+
+
+@pytest.mark.parametrize("path, body, message", [
+    (COMPLETIONS, b'{"prompt": "hi", "temperature": 1e999}',
+     "temperature: 1e999 is beyond a 64-bit float's range (about 1.8e308)"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "seed": ' + b"1" * 4301 + b"}",
+     "seed: an integer of 4,301 digits; at most 4,300 are accepted"),
+    (COMPLETIONS, b'{"prompt": [1, 2, ' + b"3" * 5000 + b"]}", "prompt.2: an integer of 5,000 digits; at most 4,300 "
+                                                            "are accepted"),
+    ("/tokenize", b'{"prompt": "hi", "x": {"y": ' + b"9" * 9999 + b"}}", "x.y: an integer of 9,999 digits"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", '
+           b'"json_schema": {"schema": {"type": "number", "maximum": 2e400}}}}',
+     "response_format.json_schema.schema.maximum: 2e400 is beyond"),
+])
+def test_numbers_beyond_what_json_or_python_carry_are_a_400_on_a_connection_that_stays_open(server, path, body,
+                                                                                         message):
+    with httpx.Client(timeout=TIMEOUT) as client:  # one kept-alive connection for both requests
+        r = client.post(server.url + path, content=body, headers={"content-type": "application/json"})
+        error = error_of(r, 400)
+        assert error["message"].startswith(message) and error["param"] == message.split(".")[0].split(":")[0]
+        assert "connection" not in r.headers or r.headers["connection"] != "close"
+        ok = client.post(server.url + COMPLETIONS, json={"prompt": "hi", "max_tokens": 1})
+        assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("path, field, value", [
+    (COMPLETIONS, "echo", "yes"), (COMPLETIONS, "stream", "true"), (CHAT, "stream", 1),
+    ("/tokenize", "add_special_tokens", "yes"), (CHAT, "stream_options.include_usage", "yes"),
+    (CHAT, "logprobs", "false"), (CHAT, "add_generation_prompt", 0), (COMPLETIONS, "ignore_eos", "no"),
+    (CHAT, "tools.0.function.strict", "yes"),
+])
+def test_booleans_are_strict(server, path, field, value):
+    body = {"prompt": "hi"} if path != CHAT else {"messages": USER}
+    body["max_tokens"] = 1
+    if field == "stream_options.include_usage":
+        body.update(stream=True, stream_options={"include_usage": value})
+    elif field.startswith("tools."):
+        body["tools"] = [{"type": "function", "function": {"name": "f", "strict": value}}]
+    else:
+        body[field] = value
+    if path == "/tokenize":
+        del body["max_tokens"]
+    error = error_of(post(server, path, body), 400)
+    assert error["message"] == f"{field}: Input should be a valid boolean (got {value!r})", error
+    assert error["param"] == field
 
 
 # ---- strings that are not Unicode, NUL bytes ----------------------------------------------------------------

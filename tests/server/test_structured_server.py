@@ -89,6 +89,19 @@ def test_unsatisfiable_schema_and_external_ref_are_a_400_before_queueing(server)
         "$ref 'http://example.com/cat.json' (at properties.cat) is not a reference inside the schema":
             {"type": "object", "properties": {"cat": {"$ref": "http://example.com/cat.json"}}},
     }
+    mutual = {"$defs": {"a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]},
+                        "b": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "required": ["a"]}},
+              "$ref": "#/$defs/a"}
+    cases |= {  # each compiled into a grammar whose output broke the schema, or never ended
+        "not: {} rules out every value, so no value satisfies the schema": {"not": {}},
+        "no value is both string and integer": {"allOf": [{"type": "string"}, {"type": "integer"}]},
+        "const 5 is not a string (type)": {"type": "string", "const": 5},
+        "required property 'a' is not in properties, and additionalProperties is false":
+            {"type": "object", "required": ["a"], "additionalProperties": False},
+        "type: [] allows no type": {"type": []},
+        "(#/$defs/a -> #/$defs/b -> #/$defs/a), with no way to end": mutual,
+        "uniqueItems is not enforced by the grammar backend (xgrammar)": {"type": "array", "uniqueItems": True},
+    }
     for needle, schema in cases.items():
         fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
         with pytest.raises(openai.BadRequestError) as info:

@@ -69,10 +69,20 @@ def resolve_model(model: str | None, cache_dir: str | os.PathLike | None = None)
         return ResolvedModel(kind="gguf", path=path, name=path.stem)
     if path.is_dir() and (path / "config.json").is_file():
         return ResolvedModel(kind="hf_dir", path=path, name=path.name)
-    raise ValueError(
-        f"model {model!r} is neither a known name, a .gguf file nor a directory with config.json; "
-        f"known names: {', '.join(sorted(KNOWN_MODELS))}"
-    )
+    raise ValueError(_not_a_model(name, path))
+
+
+def _not_a_model(name: str, path: Path) -> str:
+    """Why ``name`` names no model, telling a path that is not there from one that holds no model."""
+    if path.is_dir():
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        hint = f"; it holds {', '.join(ggufs[:3])}: pass that file" if ggufs else ""
+        return (f"model {name!r} is a directory without config.json: a Hugging Face model directory has config.json, "
+                f"*.safetensors and tokenizer.json{hint}")
+    if path.exists():
+        return f"model {name!r} is a file but not a .gguf one: pass a .gguf file or a Hugging Face model directory"
+    return (f"model {name!r} does not exist: it is no file or directory, nor a known name "
+            f"({', '.join(sorted(KNOWN_MODELS))})")
 
 
 def _resolve_known(name: str, known: KnownModel, cache_dir: str | os.PathLike | None = None) -> ResolvedModel:
