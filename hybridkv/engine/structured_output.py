@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybridkv.engine.sampler import host_to_device
+from hybridkv.engine.device_transfer import host_to_device
 from hybridkv.engine.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
