@@ -117,11 +117,13 @@ def plan_capacity(
     hybrid: bool = True,
     max_num_seqs: int = 256,
     segment_bytes: int = 0,
+    collective_bytes: int = 0,
 ) -> CapacityPlan:
     """Plan the KV pool of one rank. Raises ValueError only for bad input, never because a length does not fit.
 
-    ``max_num_seqs`` and ``segment_bytes`` (the attention backend's FP8 widening scratch) only size the step
-    reserve when ``gpu_memory_bytes`` is given, as the engine's ``EngineConfig`` fields of the same names do.
+    ``max_num_seqs``, ``segment_bytes`` (the attention backend's FP8 widening scratch) and ``collective_bytes``
+    (the tensor-parallel collectives' scratch) only size the step reserve when ``gpu_memory_bytes`` is given, as
+    the engine's do.
     """
     _check_inputs(kv_memory_bytes, gpu_memory_bytes, gpu_memory_utilization, max_model_len, max_num_batched_tokens)
     if max_num_seqs < 1:
@@ -135,7 +137,7 @@ def plan_capacity(
     if kv_memory_bytes is None:
         memory = estimate_memory(
             hf_config, tensor_parallel_size, gpu_memory_bytes, gpu_memory_utilization, max_num_batched_tokens,
-            max_num_seqs, segment_bytes,
+            max_num_seqs, segment_bytes, collective_bytes,
         )
         kv_memory_bytes = memory.kv_memory_bytes
     num_blocks = layout.num_blocks(kv_memory_bytes)
@@ -288,13 +290,14 @@ def estimate_memory(
     max_num_batched_tokens: int,
     max_num_seqs: int = 256,
     segment_bytes: int = 0,
+    collective_bytes: int = 0,
 ) -> MemoryEstimate:
     breakdown = estimate_weights(hf_config, tensor_parallel_size)
     weights = sum(breakdown.values())
     cfg = text_config(hf_config)
     reserve = step_reserve_bytes(
         max_num_batched_tokens, max_num_seqs, int(cfg["hidden_size"]), int(cfg.get("vocab_size", 0)), segment_bytes,
-        tensor_parallel_size,
+        collective_bytes,
     )
     budget = int((gpu_memory_bytes or 0) * utilization)
     kv = max(0, budget - weights - RUNTIME_BYTES - reserve)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.engine.llm_engine import EngineConfig, LLMEngine, size_kv_cache, step_reserve_bytes
+from hybridkv.engine.kv_sizing import size_kv_cache, step_reserve_bytes
+from hybridkv.engine.llm_engine import EngineConfig, LLMEngine
 from hybridkv.kv.capacity import GIB
 from hybridkv.engine.runtime import rank_layout
 from hybridkv.kv.planner import plan_capacity
