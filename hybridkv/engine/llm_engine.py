@@ -82,7 +82,7 @@ class _Request:
     @property
     def finished(self) -> bool:
         for s in self.seqs:  # (a generator for all() cost more than the check, per request and step)
-            if s.state.finish_reason is None:
+            if s.state.finish_reason is None:  # (``state.finished``, without the property call)
                 return False
         return True
 
@@ -166,7 +166,7 @@ class LLMEngine:
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
             seq = Sequence(f"{request_id}:{i}", ids, max_tokens, next(self._arrivals), cache_salt=cache_salt)
-            seq.state = RequestOutputState.create(params, ids, self.tokenizer)
+            seq.state = RequestOutputState.create(params, ids, self.tokenizer, seq.all_token_ids)
             seq.generator = make_generator(seed)
             if constraint is not None:
                 seq.grammar = self.structured_outputs.matcher(constraint)
@@ -278,11 +278,10 @@ class LLMEngine:
         final_only = RequestOutputKind.FINAL_ONLY
         for i, (seq, token) in enumerate(zip(seqs, result.token_ids)):
             if tokens is not None:
-                seq.all_token_ids[-1] = token
-            else:
-                seq.append_token(token)
+                seq.all_token_ids.pop()  # its placeholder: the token takes its place
             state = seq.state
             lp = logprobs[i] if logprobs is not None else None
+            # appended to ``seq.all_token_ids``, which the state reads its outputs from
             finish = state.append_token(token, lp, eos_token_ids=eos, max_model_len=max_len)
             if seq.grammar is not None and finish is None:
                 finish = _advance_grammar(seq, token)
@@ -305,7 +304,7 @@ class LLMEngine:
         grammars = [s.grammar for s in seqs]
         bitmask = self.structured_outputs.bitmask(grammars) if any(g is not None for g in grammars) else None
         return ([s.state.params for s in seqs], [s.prompt_token_ids for s in seqs],
-                [s.state.token_ids for s in seqs],  # = output_token_ids, without slicing a copy per step
+                [s.state.token_ids for s in seqs],  # the outputs in place, without slicing a copy per step
                 [s.generator for s in seqs], self.eos_token_ids, bitmask)
 
     def _forget(self, req: _Request) -> None:
@@ -333,7 +332,7 @@ def _request_output(req: _Request, finished: bool) -> RequestOutput:
             CompletionOutput(
                 i,
                 st.text,
-                list(st.token_ids),  # a copy: a stream reads it after later steps appended to the state's
+                list(st.token_ids),  # a copy: a stream reads it after later steps appended to the sequence's
                 None if st.logprobs is None else st.cumulative_logprob,
                 st.logprobs,
                 st.finish_reason,

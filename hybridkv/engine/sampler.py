@@ -317,7 +317,7 @@ def _token_counts(ids: Sequence[Sequence[int]], vocab: int, device: torch.device
     padded = torch.full((len(ids), width), vocab, dtype=torch.long)
     for i, row in enumerate(ids):
         if row:
-            padded[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+            padded[i, : len(row)] = torch.as_tensor(list(row), dtype=torch.long)  # (a row may be a view)
     counts = torch.zeros(len(ids), vocab + 1, device=device)
     counts.scatter_add_(1, host_to_device(padded, device), torch.ones(padded.shape, device=device))
     return counts[:, :vocab]
