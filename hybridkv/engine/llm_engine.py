@@ -6,7 +6,9 @@ From ``LLM.generate`` to the kernel::
       LLMEngine.add_request                            tokenize, check, one ``Sequence`` per sample (n)
       LLMEngine.step = execute(schedule())
         Scheduler.schedule                             this step's tokens, KV blocks allocated (``KVCacheManager``)
-        ModelRunner.run = prepare + execute            model_runner.py: flat token ids, positions, block tables
+        ModelRunner.run = prepare + execute            model_runner.py: flat token ids, positions, block tables;
+                                                       under TP the same input to every rank (tp_workers.py); a
+                                                       decode step replays a CUDA graph (cuda_graphs.py)
           CausalLM forward                             model/architectures: layers, each attention through
             PagedAttentionBackend                      model/attention: torch (CPU) or Triton kernels (GPU)
           compute_logits                               the sampled rows only
