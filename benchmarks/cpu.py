@@ -272,7 +272,7 @@ def main() -> None:
     p.add_argument("--worker", nargs=3, metavar=("ENGINE", "TASK", "ARG"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.threads == 0:
-        from hybridkv.engine.llm_engine import cpu_threads
+        from hybridkv.engine.runtime import cpu_threads
 
         args.threads = cpu_threads(0)
     if args.quick:

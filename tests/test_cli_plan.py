@@ -110,7 +110,8 @@ def test_every_subcommand_is_wired(capsys):
 
 def test_gpu_memory_reserve_is_the_engines_for_the_same_flags(capsys):
     """--max-num-seqs and an FP8 cache size the step reserve exactly as ``serve`` with the same flags on a GPU."""
-    from hybridkv.engine.llm_engine import EngineConfig, step_reserve_bytes
+    from hybridkv.engine.config import EngineConfig
+    from hybridkv.engine.kv_sizing import step_reserve_bytes
 
     gpu = ["plan", "--model", str(SCOUT), "--tensor-parallel-size", "8", "--gpu-memory-gib", "139", "--json"]
     for extra, config in [
@@ -140,3 +141,18 @@ def test_weights_that_do_not_fit_are_named_with_the_smallest_tp_that_fits(capsys
     assert main([*one_gpu, "--tensor-parallel-size", "2", "--json"]) == 0  # and 2 does fit
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] is True and plan["reason"] == "" and plan["max_model_len"] > 0
+
+
+def test_gpu_memory_reserve_keeps_the_collectives_scratch_at_two_ranks(capsys):
+    """At TP 2 the prefill halves' copy-engine slots (``CopyEngineSums.scratch_bytes``: 4 x 1 x 4,096 rows x 5,120
+    bf16 values = 160 MiB at 8,192-token steps) are in the plan's reserve, as in the engine's."""
+    from hybridkv.engine.config import EngineConfig
+    from hybridkv.engine.kv_sizing import step_reserve_bytes
+
+    reserves = []
+    for size in ("2", "8"):
+        assert main(["plan", "--model", str(SCOUT), "--tensor-parallel-size", size, "--gpu-memory-gib", "139",
+                     "--json"]) == 0
+        reserves.append(json.loads(capsys.readouterr().out)["memory"]["activation_reserve_bytes"])
+    assert reserves[0] == step_reserve_bytes(EngineConfig(tensor_parallel_size=2), 5120, 202_048)
+    assert reserves[0] - reserves[1] == 160 << 20

@@ -14,6 +14,7 @@ from typing import Callable
 from hybridkv.engine.args import add_kv_offload_arg, kv_offload_bytes
 from hybridkv.kv.dtypes import KV_CACHE_DTYPES
 from hybridkv.kv.host_tier import host_tier_tokens
+from hybridkv.kv.layer_specs import text_config
 from hybridkv.kv.planner import CONCURRENCY_LENGTHS, CapacityPlan, PlanInputs, plan_capacity, plan_to_dict
 from hybridkv.model.loading.hf_config import load_hf_config, model_hf_config
 
@@ -34,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", help="ranks the model is split over")
     p.add_argument(
         "--kv-cache-dtype", default="auto", metavar="DTYPE",
-        help=f"auto | {' | '.join(KV_CACHE_DTYPES)} (auto: the checkpoint's dtype)",
+        help=f"auto | {' | '.join(KV_CACHE_DTYPES)} (auto: what the model computes in on a GPU, bfloat16)",
     )
     p.add_argument("--block-size", type=int, default=16, metavar="B", help="tokens per block, a power of two")
     mem = p.add_mutually_exclusive_group(required=True)
@@ -59,7 +60,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _run_plan(args: argparse.Namespace) -> int:
     try:
         config = _load_config(args.model)
-        inputs = _plan_inputs(args)
+        inputs = _plan_inputs(args, config)
         plan = plan_capacity(config, inputs, hybrid=not args.no_hybrid)
         other = plan_capacity(config, inputs, hybrid=args.no_hybrid)
     except json.JSONDecodeError as e:
@@ -114,7 +115,7 @@ def _load_config(model: str) -> dict:
     return load_hf_config(model)
 
 
-def _plan_inputs(args: argparse.Namespace) -> PlanInputs:
+def _plan_inputs(args: argparse.Namespace, config: dict) -> PlanInputs:
     for name in ("kv_memory_gib", "gpu_memory_gib"):
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -130,6 +131,7 @@ def _plan_inputs(args: argparse.Namespace) -> PlanInputs:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         segment_bytes=_fp8_segment_bytes(args),
+        collective_bytes=_collective_bytes(args, config),
     )
 
 
@@ -141,6 +143,17 @@ def _fp8_segment_bytes(args: argparse.Namespace) -> int:
     from hybridkv.model.attention.factory import paged_attention_capabilities
 
     return paged_attention_capabilities("auto", "cuda", args.kv_cache_dtype).segment_bytes
+
+
+def _collective_bytes(args: argparse.Namespace, config: dict) -> int:
+    """The tensor-parallel collectives' scratch (the prefill halves' copy-engine slots, bf16), which ``serve``
+    on GPUs reserves (read from the collective, which imports torch: only when it counts)."""
+    if args.gpu_memory_gib is None:
+        return 0
+    from hybridkv.model.architectures.collectives import CopyEngineSums
+
+    hidden = int(text_config(config)["hidden_size"])
+    return CopyEngineSums.scratch_bytes(args.tensor_parallel_size, args.max_num_batched_tokens, hidden)
 
 
 def format_plan(plan: CapacityPlan, hybrid: CapacityPlan, flat: CapacityPlan) -> str:

@@ -26,7 +26,7 @@ def knob(default: Any, help: str, cli: bool = True) -> Any:
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = knob(None, "known name, .gguf file or HF directory (default: SmolLM2)")
-    dtype: str = knob("auto", "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, the checkpoint's on GPU)")
+    dtype: str = knob("auto", "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on GPU)")
     block_size: int = knob(16, "tokens per KV cache block")
     enable_prefix_caching: bool = knob(True, "reuse KV blocks of shared prefixes")
     prefix_caching_hash_algo: str = knob("xxh3_128", "hash of a block's tokens for the prefix cache")
@@ -53,7 +53,8 @@ class EngineConfig:
     attention_backend: str = knob("auto", "auto (triton on CUDA) | torch (reference) | triton (GPU kernels)")
     enforce_eager: bool = knob(False, "GPU: no CUDA graphs for decode steps")
     load_format: str = knob("auto", "auto | dummy (random weights from config.json alone)")
-    kv_cache_dtype: str = knob("auto", "auto | bfloat16 | float16 | float32 | fp8_e4m3")
+    kv_cache_dtype: str = knob(
+        "auto", "auto (what the model computes in, --dtype) | bfloat16 | float16 | float32 | fp8_e4m3")
     # vLLM has no such knob (its FlashAttention-3 FP8 path is implied by the cache dtype); ours is opt-in because
     # it changes greedy tokens (docs/gpu.md, FP8 compute's accuracy)
     fp8_attention_compute: bool = knob(

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from hybridkv.engine.block_copier import BlockCopier
-from hybridkv.engine.sampler import TokenScores, host_to_device, score_tokens
+from hybridkv.engine.device_transfer import host_to_device
+from hybridkv.engine.sampler import TokenScores, score_tokens
 from hybridkv.engine.scheduler import SchedulerOutput
 from hybridkv.kv.cache_manager import KVCacheManager
 from hybridkv.kv.host_tier import BlockCopy

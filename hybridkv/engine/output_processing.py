@@ -1,7 +1,10 @@
 """Per-sequence output processing: incremental detokenisation and stop checks.
 
 Per generated token the engine calls ``RequestOutputState.append_token``; it
-detokenises, applies vLLM's stop rules and sets ``finish_reason``.  Streaming
+appends the token to the sequence's ids (``Sequence.all_token_ids``, the one
+list of a sequence's prompt and output ids: the state reads its outputs there,
+``OutputTokenIds``), detokenises, applies vLLM's stop rules and sets
+``finish_reason``, the one field that says a sequence finished.  Streaming
 callers take text with ``take_delta``.
 
 Text nobody reads before the request ends (``RequestOutputKind.FINAL_ONLY``,
@@ -24,7 +27,8 @@ Stop semantics (vLLM's):
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import itertools
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -88,19 +92,55 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
 
+class OutputTokenIds(Sequence):
+    """A sequence's output ids, read in place from the list of its prompt and output ids together (no copy per
+    step); ``append`` adds a token to that list.
+
+        ids = [5, 6, 7, 8]; out = OutputTokenIds(ids, 2)   # a 2-token prompt
+        len(out) == 2, out[-1] == 8, list(out) == [7, 8]; out.append(9) -> ids == [5, 6, 7, 8, 9]
+    """
+
+    __slots__ = ("all_token_ids", "start")
+
+    def __init__(self, all_token_ids: list[int], start: int) -> None:
+        self.all_token_ids = all_token_ids
+        self.start = start  # the prompt's length
+
+    def __len__(self) -> int:
+        return len(self.all_token_ids) - self.start
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.all_token_ids[self.start:][i]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"output token {i} of {n}")
+        return self.all_token_ids[self.start + i if i >= 0 else i]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self.all_token_ids, self.start, None)
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other) if isinstance(other, Sequence) else NotImplemented
+
+    def append(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+
 @dataclass(slots=True)
 class RequestOutputState:
     """What the engine keeps per output sequence.
 
-    ``token_ids`` are all generated ids (stop tokens included); ``text`` the
-    detokenised output after stop handling; ``logprobs`` one entry per token
-    (``SamplerOutput`` rows) or None when not requested.
+    ``token_ids`` are all generated ids (stop tokens included), read from the
+    sequence's ids; ``text`` the detokenised output after stop handling;
+    ``logprobs`` one entry per token (``SamplerOutput`` rows) or None when not
+    requested.
     """
 
     params: SamplingParams
     prompt_len: int
     detokenizer: IncrementalDetokenizer
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: OutputTokenIds
     _text: str = ""
     logprobs: list[Logprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | None
@@ -117,14 +157,18 @@ class RequestOutputState:
 
     @classmethod
     def create(
-        cls, params: SamplingParams, prompt_ids: Sequence[int], tokenizer: Tokenizer
+        cls, params: SamplingParams, prompt_ids: Sequence[int], tokenizer: Tokenizer,
+        all_token_ids: list[int] | None = None,
     ) -> RequestOutputState:
+        """``all_token_ids``: the sequence's list of ids, the prompt's first, which the outputs are appended to
+        (``Sequence.all_token_ids``); None: a list of its own."""
+        ids = OutputTokenIds(list(prompt_ids) if all_token_ids is None else all_token_ids, len(prompt_ids))
         detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
         logprobs: list[Logprobs] | None = [] if params.logprobs is not None else None
         defer = (tokenizer is not None and not params.stop
                  and params.output_kind is RequestOutputKind.FINAL_ONLY)
         argmax_from = params.min_tokens if params.argmax_only(params.min_tokens) else None
-        return cls(params, len(prompt_ids), detok, logprobs=logprobs, defer_text=defer, argmax_from=argmax_from)
+        return cls(params, len(prompt_ids), detok, ids, logprobs=logprobs, defer_text=defer, argmax_from=argmax_from)
 
     @property
     def finished(self) -> bool:
@@ -161,7 +205,7 @@ class RequestOutputState:
         eos_token_ids: Collection[int] = (),
         max_model_len: int | None = None,
     ) -> str | None:
-        """Record one sampled token; return the finish reason, if it finished."""
+        """Record one sampled token (appended to the sequence's ids); return the finish reason, if it finished."""
         if self.finish_reason is not None:
             raise RuntimeError(f"sequence already finished ({self.finish_reason})")
         self.token_ids.append(token_id)

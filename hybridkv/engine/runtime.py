@@ -1,22 +1,34 @@
-"""One rank's runtime: KV layout, cache tensors + attention backend, and the runner over them.
+"""One rank's pieces, built the same way on every rank: the device and dtype it computes in, its weights, its KV
+layout, and its cache tensors, attention backend and runner over them.
 
-Built the same way by the engine (rank 0, which also owns the block tables) and by each tensor-parallel worker,
-so every rank's cache has the same layout and block count and the driver's block tables address them all.
+The engine's rank (rank 0, which also owns the block tables: ``rank_builder.py``) and each tensor-parallel worker
+(``tp_workers.py``) build from these, so every rank's cache has the same layout and block count and the driver's
+block tables address them all.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from hybridkv.engine.block_copier import BlockCopier
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.model_runner import ModelRunner
 from hybridkv.kv.cache_manager import KVCacheManager
 from hybridkv.kv.layer_specs import layer_specs_from_hf_config
 from hybridkv.kv.layout import KVLayout, plan_layout
+from hybridkv.model.architectures.parallel import TPGroup
 from hybridkv.model.attention.base import PagedAttentionBackend
 from hybridkv.model.attention.factory import make_paged_attention
 from hybridkv.model.causal_lm import CausalLM
+from hybridkv.model.int4_cpu import int4_kernel_available, pack_int4_linears
+from hybridkv.model.int8_head_cpu import Int8ArgmaxHead, int8_kernel_available
+
+log = logging.getLogger("hybridkv")
 
 
 @dataclass(slots=True)
@@ -24,6 +36,45 @@ class RankRuntime:
     layout: KVLayout
     backend: PagedAttentionBackend  # holds this rank's KV cache tensor
     runner: ModelRunner
+
+
+def resolve_device(device: str) -> str:
+    """``auto``: CUDA when torch sees a GPU, else the CPU (as vLLM picks); an unusable device names why."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but torch sees no CUDA GPU; use cpu or auto")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"unknown device {device!r}; choose auto, cpu or cuda")
+    return device
+
+
+def cpu_threads(asked: int) -> int:
+    """Intra-op threads on CPU: ``asked``, or (0) half the cores this process may use, at least 1."""
+    if asked < 0:
+        raise ValueError(f"cpu_threads must be >= 0 (0: half the cores), got {asked}")
+    return asked or max(1, len(os.sched_getaffinity(0)) // 2)
+
+
+def keep_4bit_weights(model: CausalLM, config: EngineConfig, tp: TPGroup) -> tuple[CausalLM, int]:
+    """``quantization`` auto on CPU: a GGUF's Q4_1 linear layers packed 4-bit (``model/int4_cpu.py``), and the
+    output head given an int8 copy for greedy rows (``model/int8_head_cpu.py``); returns the model to run (placed
+    again once packed: a 4-bit Llama's small steps run in one loop, ``CpuDecodeLlama``) and how many linears were
+    packed (0: the model runs in its dtype, its head float32 for every row)."""
+    if config.quantization not in ("auto", "none"):
+        raise ValueError(f"unknown quantization {config.quantization!r}; choose auto or none")
+    if config.quantization == "none" or config.device != "cpu" or tp.size > 1 or not int4_kernel_available():
+        return model, 0
+    packed = pack_int4_linears(model, model.residual_branch_ends)
+    if packed:
+        head = model.embed_tokens if model.lm_head is None else model.lm_head
+        if int8_kernel_available():
+            head.argmax_head = Int8ArgmaxHead.of(head.weight)
+        screen = ("the float32 head for every row (no int8 GEMM of this torch sums exactly)" if head.argmax_head is None
+                  else f"greedy tokens screened by an int8 head ({head.argmax_head.kind}'s GEMM)")
+        log.info("%d linear layers kept 4-bit (Q4_1 weights, bf16 activations), %s; quantization=none: float32",
+                 packed, screen)
+    return (model.place(config.device) if packed else model), packed
 
 
 def rank_layout(hf_config: dict[str, Any], tensor_parallel_size: int, kv_dtype: str, block_size: int) -> KVLayout:

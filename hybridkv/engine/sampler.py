@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hybridkv.engine.device_transfer import host_to_device, to_device
 from hybridkv.engine.sampling_params import SamplingParams
 
 Logprobs = list[tuple[int, float]]
@@ -44,20 +45,6 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[Logprobs] | None
-
-
-def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``. To a GPU through pinned memory and a non-blocking copy: an ordinary copy from
-    pageable memory waits for everything queued on the stream, so sampling a step would wait for the step in
-    flight, where async scheduling wants to launch the next one first."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A short host list as a tensor on ``device`` (``host_to_device``)."""
-    return host_to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:
@@ -330,7 +317,7 @@ def _token_counts(ids: Sequence[Sequence[int]], vocab: int, device: torch.device
     padded = torch.full((len(ids), width), vocab, dtype=torch.long)
     for i, row in enumerate(ids):
         if row:
-            padded[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+            padded[i, : len(row)] = torch.as_tensor(list(row), dtype=torch.long)  # (a row may be a view)
     counts = torch.zeros(len(ids), vocab + 1, device=device)
     counts.scatter_add_(1, host_to_device(padded, device), torch.ones(padded.shape, device=device))
     return counts[:, :vocab]

@@ -17,6 +17,8 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """Token state of one output sequence; also the ``KVRequest`` the KV cache manager reads.
 
+    ``all_token_ids`` is the one list of its ids, the prompt's then the outputs': the output state (``state``,
+    ``RequestOutputState``) appends each sampled token to it and reads its outputs from it.
     ``num_computed_tokens`` counts tokens whose KV is in the cache. The last sampled token is in
     ``all_token_ids`` but not computed until the next step feeds it to the model.
     """

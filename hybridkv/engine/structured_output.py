@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hybridkv.engine.device_transfer import host_to_device
 from hybridkv.engine.json_schema_check import check_schema, resolve_ref
-from hybridkv.engine.sampler import host_to_device
 from hybridkv.engine.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:

@@ -17,12 +17,6 @@ GIB = 1 << 30
 _STEP_SLACK_BYTES = GIB  # allocator fragmentation, cuBLAS workspaces, temporaries the counts below miss
 _HIDDEN_BUFFERS = 16  # float32 hidden-size buffers per batched token (residual, norms, q/k/v/o, MLP, ...)
 _SAMPLER_COPIES = 3  # float32 logits per sequence: the logits, their softmax, the sampler's sorted copy
-# ``collectives.CopyEngineSums``: a tensor-parallel rank's slots for its peers' parts of a prefill half's all-reduce,
-# for each of a step's two halves and two generations (a peer runs at most one message ahead)
-SUM_HALVES, SUM_GENERATIONS = 2, 2
-# Each rank copies its whole part to every peer, (size - 1) x the message where NCCL's ring sends 2 (size - 1) / size
-# x: measured to pay at 2 and 4 ranks; larger groups keep NCCL
-COPY_ENGINE_SUMS_MAX_RANKS = 4
 
 
 def peak_blocks(layout: KVLayout, num_tokens: int, max_step_tokens: int) -> int:
@@ -50,35 +44,23 @@ def longest_fitting(layout: KVLayout, usable_blocks: int, max_step_tokens: int, 
     return lo
 
 
-def copy_engine_sums_bytes(tensor_parallel_size: int, max_num_batched_tokens: int, hidden_size: int,
-                           itemsize: int = 2) -> int:
-    """A tensor-parallel rank's slots for its peers' parts of prefill halves' all-reduces: two halves x two
-    generations x (size - 1) peers x half a step of hidden-size rows (``collectives.CopyEngineSums``).
-
-    E.g. TP 2, 16,384-token steps of Scout's 5,120 bf16 values: 4 x 1 x 8,192 x 5,120 x 2 B = 320 MiB. 0 where
-    the sums stay on NCCL (one rank, or more than ``COPY_ENGINE_SUMS_MAX_RANKS``)."""
-    if not 2 <= tensor_parallel_size <= COPY_ENGINE_SUMS_MAX_RANKS:
-        return 0
-    rows = -(-max_num_batched_tokens // 2)
-    return SUM_HALVES * SUM_GENERATIONS * (tensor_parallel_size - 1) * rows * hidden_size * itemsize
-
-
 def step_reserve_bytes(
     max_num_batched_tokens: int, max_num_seqs: int, hidden_size: int, vocab_size: int, segment_bytes: int = 0,
-    tensor_parallel_size: int = 1,
+    collective_bytes: int = 0,
 ) -> int:
     """GPU memory kept out of the KV cache for one step's working set, per rank.
 
     ``segment_bytes``: the attention backend's scratch for widening an FP8 cache in segments (0 when it has
-    none); 1.5x of it is kept, as the segment's FP8 gather lives beside its bf16 copy for a moment. Under tensor
-    parallelism the prefill halves' copy-engine slots are kept too (``copy_engine_sums_bytes``, bf16).
+    none); 1.5x of it is kept, as the segment's FP8 gather lives beside its bf16 copy for a moment.
+    ``collective_bytes``: the scratch the tensor-parallel collectives declare (``CopyEngineSums.scratch_bytes``:
+    the prefill halves' copy-engine slots), kept whole.
 
     E.g. 8,192 batched tokens of width 2,048 and 256 sequences over a 49,152-token vocabulary: 1 GiB of slack,
-    1 GiB of activations and 144 MiB of logits; 512 MiB FP8 segments add 768 MiB; TP 2 adds 64 MiB.
+    1 GiB of activations and 144 MiB of logits; 512 MiB FP8 segments add 768 MiB; TP 2's 64 MiB of slots add 64 MiB.
     """
     reserve = _STEP_SLACK_BYTES
     reserve += max_num_batched_tokens * hidden_size * 4 * _HIDDEN_BUFFERS
     reserve += max_num_seqs * vocab_size * 4 * _SAMPLER_COPIES
     reserve += segment_bytes * 3 // 2
-    reserve += copy_engine_sums_bytes(tensor_parallel_size, max_num_batched_tokens, hidden_size)
+    reserve += collective_bytes
     return reserve

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridkv.kv.dtypes import KV_CACHE_DTYPES, MODEL_DTYPES, canonical_dtype
+from hybridkv.kv.dtypes import canonical_dtype, resolve_kv_dtype, resolve_model_dtype
 from hybridkv.kv.specs import SPEC_TYPES, AttentionSpec
 
 
@@ -108,26 +108,15 @@ def checkpoint_dtype(config: dict[str, Any]) -> str:
     return canonical_dtype(dtype) or "bfloat16"
 
 
-def resolve_kv_dtype(kv_cache_dtype: str, config: dict[str, Any]) -> str:
-    """Map ``auto`` to the model's dtype; reject what we do not support with the list of what we do."""
-    if kv_cache_dtype == "fp8_e5m2":
-        raise ValueError("kv_cache_dtype fp8_e5m2 is not supported; use fp8_e4m3 (per-layer scales) or auto")
-    if kv_cache_dtype == "auto":
-        dtype = checkpoint_dtype(config)
-        return dtype if dtype in MODEL_DTYPES else "bfloat16"
-    if kv_cache_dtype in ("fp8", *KV_CACHE_DTYPES):
-        return canonical_dtype(kv_cache_dtype)
-    raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose auto, {', '.join(KV_CACHE_DTYPES)}")
-
-
 def layer_specs_from_hf_config(
     config: dict[str, Any], tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto"
 ) -> list[AttentionSpec]:
-    """One spec per layer, sized for one tensor-parallel rank."""
+    """One spec per layer, sized for one tensor-parallel rank. ``kv_cache_dtype`` ``auto``: as the engine on a GPU
+    resolves it (``dtypes.resolve_kv_dtype``: bfloat16, what the model computes in there)."""
     cfg = text_config(config)
     num_heads = int(cfg["num_attention_heads"])
     num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads)
     heads = kv_heads_per_rank(num_kv_heads, tensor_parallel_size)
-    dtype = resolve_kv_dtype(kv_cache_dtype, config)
+    dtype = resolve_kv_dtype(kv_cache_dtype, resolve_model_dtype("auto", "cuda"))
     return [SPEC_TYPES[kind].from_hf_config(heads, head_dim, dtype, cfg) for kind in layer_kinds(config)]

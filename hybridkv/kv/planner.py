@@ -110,9 +110,9 @@ class PlanInputs:
     """What a plan is asked about: one rank's memory and the engine settings that size its KV pool.
 
     Give exactly one of ``kv_memory_bytes`` (the KV pool itself) and ``gpu_memory_bytes`` (the pool is then
-    estimated: ``gpu_memory * utilization - weights - runtime - step reserve``). ``max_num_seqs`` and
-    ``segment_bytes`` (the attention backend's FP8 widening scratch) only size the step reserve of that estimate,
-    as the engine's ``EngineConfig`` fields of the same names do.
+    estimated: ``gpu_memory * utilization - weights - runtime - step reserve``). ``max_num_seqs``,
+    ``segment_bytes`` (the attention backend's FP8 widening scratch) and ``collective_bytes`` (the tensor-parallel
+    collectives' scratch) only size the step reserve of that estimate, as the engine's do.
 
     >>> PlanInputs(tensor_parallel_size=8, kv_memory_bytes=89 << 30).block_size
     16
@@ -128,6 +128,7 @@ class PlanInputs:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     segment_bytes: int = 0
+    collective_bytes: int = 0  # the tensor-parallel collectives' scratch (``CopyEngineSums.scratch_bytes``)
 
 
 def plan_capacity(hf_config: dict[str, Any], inputs: PlanInputs, *, hybrid: bool = True) -> CapacityPlan:
@@ -167,7 +168,7 @@ def _plan(hf_config: dict[str, Any], inputs: PlanInputs, hybrid: bool) -> tuple[
     if kv_memory_bytes is None:
         memory = estimate_memory(
             hf_config, tensor_parallel_size, inputs.gpu_memory_bytes, inputs.gpu_memory_utilization,
-            inputs.max_num_batched_tokens, inputs.max_num_seqs, inputs.segment_bytes,
+            inputs.max_num_batched_tokens, inputs.max_num_seqs, inputs.segment_bytes, inputs.collective_bytes,
         )
         kv_memory_bytes = memory.kv_memory_bytes
     num_blocks = layout.num_blocks(kv_memory_bytes)
@@ -356,13 +357,14 @@ def estimate_memory(
     max_num_batched_tokens: int,
     max_num_seqs: int = 256,
     segment_bytes: int = 0,
+    collective_bytes: int = 0,
 ) -> MemoryEstimate:
     breakdown = estimate_weights(hf_config, tensor_parallel_size)
     weights = sum(breakdown.values())
     cfg = text_config(hf_config)
     reserve = step_reserve_bytes(
         max_num_batched_tokens, max_num_seqs, int(cfg["hidden_size"]), int(cfg.get("vocab_size", 0)), segment_bytes,
-        tensor_parallel_size,
+        collective_bytes,
     )
     budget = int((gpu_memory_bytes or 0) * utilization)
     kv = max(0, budget - weights - RUNTIME_BYTES - reserve)

@@ -26,7 +26,7 @@ from hybridkv.engine.llm_engine import CompletionOutput, LLMEngine, RequestOutpu
 from hybridkv.engine.output_processing import Logprobs, PromptLogprobs
 from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.model.loading.tokenizer import Tokenizer
-from hybridkv.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from hybridkv.server.async_engine import AsyncEngine, EngineDeadError, RequestPrep, RequestStream
 from hybridkv.server.auth import add_access_middleware
 from hybridkv.server.errors import APIError, error_body, error_response, unserved_route
 from hybridkv.server.json_body import decode_json
@@ -210,19 +210,19 @@ def _check_model(state: ServerState, model: str | None) -> None:
 async def _prompt_ids(state: ServerState, prompt: str | list[int], max_tokens: int | None,
                       max_tokens_name: str) -> list[int]:
     """Tokenized off the event loop (other requests keep streaming), then ``max_tokens`` checked against it."""
-    engine = state.engine.engine
+    prep = state.engine.prep
     try:
-        ids = prompt if isinstance(prompt, list) else await asyncio.to_thread(engine.tokenize, prompt)
+        ids = prompt if isinstance(prompt, list) else await prep.tokenize(prompt)
     except ValueError as error:
         raise APIError.bad_request(error) from None
-    check_max_tokens(max_tokens, len(ids), engine.max_model_len, max_tokens_name)
+    check_max_tokens(max_tokens, len(ids), prep.max_model_len, max_tokens_name)
     return ids
 
 
 async def _submit(state: ServerState, request_id: str, prompt, params, cache_salt) -> RequestStream:
     if params.structured_outputs is not None:  # compiled here, off the event loop; the engine finds it cached
         try:
-            await asyncio.to_thread(state.engine.engine.structured_outputs.compile, params.structured_outputs)
+            await state.engine.prep.compile_grammar(params.structured_outputs)
         except ValueError as error:
             raise APIError(400, str(error), "structured_outputs") from None
     try:
@@ -242,8 +242,8 @@ async def health(request: Request) -> Response:
 
 async def list_models(request: Request) -> ModelList:
     state = _state(request)
-    engine = state.engine.engine
-    return ModelList(data=[ModelCard(id=state.model_name, root=engine.loaded.name, max_model_len=engine.max_model_len)])
+    prep = state.engine.prep
+    return ModelList(data=[ModelCard(id=state.model_name, root=prep.checkpoint, max_model_len=prep.max_model_len)])
 
 
 async def render_metrics(request: Request) -> Response:
@@ -482,13 +482,13 @@ async def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple
         plan = plan_tools(body, state.tools, state.template_renders_tools)
         params = body.sampling_params(plan.constraint)
         # rendered and tokenized off the event loop (other requests keep streaming)
-        prompt = await asyncio.to_thread(state.engine.engine.chat_token_ids, body.template_messages(),
-                                         body.add_generation_prompt, plan.template_tools, tokenizer,
-                                         template_kwargs=body.chat_template_kwargs)
+        prompt = await state.engine.prep.chat_token_ids(body.template_messages(), body.add_generation_prompt,
+                                                        plan.template_tools, tokenizer,
+                                                        template_kwargs=body.chat_template_kwargs)
     except ValueError as error:
         raise APIError.bad_request(error) from None
     name = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
-    check_max_tokens(params.max_tokens, len(prompt), state.engine.engine.max_model_len, name)
+    check_max_tokens(params.max_tokens, len(prompt), state.engine.prep.max_model_len, name)
     return plan, params, prompt
 
 
@@ -576,25 +576,25 @@ async def tokenize(request: Request) -> Response:
     body = await _parse_body(request, TokenizeRequest)
     state = _state(request)
     _check_model(state, body.model)
-    tokenizer, engine = _tokenizer(state, "/tokenize"), state.engine.engine
+    tokenizer, prep = _tokenizer(state, "/tokenize"), state.engine.prep
     try:
         if body.messages is None:
             special = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = await asyncio.to_thread(engine.tokenize, body.prompt, special)
+            ids = await prep.tokenize(body.prompt, special)
         else:
-            ids = await asyncio.to_thread(_chat_ids, engine, tokenizer, body)
+            ids = await _chat_ids(prep, tokenizer, body)
     except ValueError as error:
         raise APIError.bad_request(error) from None
     strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
-    response = TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs)
+    response = TokenizeResponse(count=len(ids), max_model_len=prep.max_model_len, tokens=ids, token_strs=strs)
     return JSONResponse(response.model_dump())
 
 
-def _chat_ids(engine: LLMEngine, tokenizer: Tokenizer, body: TokenizeRequest) -> list[int]:
+async def _chat_ids(prep: RequestPrep, tokenizer: Tokenizer, body: TokenizeRequest) -> list[int]:
     tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
-    return engine.chat_token_ids([m.template_dict() for m in body.messages], body.add_generation_prompt, tools,
-                                 tokenizer, add_special_tokens=bool(body.add_special_tokens),
-                                 template_kwargs=body.chat_template_kwargs)
+    return await prep.chat_token_ids([m.template_dict() for m in body.messages], body.add_generation_prompt, tools,
+                                     tokenizer, add_special_tokens=bool(body.add_special_tokens),
+                                     template_kwargs=body.chat_template_kwargs)
 
 
 async def detokenize(request: Request) -> Response:
@@ -622,7 +622,7 @@ async def tokenizer_info(request: Request) -> Response:
         "eos_token": tokenizer.eos_token,
         "pad_token": None,
         "chat_template": tokenizer.chat_template,
-        "model_max_length": state.engine.engine.max_model_len,
+        "model_max_length": state.engine.prep.max_model_len,
         "vocab_size": tokenizer.vocab_size,
     })
 

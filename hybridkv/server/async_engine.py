@@ -12,6 +12,10 @@ every request in flight fails with ``EngineDeadError`` (the server answers 503),
 then is ``on_dead`` called, so the server stops listening (and exits) last. ``begin_shutdown`` (SIGTERM) fails the
 requests in flight at once, from the event loop, without waiting for the step in flight; ``shutdown`` gives that
 step a moment, then abandons it.
+
+Routes reach the engine only through ``AsyncEngine``: requests go in through ``add_request`` / ``abort``; what a
+route reads or prepares before submitting (``max_model_len``, tokenizing, rendering a chat, compiling a grammar)
+is ``AsyncEngine.prep`` (``RequestPrep``), which touches only what no step changes, from a worker thread.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hybridkv.engine.llm_engine import LLMEngine, RequestOutput
-from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from hybridkv.model.loading.tokenizer import Tokenizer
 from hybridkv.server.metrics import ServerMetrics
 
 log = logging.getLogger("hybridkv.server")
@@ -97,10 +102,37 @@ class RequestStream:
         self._owner.live.pop(self.request_id, None)
 
 
+class RequestPrep:
+    """What routes may call of the engine from the event loop: the limits fixed when it was built, and the work on
+    a request before it is submitted, run in a worker thread (other requests keep streaming). Each reads only the
+    tokenizer, ``max_model_len`` and xgrammar's compiler (which locks itself), none of which a step changes."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._engine = engine
+        self.max_model_len = engine.max_model_len
+        self.checkpoint = engine.loaded.name  # what was loaded (``/v1/models``' ``root``)
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``LLMEngine.tokenize``: refused (ValueError) when too long for ``max_model_len``."""
+        return await asyncio.to_thread(self._engine.tokenize, text, add_special_tokens)
+
+    async def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                             tools: list[dict] | None = None, tokenizer: Tokenizer | None = None,
+                             add_special_tokens: bool = False, template_kwargs: dict | None = None) -> list[int]:
+        """``LLMEngine.chat_token_ids``: the conversation rendered by the chat template and tokenized."""
+        return await asyncio.to_thread(self._engine.chat_token_ids, messages, add_generation_prompt, tools,
+                                       tokenizer, add_special_tokens, template_kwargs)
+
+    async def compile_grammar(self, constraint: StructuredOutputsParams) -> None:
+        """Compile a request's grammar, so that the engine thread finds it cached; ValueError if it is invalid."""
+        await asyncio.to_thread(self._engine.structured_outputs.compile, constraint)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics,
                  on_dead: Callable[[], None] | None = None) -> None:
-        self.engine = engine
+        self.engine = engine  # the engine thread's: routes use ``prep``, ``add_request`` and ``abort``
+        self.prep = RequestPrep(engine)
         self.metrics = metrics
         self.on_dead = on_dead  # called on the engine thread once a step has failed
         self.failure: str | None = None  # why the engine died; final

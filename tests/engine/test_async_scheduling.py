@@ -10,7 +10,7 @@ import pytest
 from tiny_models import random_prompts
 
 from hybridkv import LLM, SamplingParams
-from hybridkv.engine.llm_engine import PLACEHOLDER
+from hybridkv.engine.ahead import PLACEHOLDER
 
 
 def greedy(n, **kw):
@@ -25,7 +25,7 @@ def engines(model, **kw):
 def assert_all_blocks_free(llm):
     kv = llm.engine.kv
     assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks
-    assert not llm.engine.has_unfinished_requests() and llm.engine._ahead is None
+    assert not llm.engine.has_unfinished_requests() and llm.engine.ahead.pending is None
 
 
 @pytest.mark.parametrize("name", ["llama4", "gemma3"])
@@ -168,10 +168,10 @@ def test_aborting_a_request_whose_next_step_is_in_flight_frees_its_blocks(tiny_m
     engine = ahead.engine
     engine.add_request("a", prompts[0], greedy(10, ignore_eos=True))
     engine.add_request("b", prompts[1], greedy(10, ignore_eos=True))
-    while engine._ahead is None or engine._ahead.result is None:
+    while engine.ahead.pending is None or engine.ahead.pending.result is None:
         engine.step()
     # between steps every sampled token is in place: only the step in flight has yet to give its own
-    seqs = [s.seq for s in engine._ahead.out.scheduled]
+    seqs = [s.seq for s in engine.ahead.pending.out.scheduled]
     assert len(seqs) == 2 and all(PLACEHOLDER not in s.all_token_ids for s in seqs)
     assert engine.abort_request("a")
     done = {}

@@ -10,7 +10,8 @@ from tiny_models import random_prompts
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine.args import add_engine_args, engine_config_from_args
-from hybridkv.engine.llm_engine import EngineConfig, LLMEngine, resolve_device
+from hybridkv.engine.llm_engine import EngineConfig, LLMEngine
+from hybridkv.engine.runtime import resolve_device
 from hybridkv.engine.output_processing import RequestOutputState
 
 

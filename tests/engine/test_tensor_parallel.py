@@ -161,7 +161,7 @@ def test_async_scheduling_launches_tp2_decode_steps_ahead_token_exact_with_tp1(t
     assert llm.engine.steps_launched_ahead >= 8, llm.engine.steps_launched_ahead
     kv = llm.engine.kv
     assert kv.stats.hit_tokens > 0 and kv.pool.num_free_blocks == kv.pool.num_usable_blocks
-    assert llm.engine._ahead is None and not llm.engine.has_unfinished_requests()
+    assert llm.engine.ahead.pending is None and not llm.engine.has_unfinished_requests()
     config = EngineConfig(model=str(path))
     assert resolve_step_budget(config, "cuda").async_scheduling
     assert resolve_step_budget(replace(config, tensor_parallel_size=TP), "cuda").async_scheduling

@@ -2,8 +2,10 @@
 
 import pytest
 
-from hybridkv.kv.dtypes import DTYPE_BYTES, KV_CACHE_DTYPES, MODEL_DTYPES, canonical_dtype, dtype_bytes
-from hybridkv.kv.layer_specs import checkpoint_dtype, resolve_kv_dtype
+from hybridkv.kv.dtypes import (
+    DTYPE_BYTES, KV_CACHE_DTYPES, MODEL_DTYPES, canonical_dtype, dtype_bytes, resolve_kv_dtype, resolve_model_dtype,
+)
+from hybridkv.kv.layer_specs import checkpoint_dtype, layer_specs_from_hf_config
 
 
 def test_the_docstring_examples():
@@ -29,19 +31,33 @@ def test_torch_dtypes_cover_every_name_with_the_same_size():
 
 
 @pytest.mark.parametrize(
-    "config, weights, kv_auto",
+    "config, weights",
     [
-        ({"torch_dtype": "float16"}, "float16", "float16"),
-        ({"dtype": "torch.float32"}, "float32", "float32"),
-        ({"text_config": {"torch_dtype": "bfloat16"}}, "bfloat16", "bfloat16"),
-        ({"torch_dtype": "float8_e4m3fn"}, "fp8_e4m3", "bfloat16"),  # an FP8 checkpoint computes in bf16
-        ({"torch_dtype": "int4"}, "bfloat16", "bfloat16"),
-        ({}, "bfloat16", "bfloat16"),
+        ({"torch_dtype": "float16"}, "float16"),
+        ({"dtype": "torch.float32"}, "float32"),
+        ({"text_config": {"torch_dtype": "bfloat16"}}, "bfloat16"),
+        ({"torch_dtype": "float8_e4m3fn"}, "fp8_e4m3"),
+        ({"torch_dtype": "int4"}, "bfloat16"),
+        ({}, "bfloat16"),
     ],
 )
-def test_checkpoint_dtype_and_auto_kv_dtype(config, weights, kv_auto):
+def test_checkpoint_dtype(config, weights):
     assert checkpoint_dtype(config) == weights
-    assert resolve_kv_dtype("auto", config) == kv_auto
-    assert resolve_kv_dtype("fp8", config) == resolve_kv_dtype("fp8_e4m3", config) == "fp8_e4m3"
+
+
+def test_auto_resolves_by_one_rule_for_the_engine_and_the_planner():
+    """The model computes in float32 on the CPU and bfloat16 on a GPU whatever the checkpoint says; an ``auto``
+    cache stores what the model computes, so a planned layer (a GPU's) holds bfloat16 even for a float32
+    checkpoint, as the engine's cache does."""
+    assert resolve_model_dtype("auto", "cpu") == "float32" and resolve_model_dtype("auto", "cuda") == "bfloat16"
+    assert resolve_model_dtype("float16", "cuda") == "float16"
+    assert resolve_kv_dtype("auto", "float32") == "float32" and resolve_kv_dtype("auto", "float16") == "float16"
+    assert resolve_kv_dtype("fp8", "bfloat16") == resolve_kv_dtype("fp8_e4m3", "float32") == "fp8_e4m3"
     with pytest.raises(ValueError, match="choose auto, float32, bfloat16, float16, fp8_e4m3"):
-        resolve_kv_dtype("half", config)
+        resolve_kv_dtype("half", "bfloat16")
+    with pytest.raises(ValueError, match="fp8_e5m2 is not supported"):
+        resolve_kv_dtype("fp8_e5m2", "bfloat16")
+    with pytest.raises(ValueError, match="unknown dtype 'fp8_e4m3'; choose auto, float32, bfloat16, float16"):
+        resolve_model_dtype("fp8_e4m3", "cuda")
+    f32 = {"num_hidden_layers": 1, "num_attention_heads": 4, "hidden_size": 256, "torch_dtype": "float32"}
+    assert layer_specs_from_hf_config(f32)[0].dtype == "bfloat16"

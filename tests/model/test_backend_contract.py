@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridkv.engine.config import EngineConfig
-from hybridkv.engine.llm_engine import step_reserve_bytes
+from hybridkv.engine.kv_sizing import step_reserve_bytes
 from hybridkv.kv import FullAttentionSpec, plan_layout
 from hybridkv.model.attention.base import BackendCapabilities
 from hybridkv.model.attention.factory import make_paged_attention, paged_attention_capabilities

@@ -48,4 +48,4 @@ def test_async_disconnected_stream_frees_everything(server):
         for _ in range(6):  # a few events more (blank lines between them), steps going ahead when it leaves
             next(lines)
     wait_idle_and_free(server)
-    assert server.engine.steps_launched_ahead > ahead and server.engine._ahead is None
+    assert server.engine.steps_launched_ahead > ahead and server.engine.ahead.pending is None

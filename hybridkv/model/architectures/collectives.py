@@ -22,12 +22,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hybridkv.kv.capacity import SUM_GENERATIONS, SUM_HALVES, copy_engine_sums_bytes
 
 # Messages up to this size take the one-shot path: on 2 and 4 H200s it beat NCCL at every size up to 1 MiB inside a
 # CUDA graph (10 KB: 7.4 vs 13.0 us at 2 GPUs, 8.9 vs 19.6 at 4; 1 MiB: 15.4 vs 19.9, 20.1 vs 27.7) and lost at
 # 8 MiB. 1 MiB holds a decode step of 102 tokens of Scout's 5,120 bf16 values.
 ONE_SHOT_MAX_BYTES = 1 << 20
+# ``CopyEngineSums``: a rank's slots for its peers' parts of a prefill half's all-reduce, for each of a step's two
+# halves and two generations (a peer runs at most one message ahead)
+SUM_HALVES, SUM_GENERATIONS = 2, 2
+# Each rank copies its whole part to every peer, (size - 1) x the message where NCCL's ring sends 2 (size - 1) / size
+# x: measured to pay at 2 and 4 ranks; larger groups keep NCCL
+COPY_ENGINE_SUMS_MAX_RANKS = 4
 
 
 class OneShotAllReduce:
@@ -118,6 +123,19 @@ class CopyEngineSums:
     a message ahead does not stop this rank's wait.
     """
 
+    @staticmethod
+    def scratch_bytes(world: int, max_num_batched_tokens: int, hidden: int, itemsize: int = 2) -> int:
+        """What this collective keeps on each rank beside the KV cache (as an attention backend declares its
+        ``segment_bytes``; the step reserve keeps both out of the cache): two halves x two generations x
+        (world - 1) peers x half a step of hidden-size rows. 0 where the sums stay on NCCL (one rank, or more than
+        ``COPY_ENGINE_SUMS_MAX_RANKS``).
+
+        E.g. TP 2, 16,384-token steps of Scout's 5,120 bf16 values: 4 x 1 x 8,192 x 5,120 x 2 B = 320 MiB."""
+        if not 2 <= world <= COPY_ENGINE_SUMS_MAX_RANKS:
+            return 0
+        rows = -(-max_num_batched_tokens // 2)
+        return SUM_HALVES * SUM_GENERATIONS * (world - 1) * rows * hidden * itemsize
+
     def __init__(self, device: torch.device, group: str, rows: int, hidden: int, dtype: torch.dtype) -> None:
         """Collective, within a group ``OneShotAllReduce`` registered (``group``, its name): slots of ``rows`` x
         ``hidden`` ``dtype`` values (half a step) for every peer, half and generation; flags zero."""
@@ -126,7 +144,7 @@ class CopyEngineSums:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.rows, self.hidden, self.dtype = rows, hidden, dtype
         shape = (SUM_HALVES, SUM_GENERATIONS, self.world - 1, rows * hidden)
-        data = -(-copy_engine_sums_bytes(self.world, 2 * rows, hidden, dtype.itemsize) // 16) * 16  # flags after
+        data = -(-self.scratch_bytes(self.world, 2 * rows, hidden, dtype.itemsize) // 16) * 16  # flags after
         self.buffer = symm_mem.empty(data + SUM_HALVES * self.world * 4, dtype=torch.uint8, device=device)
         self.buffer[data:].zero_()
         torch.cuda.synchronize(device)  # flags zero before any peer can write (they need the rendezvous first)
