@@ -29,7 +29,8 @@ import torch
 
 from hybridkv.kernels import hopper_attention  # torch only: its CUDA imports wait for a Hopper GPU
 from hybridkv.kv.layout import KVLayout
-from hybridkv.model.attention.base import BackendCapabilities, KVSlots, StepSequence, StoresKVFromKernels
+from hybridkv.kernels.kv_slots import KVSlots
+from hybridkv.model.attention.base import BackendCapabilities, StepSequence, StoresKVFromKernels
 from hybridkv.model.attention.kv_cache import PagedKVCache
 
 
