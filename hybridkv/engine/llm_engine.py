@@ -191,7 +191,7 @@ class LLMEngine:
         )
         runtime = build_runtime(self.model, self.layout, num_blocks, kv_dtype, config.attention_backend,
                                 config.device, self.kv, host_blocks, config.fp8_attention_compute,
-                                config.prefill_overlap_tokens)
+                                config.prefill_overlap_tokens, dtype)
         self.backend, self.runner = runtime.backend, runtime.runner
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold)

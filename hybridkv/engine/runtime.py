@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from hybridkv.engine.block_copier import BlockCopier
 from hybridkv.engine.model_runner import ModelRunner
 from hybridkv.kv.cache_manager import KVCacheManager
@@ -34,11 +36,13 @@ def rank_layout(hf_config: dict[str, Any], tensor_parallel_size: int, kv_dtype: 
 def build_runtime(
     model: CausalLM, layout: KVLayout, num_blocks: int, kv_dtype: str, attention_backend: str, device: str,
     kv: KVCacheManager | None = None, host_blocks: int = 0, fp8_compute: bool = False, halves_from_tokens: int = 0,
+    dtype: torch.dtype | None = None,
 ) -> RankRuntime:
     """``kv``: the block tables' owner (rank 0); None on worker ranks, which only execute. ``host_blocks``: pages
     of this rank's host-memory tier (0: none), copied to and from the cache by the runner. ``fp8_compute``: FP8
-    prefill dots over an FP8 cache (the Triton backend). ``halves_from_tokens``: see ``ModelRunner``."""
+    prefill dots over an FP8 cache (the Triton backend). ``halves_from_tokens``: see ``ModelRunner``. ``dtype``: the
+    model's (the attention queries')."""
     heads = model.cfg.num_heads // model.tp.size
-    backend = make_paged_attention(attention_backend, layout, num_blocks, kv_dtype, heads, device, fp8_compute)
+    backend = make_paged_attention(attention_backend, layout, num_blocks, kv_dtype, heads, device, fp8_compute, dtype)
     copier = BlockCopier(backend.cache.buffer, host_blocks) if host_blocks else None
     return RankRuntime(layout, backend, ModelRunner(model, kv, backend, copier, halves_from_tokens))

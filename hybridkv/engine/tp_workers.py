@@ -152,7 +152,7 @@ def _build_runner(spec: WorkerSpec, tp: TPGroup) -> ModelRunner:
     layout = rank_layout(loaded.hf_config, tp.size, spec.kv_dtype, c.block_size)
     return build_runtime(model, layout, spec.num_blocks, spec.kv_dtype, c.attention_backend, device,
                          host_blocks=spec.host_blocks, fp8_compute=c.fp8_attention_compute,
-                         halves_from_tokens=c.prefill_overlap_tokens).runner
+                         halves_from_tokens=c.prefill_overlap_tokens, dtype=spec.dtype).runner
 
 
 class TPWorkers:

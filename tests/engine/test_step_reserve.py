@@ -1,7 +1,7 @@
 """The GPU memory the engine keeps out of the KV cache for one step (pure arithmetic; no GPU needed)."""
 
 from hybridkv.engine.llm_engine import EngineConfig, step_reserve_bytes
-from hybridkv.model.attention.triton_paged import SEGMENT_BYTES
+from hybridkv.model.attention.fp8_segments import SEGMENT_BYTES
 
 
 def test_the_docstring_example():

@@ -9,7 +9,8 @@ from hybridkv.engine.llm_engine import step_reserve_bytes
 from hybridkv.kv import FullAttentionSpec, plan_layout
 from hybridkv.model.attention.base import BackendCapabilities
 from hybridkv.model.attention.factory import make_paged_attention, paged_attention_capabilities
-from hybridkv.model.attention.triton_paged import SEGMENT_BYTES, TritonPagedAttention
+from hybridkv.model.attention.fp8_segments import SEGMENT_BYTES
+from hybridkv.model.attention.triton_paged import TritonPagedAttention
 
 
 def test_the_torch_backend_declares_no_graphs_and_no_segments():

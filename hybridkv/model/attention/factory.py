@@ -6,6 +6,7 @@ import torch
 
 from hybridkv.kv.layout import KVLayout
 from hybridkv.model.attention.base import BackendCapabilities, PagedAttentionBackend
+from hybridkv.model.attention.kernel_configs import KernelOptions
 from hybridkv.model.attention.torch_paged import TorchPagedAttention
 from hybridkv.model.attention.triton_paged import TritonPagedAttention  # triton itself loads only when one is made
 
@@ -28,11 +29,12 @@ def paged_attention_capabilities(name: str, device: str, kv_dtype: str) -> Backe
 
 def make_paged_attention(
     name: str, layout: KVLayout, num_blocks: int, kv_dtype: str, num_q_heads: int, device: str,
-    fp8_compute: bool = False,
+    fp8_compute: bool = False, dtype: torch.dtype | None = None,
 ) -> PagedAttentionBackend:
     """``num_q_heads``: on this rank. ``fp8_compute``: FP8 prefill dots over an FP8 cache (Triton only; the torch
-    reference stays exact)."""
+    reference stays exact). ``dtype``: the queries' (the model's; None: the cache's, bf16 over an FP8 cache)."""
     backend = paged_attention_class(name, device)
     if backend is TorchPagedAttention:
         return TorchPagedAttention(layout, num_blocks, kv_dtype, device)
-    return TritonPagedAttention(layout, num_blocks, kv_dtype, num_q_heads, device, fp8_compute=fp8_compute)
+    return TritonPagedAttention(layout, num_blocks, kv_dtype, num_q_heads, device, dtype=dtype,
+                                options=KernelOptions(fp8_compute=fp8_compute))
