@@ -36,6 +36,7 @@ chunked layers), and full-layer decode as a share of the copy bandwidth.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import subprocess
 import sys
@@ -52,7 +53,8 @@ from hybridkv.bench.tables import markdown_table
 from hybridkv.kv.layout import plan_layout
 from hybridkv.kv.specs import ChunkedLocalSpec, FullAttentionSpec
 from hybridkv.model.attention.base import StepSequence
-from hybridkv.model.attention.triton_paged import HOPPER_PREFILL, PREFILL, KernelConfig, TritonPagedAttention
+from hybridkv.model.attention.kernel_configs import HOPPER_PREFILL, PREFILL, KernelConfig, KernelOptions
+from hybridkv.model.attention.triton_paged import TritonPagedAttention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's root, for benchmarks.plots
 from benchmarks.plots import Panel, Series, save_plot  # noqa: E402
@@ -180,7 +182,7 @@ def useful_pairs(n: int, chunked: bool) -> int:
 def make_backend(spec, n: int, max_q: int, block: int = BLOCK, **kernel_options):
     layout = plan_layout([spec], block)
     blocks = n // block + 2
-    backend = TritonPagedAttention(layout, blocks + 1, spec.dtype, HQ, DEV, **kernel_options)
+    backend = TritonPagedAttention(layout, blocks + 1, spec.dtype, HQ, DEV, options=KernelOptions(**kernel_options))
     gen = torch.Generator().manual_seed(0)
     table = (torch.randperm(blocks, generator=gen) + 1).numpy().astype("int32")
     return backend, table
@@ -251,7 +253,7 @@ def fp8_prefill(n: int, chunked: bool, block: int, q, k, v, ref, flops: int, **k
 def triton_prefill(backend, spec, n: int, block: int, q, k, v, ref, flops: int) -> float | None:
     """TFLOP/s of the Triton kernel where ours is the CUDA kernel (Hopper), checked against SDPA first; None where
     ours is the Triton kernel."""
-    if not backend.prefill.cuda:
+    if not backend.builder.configs.prefill.cuda:
         return None
     tri, table = make_backend(spec, n, n, block=block, hopper_kernel=False)
     tri.begin_step([StepSequence(0, n, [table])])
@@ -373,7 +375,8 @@ def filled_backend(spec, context: int, tokens: int, block: int, keys, values, **
     """A backend with ``context`` random keys already written through a permuted block table."""
     layout = plan_layout([spec], block)
     num_blocks = (context + tokens) // block + 2
-    backend = TritonPagedAttention(layout, num_blocks + 1, spec.dtype, HQ, DEV, **kernel_options)
+    backend = TritonPagedAttention(layout, num_blocks + 1, spec.dtype, HQ, DEV,
+                                   options=KernelOptions(**kernel_options))
     gen = torch.Generator().manual_seed(0)
     table = (torch.randperm(num_blocks, generator=gen) + 1).numpy().astype("int32")
     piece = 1 << 16
@@ -420,7 +423,7 @@ def sweep(fp8: bool = False, step_context: int = 1 << 20, step_tokens: int = 163
             if block not in backends:
                 backends[block] = filled_backend(spec, step_context, step_tokens, block, keys, values, **options)
             step, table = backends[block]
-            step.prefill = cfg
+            step.builder.configs = dataclasses.replace(step.builder.configs, prefill=cfg)
             step.begin_step([StepSequence(step_context, step_tokens, [table])])
             run = lambda: step.attend(0, q2, keys[step_context:], values[step_context:], D ** -0.5)  # noqa: E731
             out2 = run()
@@ -476,9 +479,9 @@ def engine_step_rows(context: int, tokens: int, kv_dtype: str = "bfloat16") -> l
     for block, hopper_kernel in pairs:
         backend, table = filled_backend(FullAttentionSpec(HKV, D, kv_dtype), context, tokens, block, keys, values,
                                         fp8_compute=fp8_compute, hopper_kernel=hopper_kernel)
-        chosen = backend._num_splits
+        chosen = backend.builder.num_splits
         for forced in (1, None):
-            backend._num_splits = chosen if forced is None else (lambda reach, heads: 1)
+            backend.builder.num_splits = chosen if forced is None else (lambda step, reach, heads, config: 1)
             backend.begin_step([StepSequence(context, tokens, [table])])
             run = lambda: backend.attend(0, q, keys[context:], values[context:], D ** -0.5)  # noqa: E731
             out = run()[:1]
@@ -490,7 +493,7 @@ def engine_step_rows(context: int, tokens: int, kv_dtype: str = "bfloat16") -> l
             ms = bench(run)
             splits = backend.step_state.groups[0].num_splits
             name = "fp8_e4m3 KV, FP8 compute" if fp8_compute else f"{kv_dtype} KV"
-            name += ", CUDA kernel" if backend.hopper is not None and backend.hopper.launches else ", Triton"
+            name += ", CUDA kernel" if backend.hopper is not None and backend.hopper.kernel.launches else ", Triton"
             segments = len(backend.step_state.groups[0].segments)
             rows.append([f"prefill step, {name}, {block}-token pages, {splits} split(s), {segments} segment(s)",
                          f"{tokens:,} over {context:,}", f"{ms:.1f}", f"{flops / ms / 1e9:.0f}", "", "", "", "",

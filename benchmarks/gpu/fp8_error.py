@@ -45,12 +45,13 @@ def corpus(tokenizer, seq_len: int, num_seqs: int) -> list[list[int]]:
 def log_probs(model, hf_config, seqs, kv_dtype: str, fp8_compute: bool, block_size: int, step: int,
               device: str, backend: str = "triton") -> torch.Tensor:
     """``[positions, vocab]`` float32 log-softmax of every position of every sequence."""
-    from hybridkv.model.attention.factory import make_paged_attention
+    from hybridkv.model.attention.factory import AttentionChoice, make_paged_attention
 
     layout = plan_layout(layer_specs_from_hf_config(hf_config, 1, kv_dtype), block_size)
     num_blocks = 4 * len(layout.groups) * (max(len(s) for s in seqs) // block_size + 2)
     kv = KVCacheManager(layout, num_blocks, enable_prefix_caching=False, max_step_tokens=step)
-    attn = make_paged_attention(backend, layout, num_blocks, kv_dtype, model.cfg.num_heads, device, fp8_compute)
+    attn = make_paged_attention(AttentionChoice(backend, device, kv_dtype, None, fp8_compute), layout, num_blocks,
+                                model.cfg.num_heads)
     out = []
     for i, ids in enumerate(seqs):
         req = CacheRequest(f"s{i}", list(ids))

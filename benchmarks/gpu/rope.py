@@ -23,10 +23,10 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.gpu.attention import copy_bandwidth  # noqa: E402
 from hybridkv.bench.tables import markdown_table  # noqa: E402
+from hybridkv.kernels.kv_slots import KVSlots  # noqa: E402
 from hybridkv.kernels.rope import PREFILL_TILE, rope_qk  # noqa: E402
 from hybridkv.model.architectures.llama_config import RopeConfig  # noqa: E402
 from hybridkv.model.architectures.position_encoding import rope_cos_sin, rope_inv_freq  # noqa: E402
-from hybridkv.model.attention.base import KVSlots  # noqa: E402
 
 D, PAGE = 128, 64
 

@@ -30,6 +30,7 @@ from hybridkv.kv.layout import KVLayout
 from hybridkv.model.architectures.collectives import CopyEngineSums, OneShotAllReduce
 from hybridkv.model.architectures.parallel import TPGroup
 from hybridkv.model.attention.base import PagedAttentionBackend
+from hybridkv.model.attention.factory import AttentionChoice
 from hybridkv.model.causal_lm import CausalLM
 from hybridkv.model.dtypes import torch_dtype
 from hybridkv.model.loading.checkpoint import LoadedModel, load_checkpoint
@@ -78,8 +79,8 @@ def build_driver_rank(config: EngineConfig, loaded: LoadedModel | None = None) -
     kv = KVCacheManager(layout, num_blocks, enable_prefix_caching=config.enable_prefix_caching,
                         hash_algorithm=config.prefix_caching_hash_algo,
                         max_step_tokens=config.max_num_batched_tokens, host_blocks=host)
-    runtime = build_runtime(model, layout, num_blocks, kv_dtype, config.attention_backend, config.device, kv, host,
-                            config.fp8_attention_compute, config.prefill_overlap_tokens)
+    attention = AttentionChoice(config.attention_backend, config.device, kv_dtype, dtype, config.fp8_attention_compute)
+    runtime = build_runtime(model, layout, num_blocks, attention, kv, host, config.prefill_overlap_tokens)
     rank = DriverRank(config, dtype, kv_dtype, loaded, model, int4_linears, layout, num_blocks, host,
                       max_model_len, bound, kv, runtime.backend, runtime.runner)
     if tp.size > 1:

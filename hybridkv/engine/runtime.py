@@ -23,7 +23,7 @@ from hybridkv.kv.layer_specs import layer_specs_from_hf_config
 from hybridkv.kv.layout import KVLayout, plan_layout
 from hybridkv.model.architectures.parallel import TPGroup
 from hybridkv.model.attention.base import PagedAttentionBackend
-from hybridkv.model.attention.factory import make_paged_attention
+from hybridkv.model.attention.factory import AttentionChoice, make_paged_attention
 from hybridkv.model.causal_lm import CausalLM
 from hybridkv.model.int4_cpu import int4_kernel_available, pack_int4_linears
 from hybridkv.model.int8_head_cpu import Int8ArgmaxHead, int8_kernel_available
@@ -82,14 +82,12 @@ def rank_layout(hf_config: dict[str, Any], tensor_parallel_size: int, kv_dtype: 
     return plan_layout(layer_specs_from_hf_config(hf_config, tensor_parallel_size, kv_dtype), block_size)
 
 
-def build_runtime(
-    model: CausalLM, layout: KVLayout, num_blocks: int, kv_dtype: str, attention_backend: str, device: str,
-    kv: KVCacheManager | None = None, host_blocks: int = 0, fp8_compute: bool = False, halves_from_tokens: int = 0,
-) -> RankRuntime:
+def build_runtime(model: CausalLM, layout: KVLayout, num_blocks: int, attention: AttentionChoice,
+                  kv: KVCacheManager | None = None, host_blocks: int = 0, halves_from_tokens: int = 0) -> RankRuntime:
     """``kv``: the block tables' owner (rank 0); None on worker ranks, which only execute. ``host_blocks``: pages
-    of this rank's host-memory tier (0: none), copied to and from the cache by the runner. ``fp8_compute``: FP8
-    prefill dots over an FP8 cache (the Triton backend). ``halves_from_tokens``: see ``ModelRunner``."""
+    of this rank's host-memory tier (0: none), copied to and from the cache by the runner. ``halves_from_tokens``:
+    see ``ModelRunner``."""
     heads = model.cfg.num_heads // model.tp.size
-    backend = make_paged_attention(attention_backend, layout, num_blocks, kv_dtype, heads, device, fp8_compute)
+    backend = make_paged_attention(attention, layout, num_blocks, heads)
     copier = BlockCopier(backend.cache.buffer, host_blocks) if host_blocks else None
     return RankRuntime(layout, backend, ModelRunner(model, kv, backend, copier, halves_from_tokens))

@@ -40,6 +40,7 @@ from hybridkv.engine.model_runner import ModelRunner, StepInput, StepOutput
 from hybridkv.engine.runtime import build_runtime, rank_layout
 from hybridkv.model.architectures.parallel import TPGroup
 from hybridkv.model.attention.base import PagedAttentionBackend
+from hybridkv.model.attention.factory import AttentionChoice
 from hybridkv.model.loading.checkpoint import load_checkpoint
 
 _HOST = "127.0.0.1"
@@ -150,8 +151,8 @@ def _build_runner(spec: WorkerSpec, tp: TPGroup) -> ModelRunner:
     model = loaded.model.place(device, spec.dtype)
     # the same layout and block count as the driver's, so its block tables address this rank's cache
     layout = rank_layout(loaded.hf_config, tp.size, spec.kv_dtype, c.block_size)
-    return build_runtime(model, layout, spec.num_blocks, spec.kv_dtype, c.attention_backend, device,
-                         host_blocks=spec.host_blocks, fp8_compute=c.fp8_attention_compute,
+    attention = AttentionChoice(c.attention_backend, device, spec.kv_dtype, spec.dtype, c.fp8_attention_compute)
+    return build_runtime(model, layout, spec.num_blocks, attention, host_blocks=spec.host_blocks,
                          halves_from_tokens=c.prefill_overlap_tokens).runner
 
 

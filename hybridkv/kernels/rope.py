@@ -15,16 +15,12 @@ chain of dependent launches (a Scout rank's batch-1 step lost 0.06 ms of 2.63 wi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
 
+from hybridkv.kernels.kv_slots import KVSlots
 from hybridkv.kernels.launch import pdl, pdl_start
-
-if TYPE_CHECKING:
-    from hybridkv.model.attention.base import KVSlots
 
 
 @triton.jit

@@ -80,7 +80,7 @@ def first_token_logprobs(model, prompts, backend: str, kv_dtype: str, **config):
         for o in engine.step():
             outs[o.request_id] = [lp for _, lp in o.outputs[0].logprobs[0][1:]]
     hopper = getattr(engine.backend, "hopper", None)
-    return torch.tensor([outs[str(i)] for i in range(len(prompts))]), 0 if hopper is None else hopper.launches
+    return torch.tensor([outs[str(i)] for i in range(len(prompts))]), 0 if hopper is None else hopper.kernel.launches
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
@@ -179,14 +179,14 @@ def test_long_reach_decode_graphs_are_token_exact_with_eager(tiny_model, monkeyp
     the long layer groups) and give what eager steps give; here ``FEW_KEYS`` is lowered so that a short prompt
     crosses it while it decodes."""
     from hybridkv.engine.cuda_graphs import DecodeGraphs
-    from hybridkv.model.attention import triton_paged
+    from hybridkv.model.attention import kernel_configs
 
     model = tiny_model("llama4")
     common = dict(model=str(model.path), device="cuda", dtype="float32", kv_cache_memory_bytes=64 << 20,
                   max_num_seqs=8)
     eager = LLM(enforce_eager=True, **common)
     heads = eager.engine.layout.groups[0].spec.num_kv_heads
-    monkeypatch.setattr(triton_paged, "FEW_KEYS", 60 * heads)  # a 40-token prompt crosses it at 59 of context
+    monkeypatch.setattr(kernel_configs, "FEW_KEYS", 60 * heads)  # a 40-token prompt crosses it at 59 of context
     graphed = LLM(**common)
     keys, replay = [], DecodeGraphs.replay
 

@@ -19,7 +19,7 @@ from hybridkv.engine.llm_engine import EngineConfig, LLMEngine
 from hybridkv.kv.capacity import GIB
 from hybridkv.engine.runtime import rank_layout
 from hybridkv.kv.planner import PlanInputs, plan_capacity
-from hybridkv.model.attention.triton_paged import SEGMENT_BYTES
+from hybridkv.model.attention.fp8_segments import SEGMENT_BYTES
 from hybridkv.model.loading.checkpoint import load_checkpoint
 
 SCOUT = Path(__file__).parents[1] / "data" / "scout-text-config.json"

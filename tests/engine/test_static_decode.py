@@ -14,7 +14,8 @@ from hybridkv.engine.model_runner import StepInput
 from hybridkv.engine.sampling_params import SamplingParams
 
 pytest.importorskip("triton")
-from hybridkv.model.attention.triton_paged import TritonPagedAttention, _StaticDecode  # noqa: E402
+from hybridkv.model.attention.static_decode import StaticDecode  # noqa: E402
+from hybridkv.model.attention.triton_paged import TritonPagedAttention  # noqa: E402
 
 MAX_SEQS = 4
 
@@ -39,7 +40,7 @@ def step_positions(seqs) -> list[int]:
 
 
 def check_static(backend, seqs, padded, token_ids):
-    st = backend._static
+    st = backend.builder.static
     assert np.array_equal(st.rows.numpy()[:, :padded], expected_rows(backend, seqs, padded, token_ids)[:, :padded])
     ids, positions = backend.static_inputs()  # what a captured forward reads
     assert ids[: len(seqs)].tolist() == list(token_ids)
@@ -63,13 +64,13 @@ def test_static_decode_buffers_match_a_rebuild_through_preemption_hits_and_finis
     backend = TritonPagedAttention(engine.layout, 2, "float32", engine.model.cfg.num_heads, device="cpu")
     backend.enable_static_decode(MAX_SEQS, engine.max_model_len)
     prepare, checked, writes = engine.runner.prepare, [], []
-    write_tables = _StaticDecode.write_tables
+    write_tables = StaticDecode.write_tables
 
     def counting_write(st, g, rows, tables):
         writes.extend((g, row) for row in rows)
         write_tables(st, g, rows, tables)
 
-    monkeypatch.setattr(_StaticDecode, "write_tables", counting_write)
+    monkeypatch.setattr(StaticDecode, "write_tables", counting_write)
 
     def prepare_and_check(out):
         step = prepare(out)

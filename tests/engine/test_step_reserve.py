@@ -2,7 +2,7 @@
 
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.kv_sizing import step_reserve_bytes
-from hybridkv.model.attention.triton_paged import SEGMENT_BYTES
+from hybridkv.model.attention.fp8_segments import SEGMENT_BYTES
 
 
 def test_the_docstring_example():

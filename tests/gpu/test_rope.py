@@ -133,7 +133,7 @@ def paged_cache(blocks, block_size, kv_heads, d, dtype):
 
 
 def slots_for(cache, blocks, offsets, k_scale=1.0, v_scale=1.0):
-    from hybridkv.model.attention.base import KVSlots
+    from hybridkv.kernels.kv_slots import KVSlots
 
     _, _, block_size, kv_heads, d = cache.shape
     as_int = lambda a: torch.tensor(a, dtype=torch.int32, device=DEVICE)  # noqa: E731

@@ -23,9 +23,8 @@ if not (torch.cuda.is_available() or INTERPRET):
 pytest.importorskip("triton")
 
 from hybridkv.kernels import hopper_attention  # noqa: E402
-from hybridkv.model.attention.triton_paged import (  # noqa: E402
-    HOPPER_PREFILL, KernelConfig, TritonPagedAttention, TritonStepState,
-)
+from hybridkv.model.attention.kernel_configs import HOPPER_PREFILL, KernelConfig, KernelOptions  # noqa: E402
+from hybridkv.model.attention.triton_paged import TritonPagedAttention  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 HQ, HKV = 5, 1  # Scout's per-rank shape: 5 query heads share one KV head
@@ -63,9 +62,9 @@ def drive(block_size, kv_dtype, dtype, schedule, num_sms, num_blocks=400, kv_sca
     ref_dtype = "float32" if kv_scales else kv_dtype
     ref = TorchPagedAttention(plan_layout(make_specs(ref_dtype), block_size), num_blocks, ref_dtype, DEVICE)
     tri = TritonPagedAttention(layout, num_blocks, kv_dtype, hq, DEVICE, num_sms=num_sms, kv_scales=kv_scales,
-                               **kernel_options)
+                               dtype=dtype, options=KernelOptions(**kernel_options))
     if splits:
-        tri._num_splits = lambda reach, heads, config: splits
+        tri.builder.num_splits = lambda step, reach, heads, config: splits
     # poison the cache of the backend under test: any read of an unwritten slot shows up
     if poison is None:
         poison = float("nan") if kv_dtype != "fp8_e4m3" else 0
@@ -102,7 +101,7 @@ def drive(block_size, kv_dtype, dtype, schedule, num_sms, num_blocks=400, kv_sca
             assert not torch.isnan(got).any(), f"layer {layer}: unwritten output or unwritten cache read"
             worst[spec.kind] = max(worst.get(spec.kind, 0.0), rel_err(got, expected))
             # the CUDA prefill kernel's launches (a step that fell back to Triton adds none)
-            worst["cuda_launches"] = 0 if tri.hopper is None else tri.hopper.launches
+            worst["cuda_launches"] = 0 if tri.hopper is None else tri.hopper.kernel.launches
         for r, n in batch:
             r.num_computed_tokens += n
             kv.on_tokens_computed(r)
@@ -233,10 +232,10 @@ LONG_PREFILL = {"lengths": [16600, 300], "steps": [[8192, 0], [8192, 300], [216,
 
 def loads_by_tma(block_size: int, kv_dtype: str) -> bool:
     """Whether the prefill kernel reads this layout's K/V through a TMA descriptor (else pointer gathers)."""
-    tri = TritonPagedAttention(plan_layout(specs(kv_dtype), block_size), 64, kv_dtype, HQ, DEVICE, prefill=TMA_TILES)
-    tri.step_state = TritonStepState(tri.prefill, tokens=0, num_tiles=0, seq=[])
-    layer = tri.cache.layers[0]
-    return tri._descriptor(tri.prefill, tri._base(layer), layer.spec, HKV * D, tri.cache.buffer.stride(0)) is not None
+    tri = TritonPagedAttention(plan_layout(specs(kv_dtype), block_size), 64, kv_dtype, HQ, DEVICE,
+                               options=KernelOptions(prefill=TMA_TILES))
+    layer, prefill = tri.cache.layers[0], tri.builder.configs.prefill
+    return tri.triton.descriptor(prefill, tri._base(layer), layer.spec, HKV * D, tri.cache.buffer.stride(0)) is not None
 
 
 @pytest.mark.skipif(not HOPPER, reason="TMA tensor descriptors: Hopper (sm_90) only")
@@ -293,9 +292,10 @@ def test_fp8_compute_matches_reference(block_size):
 def test_fp8_compute_is_prefill_only_and_needs_an_fp8_cache():
     # decode steps keep the exact widening kernel (bandwidth-bound: FP8 dots would buy nothing), so they plan no
     # transposed V; a bf16 cache ignores the option
+    fp8_compute = KernelOptions(fp8_compute=True)
     assert not TritonPagedAttention(plan_layout(specs("bfloat16"), 16), 64, "bfloat16", HQ, DEVICE,
-                                    fp8_compute=True).fp8_compute
-    tri = TritonPagedAttention(plan_layout(specs("fp8_e4m3"), 16), 64, "fp8_e4m3", HQ, DEVICE, fp8_compute=True)
+                                    options=fp8_compute).fp8_compute
+    tri = TritonPagedAttention(plan_layout(specs("fp8_e4m3"), 16), 64, "fp8_e4m3", HQ, DEVICE, options=fp8_compute)
     tables = [np.array([1, 2, 3], dtype=np.int32)] * 3
     tri.begin_step([StepSequence(0, 40, tables)])
     assert [len(g.segments) for g in tri.step_state.groups] == [1, 1, 1]
@@ -381,7 +381,7 @@ def test_hopper_cuda_fp8_compute_matches_reference(block_size, hq):
 def test_hopper_cuda_prefill_leaves_what_it_does_not_cover_to_triton():
     # fp16 queries and cache: the steps use the CUDA kernel's 128-row tiles, every one attended by the Triton kernel
     fp16 = TritonPagedAttention(plan_layout(specs("float16"), 64), 64, "float16", HQ, DEVICE)
-    assert fp16.hopper is not None and fp16.prefill.cuda
+    assert fp16.hopper is not None and fp16.builder.configs.prefill.cuda
     worst = drive(64, "float16", torch.float16, MIXED, num_sms=1)
     assert worst.pop("cuda_launches") == 0
     worst.pop("max_splits")
@@ -392,8 +392,9 @@ def test_hopper_cuda_prefill_leaves_what_it_does_not_cover_to_triton():
     fp8.pop("max_splits")
     assert all(e <= FP8_COMPUTE_BOUND for e in fp8.values()), fp8
     # the kernel turned off: Triton's own tiles
-    off = TritonPagedAttention(plan_layout(specs("bfloat16"), 64), 64, "bfloat16", HQ, DEVICE, hopper_kernel=False)
-    assert off.hopper is None and off.prefill is HOPPER_PREFILL
+    off = TritonPagedAttention(plan_layout(specs("bfloat16"), 64), 64, "bfloat16", HQ, DEVICE,
+                               options=KernelOptions(hopper_kernel=False))
+    assert off.hopper is None and off.builder.configs.prefill == HOPPER_PREFILL
 
 
 @pytest.mark.skipif(not HOPPER_CUDA or hopper_attention.cuobjdump() is None,

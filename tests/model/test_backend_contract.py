@@ -8,13 +8,14 @@ from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.kv_sizing import step_reserve_bytes
 from hybridkv.kv import FullAttentionSpec, plan_layout
 from hybridkv.model.attention.base import BackendCapabilities
-from hybridkv.model.attention.factory import make_paged_attention, paged_attention_capabilities
-from hybridkv.model.attention.triton_paged import SEGMENT_BYTES, TritonPagedAttention
+from hybridkv.model.attention.factory import AttentionChoice, make_paged_attention, paged_attention_capabilities
+from hybridkv.model.attention.fp8_segments import SEGMENT_BYTES
+from hybridkv.model.attention.triton_paged import TritonPagedAttention
 
 
 def test_the_torch_backend_declares_no_graphs_and_no_segments():
     layout = plan_layout([FullAttentionSpec(1, 8, "fp8_e4m3")] * 2, 4)
-    backend = make_paged_attention("auto", layout, 8, "fp8_e4m3", 2, "cpu")
+    backend = make_paged_attention(AttentionChoice("auto", "cpu", "fp8_e4m3"), layout, 8, 2)
     assert backend.capabilities == BackendCapabilities() == paged_attention_capabilities("torch", "cuda", "fp8_e4m3")
 
 

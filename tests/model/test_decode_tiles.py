@@ -1,4 +1,4 @@
-"""Which key tiles a decode step's layer groups read (``TritonPagedAttention._decode_config``): 64-key tiles
+"""Which key tiles a decode step's layer groups read (``KernelConfigs.decode_tiles``): 64-key tiles
 (``DECODE_FEW``) for steps of 1-2 sequences whose reach, summed over sequences and KV heads, is at most
 ``FEW_KEYS``; 128-key tiles (``DECODE``) otherwise. The CUDA-graph path captures a second graph for the long
 case of 1-2 rows, and every rank picks the same one from the step. Metadata only: no kernel runs, no GPU."""
@@ -14,8 +14,9 @@ from hybridkv.model.attention.base import StepSequence
 
 pytest.importorskip("triton")
 from hybridkv.engine.cuda_graphs import DecodeGraphs  # noqa: E402
-from hybridkv.model.attention import triton_paged  # noqa: E402
-from hybridkv.model.attention.triton_paged import DECODE, DECODE_FEW, TritonPagedAttention  # noqa: E402
+from hybridkv.model.attention import kernel_configs  # noqa: E402
+from hybridkv.model.attention.kernel_configs import DECODE, DECODE_FEW, KernelOptions  # noqa: E402
+from hybridkv.model.attention.triton_paged import TritonPagedAttention  # noqa: E402
 
 BLOCK = 16
 CHUNK = 16  # the chunked group reaches at most 16 + 64 keys
@@ -25,7 +26,7 @@ CHUNK = 16  # the chunked group reaches at most 16 + 64 keys
 def backend(monkeypatch):
     # a small FEW_KEYS so that short contexts cross it: 2 KV heads x 200 keys (the chunked group: at most
     # 2 sequences x 80 keys x 2 heads = 320)
-    monkeypatch.setattr(triton_paged, "FEW_KEYS", 400)
+    monkeypatch.setattr(kernel_configs, "FEW_KEYS", 400)
     specs = [FullAttentionSpec(2, 64, "float32"), ChunkedLocalSpec(2, 64, "float32", chunk=CHUNK)]
     tri = TritonPagedAttention(plan_layout(specs, BLOCK), 64, "float32", 10, device="cpu", num_sms=8)
     tri.enable_static_decode(4, 512)
@@ -99,10 +100,10 @@ def test_a_graph_is_picked_by_the_step_alone(backend):
 
 
 def test_one_decode_config_for_every_step_keeps_one_graph_a_size(monkeypatch):
-    monkeypatch.setattr(triton_paged, "FEW_KEYS", 400)
+    monkeypatch.setattr(kernel_configs, "FEW_KEYS", 400)
     specs = [FullAttentionSpec(2, 64, "float32")]
     tri = TritonPagedAttention(plan_layout(specs, BLOCK), 64, "float32", 10, device="cpu", num_sms=8,
-                               decode=DECODE_FEW)
+                               options=KernelOptions(decode=DECODE_FEW))
     tri.enable_static_decode(4, 512)
     assert tri.static_variants(1) == [False]
     assert not tri.many_keys(decode_seqs([400]))

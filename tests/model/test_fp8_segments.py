@@ -6,7 +6,7 @@ import pytest
 from hybridkv.kv import plan_layout
 from hybridkv.kv.specs import FullAttentionSpec
 from hybridkv.model.attention.base import StepSequence
-from hybridkv.model.attention.triton_paged import plan_segments, segment_tokens
+from hybridkv.model.attention.fp8_segments import plan_segments, segment_tokens
 
 
 def test_the_docstring_example():
@@ -54,11 +54,12 @@ def test_segment_length_keeps_the_whole_scratch_within_budget():
 def test_a_segment_holds_v_transposed_at_one_byte_a_value_or_k_and_v_widened_at_four():
     # planning only, no kernel runs: 600 new tokens over 16,000 cached, 64-token pages, 640,000 bytes a segment
     pytest.importorskip("triton")
+    from hybridkv.model.attention.kernel_configs import KernelOptions
     from hybridkv.model.attention.triton_paged import TritonPagedAttention
 
     def segments(fp8_compute: bool) -> list[tuple[int, int]]:
         tri = TritonPagedAttention(plan_layout([FullAttentionSpec(1, 128, "fp8_e4m3")], 64), 300, "fp8_e4m3", 5,
-                                   "cpu", fp8_compute=fp8_compute, segment_bytes=640_000)
+                                   "cpu", options=KernelOptions(fp8_compute=fp8_compute, segment_bytes=640_000))
         tri.begin_step([StepSequence(16_000, 600, [np.arange(1, 300, dtype=np.int32)])])
         return [(s.lo, s.hi) for s in tri.step_state.groups[0].segments]
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hybridkv.kernels import hopper_attention
-from hybridkv.model.attention.triton_paged import query_tiles
+from hybridkv.model.attention.triton_metadata import query_tiles
 
 
 def test_fp8_v_columns_follow_the_accumulator_layout():

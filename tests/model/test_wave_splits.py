@@ -1,6 +1,6 @@
 """How a long prefill's KV range is split so its tiles fill whole waves of SMs (pure arithmetic, no GPU)."""
 
-from hybridkv.model.attention.triton_paged import wave_splits
+from hybridkv.model.attention.triton_metadata import wave_splits
 
 
 def test_scout_rank_steps_on_an_h200():

@@ -126,10 +126,10 @@ def vary(variant: str, engine, patches: Patches) -> None:
     numbers = tuple(int(v) for v in value.split("x"))
     if name == "attn":
         rows, block_n, warps, stages = numbers
-        config = dataclasses.replace(backend.decode, rows=rows, block_n=block_n, num_warps=warps, num_stages=stages)
-        patches.set(backend, "decode", config)
-        patches.set(backend, "decode_few", config)
-        patches.set(backend._static, "steps", {})  # step states hold the config they were built with
+        configs = backend.builder.configs
+        config = dataclasses.replace(configs.decode, rows=rows, block_n=block_n, num_warps=warps, num_stages=stages)
+        patches.set(backend.builder, "configs", dataclasses.replace(configs, decode=config, decode_few=None))
+        patches.set(backend.builder.static, "steps", {})  # step states hold the config they were built with
     elif name in ("moe_gu", "moe_dn", "moe_splits"):
         fused = fused_moe.fused_moe
         key = {"moe_gu": "gate_up_tile", "moe_dn": "down_tile", "moe_splits": "splits"}[name]

@@ -191,7 +191,7 @@ def main() -> None:
         for cuda_backend, triton_backend, seqs, qq, kk, vv, want, fl in cases_shapes:
             backend = triton_backend if kernel is None else cuda_backend
             if kernel is not None:
-                backend.hopper = kernel
+                backend.hopper.kernel = kernel
             backend.begin_step(seqs)
             out = backend.attend(0, qq, kk, vv, D ** -0.5)
             err = rel_err(out[: want.shape[0]], want)

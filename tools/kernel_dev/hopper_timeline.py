@@ -20,6 +20,7 @@ each case, interleaved over ``--rounds``, so a change is judged by its cycles pe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -107,7 +108,7 @@ def main() -> None:
     backend, _, seqs, q, k, v, want, flop = shapes(args.fp8, args.length, 0, 0, chunked=not args.full)[0]
     # no KV splits: the stamps take the LSE buffer, which only a split launch uses (a full layer's long items split
     # to fill the last wave of SMs; with one SM counted, every split count fills it)
-    backend.num_sms = 1
+    backend.builder.device = dataclasses.replace(backend.builder.device, num_sms=1)
     clock = SmClock()
     rows = []
     runs = [(label, case, text) for _ in range(args.rounds) for case in args.cases.split(",")
@@ -116,7 +117,7 @@ def main() -> None:
         edits = [] if case == "as built" else case.split(" + ")
         kernel = hopper_attention.HopperPrefill(torch.device("cuda"), source=timeline_source(edits, text),
                                                 cache_dir=None)
-        backend.hopper = kernel
+        backend.hopper.kernel = kernel
         stamps = torch.zeros(0, dtype=torch.int64, device="cuda")
         launch = kernel.launch
 

@@ -36,8 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.kernels.kv_slots import KVSlots
 from hybridkv.model.attention.base import (
-    AttentionBackend, KVSlots, OutputRows, PagedAttentionBackend, StepHalf, StoresKVFromKernels,
+    AttentionBackend, OutputRows, PagedAttentionBackend, StepHalf, StoresKVFromKernels,
 )
 from hybridkv.model.architectures.device_ops import DeviceOps, bind_ops
 from hybridkv.model.architectures.llama_config import ModelConfig

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from hybridkv.kv.layout import KVLayout
 from hybridkv.model.attention.base import BackendCapabilities, PagedAttentionBackend
+from hybridkv.model.attention.kernel_configs import KernelOptions
 from hybridkv.model.attention.torch_paged import TorchPagedAttention
 from hybridkv.model.attention.triton_paged import TritonPagedAttention  # triton itself loads only when one is made
 
@@ -26,13 +29,27 @@ def paged_attention_capabilities(name: str, device: str, kv_dtype: str) -> Backe
     return paged_attention_class(name, device).declare(kv_dtype)
 
 
-def make_paged_attention(
-    name: str, layout: KVLayout, num_blocks: int, kv_dtype: str, num_q_heads: int, device: str,
-    fp8_compute: bool = False,
-) -> PagedAttentionBackend:
-    """``num_q_heads``: on this rank. ``fp8_compute``: FP8 prefill dots over an FP8 cache (Triton only; the torch
-    reference stays exact)."""
-    backend = paged_attention_class(name, device)
+@dataclass(frozen=True, slots=True)
+class AttentionChoice:
+    """The paged attention a rank builds: ``name`` auto (Triton on CUDA, torch elsewhere) | torch | triton, over a
+    ``kv_dtype`` cache on ``device``, for queries of ``dtype`` (the model's; None: the cache's, bf16 over an FP8
+    cache). ``fp8_compute``: FP8 prefill dots over an FP8 cache (Triton only; the torch reference stays exact).
+
+    E.g. the engine's on an H200 for a bf16 model with an FP8 cache:
+    ``AttentionChoice("auto", "cuda", "fp8_e4m3", torch.bfloat16)``."""
+
+    name: str
+    device: str
+    kv_dtype: str
+    dtype: torch.dtype | None = None
+    fp8_compute: bool = False
+
+
+def make_paged_attention(choice: AttentionChoice, layout: KVLayout, num_blocks: int,
+                         num_q_heads: int) -> PagedAttentionBackend:
+    """The backend ``choice`` names, its cache ``num_blocks`` pages of ``layout``; ``num_q_heads``: on this rank."""
+    backend = paged_attention_class(choice.name, choice.device)
     if backend is TorchPagedAttention:
-        return TorchPagedAttention(layout, num_blocks, kv_dtype, device)
-    return TritonPagedAttention(layout, num_blocks, kv_dtype, num_q_heads, device, fp8_compute=fp8_compute)
+        return TorchPagedAttention(layout, num_blocks, choice.kv_dtype, choice.device)
+    return TritonPagedAttention(layout, num_blocks, choice.kv_dtype, num_q_heads, choice.device, dtype=choice.dtype,
+                                options=KernelOptions(fp8_compute=choice.fp8_compute))
