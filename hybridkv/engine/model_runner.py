@@ -53,6 +53,8 @@ class StepInput:
     # under tensor parallelism: ``device_input_ids`` are on rank 0 only; every rank's ``execute`` takes them from
     # rank 0 first (a broadcast), since a worker's step reaches it pickled, without them
     ids_from_rank0: bool = False
+    # [T] bool: row t is a prompt token's (a 4-bit CPU model runs those through its bf16 weights: ``RowPaths``)
+    prompt_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
     def positions(self) -> np.ndarray:
         """Each token row's position: its sequence's context length plus its index among the sequence's rows (one
@@ -124,7 +126,7 @@ class ModelRunner:
         return self.execute(step)
 
     def prepare(self, out: SchedulerOutput) -> StepInput:
-        input_ids, seqs, last, score_rows, score_ids = [], [], [], [], []
+        input_ids, seqs, last, score_rows, score_ids, prompt_counts = [], [], [], [], [], []
         offset, top_k, argmax_only = 0, 0, True
         step_tables = self.kv.step_tables
         for s in out.scheduled:  # (every sequence, every step: kept lean)
@@ -134,6 +136,7 @@ class ModelRunner:
             else:
                 input_ids.extend(seq.all_token_ids[start : start + n])
             seqs.append(StepSequence(start, n, *step_tables(seq.request_id)))
+            prompt_counts.append(min(max(seq.num_prompt_tokens - start, 0), n))  # its first rows
             scored = s.prompt_score_positions if seq.prompt_scores is not None else None
             if scored:
                 score_rows.extend(range(offset + scored.start - start, offset + scored.stop - start))
@@ -143,10 +146,14 @@ class ModelRunner:
             if s.samples:
                 last.append(offset - 1)
                 argmax_only = argmax_only and seq.state.argmax_only
-        return StepInput(
+        step = StepInput(
             np.array(input_ids, dtype=np.int64), seqs, np.array(last, dtype=np.int64), self.kv.take_block_ops(),
             np.array(score_rows, dtype=np.int64), np.array(score_ids, dtype=np.int64), top_k, argmax_only,
         )
+        counts = np.fromiter(prompt_counts, np.int64, len(seqs))
+        starts = np.cumsum([s.query_len for s in seqs]) - [s.query_len for s in seqs]
+        step.prompt_rows = np.arange(offset) < np.repeat(starts + counts, [s.query_len for s in seqs])
+        return step
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
@@ -160,6 +167,9 @@ class ModelRunner:
         if bucket is not None:  # logits None on tensor-parallel ranks other than 0, as eager
             return StepOutput(self.graphs.replay(bucket, step.input_ids, step.seqs, step.device_input_ids),
                               argmax_only=step.argmax_only)
+        paths = getattr(self.model, "int4_row_paths", None)  # a 4-bit CPU model: which kernel each row takes
+        if paths is not None:
+            paths.set(step.prompt_rows, step.sample_rows)
         input_ids = step.device_input_ids
         if input_ids is None:
             input_ids = self._on_device(step.input_ids)

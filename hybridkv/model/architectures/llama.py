@@ -45,7 +45,6 @@ from hybridkv.model.architectures.parallel import (
     VocabParallelEmbedding,
     vocab_parallel_logits,
 )
-from hybridkv.model.int4_cpu import DENSE_ROWS
 
 
 class RMSNorm(nn.Module):
@@ -557,7 +556,7 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         if halves:
             return self._layers_in_halves(x, tables, attn, halves, outputs)
-        if tables.rolled is not None and input_ids.shape[0] < DENSE_ROWS and self.cpu_decode() is not None:
+        if tables.rolled is not None and self.cpu_decode() is not None and self._cpu_decode.runs(input_ids.shape[0]):
             x, residual = self._cpu_decode(x, tables, attn)
             hidden = self.norm.add_forward(x, residual)[0]
             return hidden if outputs is None else hidden[outputs.rows]

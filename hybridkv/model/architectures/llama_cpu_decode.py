@@ -8,9 +8,9 @@ linear's prefill branch) cost ~1.1 ms more a step. This loop calls the same help
 forward (the norms' ``add_forward``, ``rope_rolled``, the backend's ``attend``) and each 4-bit linear's kernel
 directly (``Int4Linear.rows``), in the same order on the same values, so its hidden states are the layers' own.
 
-It runs steps of fewer than ``DENSE_ROWS`` tokens (decode steps, small prefill chunks) of a model whose every
-layer is a dense Llama-2/3 layer with q/k/v, o_proj, gate/up and down_proj all 4-bit (``pack_int4_linears``: the
-embedded default); any other model or step runs the layers' own forward.
+It runs steps whose every row takes the 4-bit kernel (``RowPaths.all_packed``: generated tokens', e.g. decode
+steps) of a model whose every layer is a dense Llama-2/3 layer with q/k/v, o_proj, gate/up and down_proj all 4-bit
+(``pack_int4_linears``: the embedded default); any other model or step runs the layers' own forward.
 """
 
 from __future__ import annotations
@@ -59,6 +59,10 @@ class CpuDecodeLayers:
         if not found or any(layer is None for layer in found):
             return None
         return cls(found, layers[0].self_attn.cfg.head_dim)
+
+    def runs(self, tokens: int) -> bool:
+        """This loop runs a step of ``tokens`` rows: each takes the 4-bit kernel (``RowPaths``)."""
+        return self.layers[0].qkv.paths.all_packed(tokens)
 
     def __call__(self, x: torch.Tensor, tables: PositionTables, attn: AttentionBackend
                  ) -> tuple[torch.Tensor, torch.Tensor]:

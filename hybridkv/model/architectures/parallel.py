@@ -364,6 +364,23 @@ class ParallelLMHead(VocabParallelEmbedding):
     as a linear layer and gathers the ranks' logits)."""
 
 
+# On CPU the head's GEMM gives a row other numbers in a call of 1, 2, 3 or 5 rows than in a call of 8 (another
+# kernel path, or the rows split otherwise across threads); padded to a multiple of this, a row's logits are the
+# same in a batch of any size (checked for 1 to 264 rows, two threads), so a request's logprobs do not depend on
+# what is batched with it.
+HEAD_ROW_MULTIPLE = 8
+
+
+def _head_rows(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(hidden, weight)``, on CPU through a call of a multiple of ``HEAD_ROW_MULTIPLE`` rows (zero rows
+    added, their logits dropped): the head reads its weight once either way."""
+    rows = hidden.shape[0]
+    pad = -rows % HEAD_ROW_MULTIPLE
+    if hidden.device.type != "cpu" or not pad:
+        return F.linear(hidden, weight)
+    return F.linear(F.pad(hidden, (0, 0, 0, pad)), weight)[:rows]
+
+
 def vocab_parallel_logits(hidden: torch.Tensor, embed: VocabParallelEmbedding, lm_head: ParallelLMHead | None,
                           tp: TPGroup, vocab_size: int, argmax_only: bool = False) -> torch.Tensor | None:
     """float32 logits [N, vocab] of ``hidden`` through the output head (``lm_head``, or the tied ``embed``): under
@@ -375,5 +392,5 @@ def vocab_parallel_logits(hidden: torch.Tensor, embed: VocabParallelEmbedding, l
     if argmax_only and head.argmax_head is not None:
         return head.argmax_head(hidden, head.weight)
     weight = head.weight
-    logits = tp.gather_last_dim(F.linear(hidden, weight).float())
+    logits = tp.gather_last_dim(_head_rows(hidden, weight).float())
     return logits if logits is None or tp.size == 1 else logits[:, :vocab_size]
