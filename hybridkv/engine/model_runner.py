@@ -54,6 +54,9 @@ class StepInput:
     # under tensor parallelism: ``device_input_ids`` are on rank 0 only; every rank's ``execute`` takes them from
     # rank 0 first (a broadcast), since a worker's step reaches it pickled, without them
     ids_from_rank0: bool = False
+    # [T] bool: row t is a prompt token's (a 4-bit CPU model runs those through its bf16 weights: ``RowPaths``);
+    # built only for such a model
+    prompt_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
     def positions(self) -> np.ndarray:
         """Each token row's position: its sequence's context length plus its index among the sequence's rows (one
@@ -96,6 +99,8 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs when decode steps replay from CUDA graphs
         # a step's last layer computes only its sampled rows (``OutputRows``); off only to measure what it saves
         self.output_rows_only = True
+        # a 4-bit CPU model's choice of kernel by row (``int4_cpu.RowPaths``), set each step; None: no such model
+        self.row_paths = getattr(model, "int4_row_paths", None)
 
     @property
     def can_capture(self) -> bool:
@@ -125,7 +130,7 @@ class ModelRunner:
         return self.execute(step)
 
     def prepare(self, out: SchedulerOutput) -> StepInput:
-        input_ids, seqs, last, score_rows, score_ids = [], [], [], [], []
+        input_ids, seqs, last, score_rows, score_ids, prompt_counts = [], [], [], [], [], []
         offset, top_k, argmax_only = 0, 0, True
         step_tables = self.kv.step_tables
         for s in out.scheduled:  # (every sequence, every step: kept lean)
@@ -134,7 +139,9 @@ class ModelRunner:
                 input_ids.append(seq.all_token_ids[start])
             else:
                 input_ids.extend(seq.all_token_ids[start : start + n])
-            seqs.append(StepSequence(start, n, *step_tables(seq.request_id)))
+            prompt = min(max(seq.num_prompt_tokens - start, 0), n)  # its first rows are a prompt's
+            seqs.append(StepSequence(start, n, *step_tables(seq.request_id), generated=not prompt))
+            prompt_counts.append(prompt)
             scored = s.prompt_score_positions if seq.prompt_scores is not None else None
             if scored:
                 score_rows.extend(range(offset + scored.start - start, offset + scored.stop - start))
@@ -144,10 +151,13 @@ class ModelRunner:
             if s.samples:
                 last.append(offset - 1)
                 argmax_only = argmax_only and seq.state.argmax_only
-        return StepInput(
+        step = StepInput(
             np.array(input_ids, dtype=np.int64), seqs, np.array(last, dtype=np.int64), self.kv.take_block_ops(),
             np.array(score_rows, dtype=np.int64), np.array(score_ids, dtype=np.int64), top_k, argmax_only,
         )
+        if self.row_paths is not None:
+            step.prompt_rows = _prompt_rows(prompt_counts, [s.query_len for s in seqs])
+        return step
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
@@ -161,6 +171,8 @@ class ModelRunner:
         if bucket is not None:  # logits None on tensor-parallel ranks other than 0, as eager
             return StepOutput(self.graphs.replay(bucket, step.input_ids, step.seqs, step.device_input_ids),
                               argmax_only=step.argmax_only)
+        if self.row_paths is not None:
+            self.row_paths.set(step.prompt_rows, step.sample_rows)
         input_ids = step.device_input_ids
         if input_ids is None:
             input_ids = self._on_device(step.input_ids)
@@ -224,3 +236,11 @@ class ModelRunner:
             if logits is not None:
                 parts.append(score_tokens(logits, token_ids[i : i + SCORE_ROWS], step.score_top_k))
         return TokenScores.concat(parts) if parts else None
+
+
+def _prompt_rows(prompt_counts: list[int], query_lens: list[int]) -> np.ndarray:
+    """[T] bool of a step's rows: True for a prompt token's. Each sequence's first ``prompt_counts[i]`` of its
+    ``query_lens[i]`` rows are. E.g. counts [3, 0], lens [3, 1]: [True, True, True, False]."""
+    lens = np.asarray(query_lens, dtype=np.int64)
+    starts = np.cumsum(lens) - lens
+    return np.arange(int(lens.sum())) < np.repeat(starts + np.asarray(prompt_counts, dtype=np.int64), lens)

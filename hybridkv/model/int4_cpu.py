@@ -14,8 +14,14 @@ Q8_0 embedding in SmolLM2) stays float32: a bf16 head rounds the logits themselv
 turned near-ties into ties and changed greedy tokens (greedy rows get an exact int8 screen instead:
 ``int8_head_cpu.py``).
 
-A prefill is compute-bound, not bandwidth-bound, and the int4 kernel is slow there: from ``DENSE_ROWS`` rows a
-layer runs a bf16 copy of the weight it holds (each value rounded once more, to bf16) through oneDNN's bf16 GEMM.
+A prefill is compute-bound, not bandwidth-bound, and the int4 kernel is slow there: a prompt's rows run a bf16
+copy of the weight (each value rounded once more, to bf16) through oneDNN's bf16 GEMM (256 rows of a SmolLM2 layer:
+4.9 ms there, 13.1 ms in the int4 kernel, two threads). The two give different numbers, so which one a row takes is
+a property of the row alone (``RowPaths``): a prompt token's row takes the bf16 copy and a generated token's the
+4-bit kernel, in any step and beside any other rows. Each kernel's row is the same whatever the other rows of
+its call (checked for 1 to 300 rows), so a prompt prefilled cold, its tail after a cache hit, and the same prompt
+in a batch compute the same K/V and logits. (Outside an engine step, without ``RowPaths`` set, a call of
+``DENSE_ROWS`` rows or more takes the bf16 copy.)
 
 Example, one group of 4 (not 32) for brevity: weights [0.5, 0.1, 0.3, 0.1] -> m = 0.1, d = (0.5 - 0.1) / 15,
 q = [15, 0, 7.5 -> not on the grid] -> left dense; [0.5, 0.1, 0.1 + 7 d, 0.1] -> q = [15, 0, 7, 0] -> packed.
@@ -23,6 +29,9 @@ q = [15, 0, 7.5 -> not on the grid] -> left dense; [0.5, 0.1, 0.1 + 7 d, 0.1] ->
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,6 +68,58 @@ def grid_of(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return q.to(torch.int32).view(n, k), step, low + 8 * step
 
 
+@dataclass(slots=True)
+class RowPaths:
+    """Which rows of the current step take the bf16 copy (a prompt token's) and which the 4-bit kernel (a generated
+    token's), for every ``Int4Linear`` of a model (they share one). The runner sets it before each forward: for the
+    step's rows, and for its sampled rows alone (a forward's last layer may compute only those: ``OutputRows``).
+
+    E.g. a step of a prompt's last 3 tokens and one decoding sequence's token: rows [True, True, True, False];
+    sampled rows 2 and 3: [True, False]. A call with neither count of rows takes the by-count rule
+    (``DENSE_ROWS``): a model run outside the engine's steps."""
+
+    step: _Split | None = None
+    sampled: _Split | None = None
+
+    def set(self, prompt_rows: np.ndarray, sample_rows: np.ndarray) -> None:
+        """``prompt_rows`` [T] bool: row t is a prompt token's; ``sample_rows`` [N]: the rows sampled."""
+        self.step = _Split.of(prompt_rows)
+        self.sampled = _Split.of(prompt_rows[sample_rows])
+
+    def clear(self) -> None:
+        self.step = self.sampled = None
+
+    def of(self, rows: int) -> _Split:
+        for split in (self.step, self.sampled):
+            if split is not None and split.rows == rows:
+                return split
+        return _Split(rows, rows >= DENSE_ROWS, None, None)
+
+    def all_packed(self, rows: int) -> bool:
+        """Every one of ``rows`` rows takes the 4-bit kernel (``llama_cpu_decode``'s loop may run them)."""
+        split = self.of(rows)
+        return split.dense is False
+
+
+@dataclass(slots=True)
+class _Split:
+    """One call's rows: ``dense`` True (every row the bf16 copy), False (every row the 4-bit kernel) or None (some
+    each: ``dense_rows`` and ``packed_rows`` say which)."""
+
+    rows: int
+    dense: bool | None
+    dense_rows: torch.Tensor | None
+    packed_rows: torch.Tensor | None
+
+    @classmethod
+    def of(cls, prompt_rows: np.ndarray) -> _Split:
+        n, dense = len(prompt_rows), int(prompt_rows.sum())
+        if dense in (0, n):
+            return cls(n, dense == n, None, None)
+        index = lambda mask: torch.from_numpy(np.flatnonzero(mask))  # noqa: E731
+        return cls(n, None, index(prompt_rows), index(~prompt_rows))
+
+
 class Int4Linear(nn.Module):
     """``F.linear(x, weight, bias)`` with ``weight`` packed 4-bit; x and the output keep their dtype, except on a
     layer whose output only ever feeds a residual add (``keep_bf16``): that sum promotes the kernel's bf16 output
@@ -66,8 +127,11 @@ class Int4Linear(nn.Module):
 
     keep_bf16: bool = False
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None,
+                 paths: RowPaths | None = None) -> None:
+        """``paths``: which rows of a step take which kernel (``pack_int4_linears`` gives a model's layers one)."""
         super().__init__()
+        self.paths = paths or RowPaths()
         self.out_features, self.in_features = q.shape
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         # [K/GROUP, N, 2] as the kernel reads them
@@ -86,19 +150,28 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] < DENSE_ROWS:
-            y = self.rows(flat)
+        split = self.paths.of(flat.shape[0])
+        if split.dense is None:
+            y = flat.new_empty((flat.shape[0], self.out_features), dtype=self._out_dtype(x))
+            y[split.dense_rows] = self.dense_rows(flat[split.dense_rows])
+            y[split.packed_rows] = self.rows(flat[split.packed_rows])
         else:
-            y = F.linear(flat.to(torch.bfloat16), self.dense)
-            y = y if self.keep_bf16 else y.to(x.dtype)
-            y = y if self.bias is None else y + self.bias
+            y = self.dense_rows(flat) if split.dense else self.rows(flat)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
-        """``forward`` of x [R, in_features] with R < ``DENSE_ROWS`` (a decode step's), through the 4-bit kernel."""
+        """``forward`` of x [R, in_features] through the 4-bit kernel (a generated token's rows)."""
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros)
-        y = y if self.keep_bf16 else y.to(x.dtype)
+        y = y.to(self._out_dtype(x))
         return y if self.bias is None else y + self.bias
+
+    def dense_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` of x [R, in_features] through the bf16 copy (a prompt token's rows)."""
+        y = F.linear(x.to(torch.bfloat16), self.dense).to(self._out_dtype(x))
+        return y if self.bias is None else y + self.bias
+
+    def _out_dtype(self, x: torch.Tensor) -> torch.dtype:
+        return torch.bfloat16 if self.keep_bf16 else x.dtype
 
 
 def _expand(q: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
@@ -145,27 +218,29 @@ def pack_int4_linears(model: nn.Module, bf16_outputs: tuple[str, ...] = ()) -> i
     """Replace every plain (single-rank) linear layer whose weight lies on a Q4_1 grid by an ``Int4Linear``, and
     every ``FusedColumns`` group holding one by an ``Int4Columns`` (before or after ``fuse_columns``: the float
     weights are let go either way); a group whose linears are all on a grid is packed as one layer. The linears
-    named in ``bf16_outputs`` (a model's ``residual_branch_ends``) output bf16 (``Int4Linear.keep_bf16``). Returns
-    how many linears were packed. CPU only."""
+    named in ``bf16_outputs`` (a model's ``residual_branch_ends``) output bf16 (``Int4Linear.keep_bf16``). Every
+    packed layer shares one ``RowPaths``, left as ``model.int4_row_paths`` for the runner. Returns how many linears
+    were packed. CPU only."""
     places = {id(child): (parent, name, child) for parent in model.modules()
               for name, child in parent.named_children() if isinstance(child, nn.Linear) and _single_rank(child)}
     groups = [(module, attr, group) for module in model.modules() for attr, group in list(vars(module).items())
               if isinstance(group, FusedColumns)]
-    count = 0
+    count, paths = 0, RowPaths()
+    model.int4_row_paths = paths
     for module, attr, group in groups:  # one group at a time: a single layer's grids held at once
         if not all(id(linear) in places for linear in group.linears) or not _same_bias(group.linears):
             continue
         grids = [grid_of(linear.weight) for linear in group.linears]
         if all(grid is not None for grid in grids):
             members = [places.pop(id(linear)) for linear in group.linears]
-            setattr(module, attr, _pack_whole(members, grids))
+            setattr(module, attr, _pack_whole(members, grids, paths))
             count += len(members)
     replaced = {}
     branch_ends = set(bf16_outputs)
     for parent, name, child in places.values():
         grid = grid_of(child.weight)
         if grid is not None:
-            replaced[id(child)] = Int4Linear(*grid, child.bias)
+            replaced[id(child)] = Int4Linear(*grid, child.bias, paths)
             replaced[id(child)].keep_bf16 = name in branch_ends
             setattr(parent, name, replaced[id(child)])
     for module, attr, group in groups:
@@ -174,12 +249,13 @@ def pack_int4_linears(model: nn.Module, bf16_outputs: tuple[str, ...] = ()) -> i
     return count + len(replaced)
 
 
-def _pack_whole(members: list[tuple[nn.Module, str, nn.Linear]], grids: list[tuple]) -> Int4Columns:
+def _pack_whole(members: list[tuple[nn.Module, str, nn.Linear]], grids: list[tuple], paths: RowPaths
+                ) -> Int4Columns:
     """One ``Int4Linear`` over the rows of a group's linears (their ``grids``, in order); each linear's name on its
     parent becomes an ``Int4Rows`` of it."""
     q, scale, zero = (torch.cat([grid[i] for grid in grids]) for i in range(3))
     biases = [linear.bias for *_, linear in members]
-    whole = Int4Linear(q, scale, zero, None if biases[0] is None else torch.cat(biases))
+    whole = Int4Linear(q, scale, zero, None if biases[0] is None else torch.cat(biases), paths)
     parts, lo = [], 0
     for parent, name, linear in members:
         parts.append(Int4Rows(whole, lo, lo + linear.out_features))

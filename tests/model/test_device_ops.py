@@ -38,7 +38,8 @@ def test_a_model_never_placed_runs_its_torch_ops_and_placing_binds_the_devices()
     model = LlamaForCausalLM(ModelConfig.from_hf(LLAMA4))
     native = {"RMSNorm": {"forward_native", "add_forward_native"}, "Attention": {"_encode_native"},
               "MLP": {"forward_native"}, "MoE": {"forward_native", "fused_native", "routed_native"},
-              "LlamaForCausalLM": {"position_tables_native"}}
+              "LlamaForCausalLM": {"position_tables_native"}, "VocabParallelEmbedding": {"logits_native"},
+              "ParallelLMHead": {"logits_native"}}
     assert bound(model) == native
     assert {type(m) for m in model.modules()} >= {RMSNorm, Attention, MLP, MoE}
     linears = gemms(model)

@@ -9,9 +9,10 @@ linear's prefill branch) cost ~1.1 ms more a step. This loop calls the same help
 forward (the norms' ``add_forward``, ``rope_rolled``, the backend's ``attend``) and each 4-bit linear's kernel
 directly (``Int4Linear.rows``), in the same order on the same values, so its hidden states are the layers' own.
 
-It runs steps of fewer than ``DENSE_ROWS`` tokens (decode steps, small prefill chunks) of a model whose every
-layer is a dense Llama-2/3 layer with q/k/v, o_proj, gate/up and down_proj all 4-bit (``pack_int4_linears``: the
-embedded default); larger steps run the model's own forward, and any other model is not wrapped.
+It runs steps whose every row takes the 4-bit kernel (``RowPaths.all_packed``: generated tokens', e.g. decode
+steps) of a model whose every layer is a dense Llama-2/3 layer with q/k/v, o_proj, gate/up and down_proj all 4-bit
+(``pack_int4_linears``: the embedded default); other steps run the model's own forward, and any other model is not
+wrapped.
 
 It reads the layers by their parts (norms, fused linears), not by their classes, so it does not import
 ``llama.py``, which imports it.
@@ -29,7 +30,7 @@ from hybridkv.model.architectures.norms import RMSNorm
 from hybridkv.model.architectures.position_encoding import PositionTables, rope_rolled
 from hybridkv.model.attention.base import AttentionBackend, OutputRows
 from hybridkv.model.causal_lm import CausalLM
-from hybridkv.model.int4_cpu import DENSE_ROWS, Int4Columns, Int4Linear
+from hybridkv.model.int4_cpu import Int4Columns, Int4Linear, RowPaths
 
 
 @dataclass(slots=True)
@@ -67,6 +68,10 @@ class CpuDecodeLayers:
             return None
         return cls(found, layers[0].self_attn.cfg.head_dim)
 
+    def runs(self, tokens: int) -> bool:
+        """This loop runs a step of ``tokens`` rows: each takes the 4-bit kernel (``RowPaths``)."""
+        return self.layers[0].qkv.paths.all_packed(tokens)
+
     def __call__(self, x: torch.Tensor, tables: PositionTables, attn: AttentionBackend
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the last layer's MLP output, the residual stream before it) of the embedded tokens ``x`` [T, hidden],
@@ -101,9 +106,9 @@ def _layer_of(layer: nn.Module) -> _Layer | None:
 
 
 class CpuDecodeLlama(nn.Module):
-    """A ``CausalLM``: a 4-bit Llama-2/3 (``llama.LlamaForCausalLM``, placed on the CPU) whose steps of fewer than
-    ``DENSE_ROWS`` tokens run ``CpuDecodeLayers``; larger ones, the model's own forward. The model is its one
-    child: the same parameters and modules, their names prefixed with ``model.``."""
+    """A ``CausalLM``: a 4-bit Llama-2/3 (``llama.LlamaForCausalLM``, placed on the CPU) whose steps of generated
+    tokens only (``RowPaths.all_packed``) run ``CpuDecodeLayers``; others, the model's own forward. The model is its
+    one child: the same parameters and modules, their names prefixed with ``model.``."""
 
     supports_cuda_graphs = False
     supports_step_halves = False
@@ -128,11 +133,16 @@ class CpuDecodeLlama(nn.Module):
     def embed_tokens(self) -> nn.Module:
         return self.model.embed_tokens
 
+    @property
+    def int4_row_paths(self) -> RowPaths:
+        """Which kernel each row of a step takes (``pack_int4_linears``), set by the runner each step."""
+        return self.model.int4_row_paths
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 outputs: OutputRows | None = None) -> torch.Tensor:
         """``LlamaForCausalLM.forward``'s hidden states (one rank: no step halves)."""
         model = self.model
-        if input_ids.shape[0] >= DENSE_ROWS:
+        if not self.loop.runs(input_ids.shape[0]):
             return model(input_ids, positions, attn, outputs=outputs)
         tables = model.position_tables(positions)
         x, residual = self.loop(model.embed_tokens(input_ids), tables, attn)

@@ -345,9 +345,19 @@ def vocab_rows_per_rank(vocab_size: int, size: int) -> int:
     return -(-vocab_size // size)
 
 
-class VocabParallelEmbedding(nn.Embedding):
+# On CPU the head's GEMM gives a row other numbers in a call of 1, 2, 3 or 5 rows than in a call of 8 (another
+# kernel path, or the rows split otherwise across threads); padded to a multiple of this, a row's logits are the
+# same in a batch of any size (checked for 1 to 264 rows, two threads), so a request's logprobs do not depend on
+# what is batched with it.
+HEAD_ROW_MULTIPLE = 8
+
+
+class VocabParallelEmbedding(DeviceOps, nn.Embedding):
     """Vocabulary rows split over ranks, padded to equal parts; lookups outside a rank's rows give zeros there
-    and the all-reduce fills them in from the rank that has them (a sum with one non-zero term: exact)."""
+    and the all-reduce fills them in from the rank that has them (a sum with one non-zero term: exact). As an
+    output head, ``logits`` is its GEMM."""
+
+    dispatched = ("logits",)
 
     def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype | None, tp: TPGroup) -> None:
         self.tp, self.vocab_size = tp, vocab_size
@@ -364,6 +374,20 @@ class VocabParallelEmbedding(nn.Embedding):
         mine = (local >= 0) & (local < self.num_embeddings)
         x = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
         return self.tp.all_reduce(x.masked_fill_(~mine[:, None], 0))
+
+    def logits_native(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden @ weight.T`` through a call of a multiple of ``HEAD_ROW_MULTIPLE`` rows (zero rows added, their
+        logits dropped): the head reads its weight once either way."""
+        rows = hidden.shape[0]
+        pad = -rows % HEAD_ROW_MULTIPLE
+        if not pad:
+            return F.linear(hidden, self.weight)
+        return F.linear(F.pad(hidden, (0, 0, 0, pad)), self.weight)[:rows]
+
+    def logits_cuda(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight)
+
+    logits = logits_native  # until ``bind_ops`` binds the device's
 
     def load_shard(self, name: str, source: Any) -> torch.Tensor:
         rows = source[self.vocab_start : min(self.vocab_start + self.num_embeddings, self.vocab_size)]
@@ -386,6 +410,5 @@ def vocab_parallel_logits(hidden: torch.Tensor, embed: VocabParallelEmbedding, l
     head = embed if lm_head is None else lm_head
     if argmax_only and head.argmax_head is not None:
         return head.argmax_head(hidden, head.weight)
-    weight = head.weight
-    logits = tp.gather_last_dim(F.linear(hidden, weight).float())
+    logits = tp.gather_last_dim(head.logits(hidden).float())
     return logits if logits is None or tp.size == 1 else logits[:, :vocab_size]

@@ -35,6 +35,9 @@ class StepSequence:
     # ``KVCacheManager.tables_version``: equal versions, equal tables (a decode step re-sends only changed ones);
     # 0: unknown, the tables are sent whole
     tables_version: int = 0
+    # every query row is a generated token's (a decode step's), none a prompt's: a backend may then compute them
+    # another way than a prompt's rows, always the same way (``TorchPagedAttention``'s full layers on CPU)
+    generated: bool = False
 
 
 @dataclass(slots=True)

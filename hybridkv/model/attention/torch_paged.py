@@ -36,6 +36,9 @@ from hybridkv.model.attention.kv_cache import LayerCache, PagedKVCache
 
 # Queries per tile of a prefill: its mask is QUERY_TILE x keys bools, and SDPA's own blocks do the rest.
 QUERY_TILE = 1024
+# Full attention on CPU cuts a query's keys at multiples of this (``_by_segments``): the CPU's prompt chunk
+# (``config.CPU_STEP_TOKENS`` // 2), so a cold prompt's chunks start on a segment.
+SEGMENT = 256
 
 
 @dataclass(slots=True)
@@ -89,6 +92,9 @@ class TorchPagedAttention:
         self._step: list[_GroupStep] = []
         self._seq_query_lens: list[int] = []
         self._seq_context_lens: list[int] = []
+        self._seq_generated: list[bool] = []
+        # full layers on CPU: a prompt's rows by key segments (``_by_segments``), the same whatever is cached
+        self._segments = self.cache.buffer.device.type == "cpu"
 
     # ---- per step ----------------------------------------------------------------------------------
     def begin_step(self, seqs: list[StepSequence]) -> None:
@@ -96,6 +102,7 @@ class TorchPagedAttention:
         bs = self.block_size
         self._seq_query_lens = [s.query_len for s in seqs]
         self._seq_context_lens = [s.context_len for s in seqs]
+        self._seq_generated = [s.generated for s in seqs]
         dev = self.cache.buffer.device
         on_dev = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64)).to(dev)  # noqa: E731
         self._step = []
@@ -116,11 +123,11 @@ class TorchPagedAttention:
     @property
     def step_state(self) -> tuple:
         """What ``begin_step`` built (see ``PagedAttentionBackend.step_state``)."""
-        return self._step, self._seq_query_lens, self._seq_context_lens
+        return self._step, self._seq_query_lens, self._seq_context_lens, self._seq_generated
 
     @step_state.setter
     def step_state(self, state: tuple) -> None:
-        self._step, self._seq_query_lens, self._seq_context_lens = state
+        self._step, self._seq_query_lens, self._seq_context_lens, self._seq_generated = state
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         self.write(layer_id, k, v)
@@ -143,23 +150,27 @@ class TorchPagedAttention:
         """``attend`` once the step's K/V of ``layer_id`` are in their slots."""
         layer = self.cache.layers[layer_id]
         step = self._step[layer.group_id]
+        seqs = zip(step.reads, self._seq_context_lens, self._seq_generated)
         if len(step.reads) == 1:
-            return self._attend_seq(layer, step.reads[0], q, self._seq_context_lens[0], scale)
+            return self._attend_seq(layer, q, *next(seqs), scale)
         if q.shape[0] == len(step.reads):  # one query a sequence (decoding): their outputs side by side
-            return torch.cat([self._attend_seq(layer, read, q[i : i + 1], context_len, scale)
-                              for i, (read, context_len) in enumerate(zip(step.reads, self._seq_context_lens))])
+            return torch.cat([self._attend_seq(layer, q[i : i + 1], *seq, scale) for i, seq in enumerate(seqs)])
         out = torch.empty_like(q)
         start = 0
-        for read, n, context_len in zip(step.reads, self._seq_query_lens, self._seq_context_lens):
-            out[start : start + n] = self._attend_seq(layer, read, q[start : start + n], context_len, scale)
+        for n, seq in zip(self._seq_query_lens, seqs):
+            out[start : start + n] = self._attend_seq(layer, q[start : start + n], *seq, scale)
             start += n
         return out
 
-    def _attend_seq(self, layer: LayerCache, read: _SeqRead, q: torch.Tensor, context_len: int,
+    def _attend_seq(self, layer: LayerCache, q: torch.Tensor, read: _SeqRead, context_len: int, generated: bool,
                     scale: float) -> torch.Tensor:
-        """One sequence's queries over the keys it reads, gathered block by block."""
+        """One sequence's queries over the keys it reads, gathered block by block. A generated token's row (one a
+        step) always takes ``_decode_sdpa``, a prompt's rows of a full layer on CPU ``_by_segments``: each row is
+        computed the same way cold, after a cache hit and beside any other sequences."""
         keys = layer.keys.index_select(0, read.blocks).flatten(0, 1)[read.lo : read.hi]
         values = layer.values.index_select(0, read.blocks).flatten(0, 1)[read.lo : read.hi]
+        if layer.spec.keeps_every_token and self._segments and not generated:
+            return _by_segments(q, keys, values, context_len, scale)
         if q.shape[0] == 1:
             return _decode_sdpa(q, keys, values, scale)
         return self._attend_tiles(layer.spec, q, keys, values, context_len, read.first, scale)
@@ -176,9 +187,6 @@ class TorchPagedAttention:
             # reach is monotone in the position: the tile's first query sees furthest back, its last one furthest on
             k_lo = spec.first_needed_token(context_len + lo) - first_key
             k_hi = context_len + hi - first_key
-            if spec.keeps_every_token and q.device.type == "cpu":
-                out[lo:hi] = _prefix_then_causal(q[lo:hi], k[:k_hi], v[:k_hi], context_len + lo, scale)
-                continue
             q_pos = torch.arange(context_len + lo, context_len + hi, device=q.device)
             k_pos = torch.arange(first_key + k_lo, first_key + k_hi, device=q.device)
             mask = spec.visible(q_pos, k_pos)  # causal and the type's reach
@@ -221,17 +229,75 @@ def _decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return out if dtype == torch.float32 else out.to(dtype)
 
 
-def _prefix_then_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float) -> torch.Tensor:
-    """Full attention of a tile of queries (CPU): the first ``prefix`` keys are earlier tokens every query sees, the
-    last ``len(q)`` keys are the tile's own, seen causally. Two unmasked flash calls (the second with ``is_causal``,
-    square, so its top-left alignment is right) merged by their log-sum-exps: with a [Q, K] mask instead, torch's
-    CPU flash kernel ran at half speed (256 queries over 8,000 keys: 160 ms masked, 81 ms without)."""
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+def _by_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
+    """Full attention on CPU of one sequence's queries (at ``context_len``...) over its keys (at 0...), each query
+    computed the same way whatever the other queries of its step: cold or after a cache hit, in a prefill chunk
+    of any length or decoding, a query's keys are cut at the same place and each part goes through the same call.
+
+    The keys are cut in segments of ``SEGMENT`` positions. A query in segment j reads keys [0, jS) in one unmasked
+    flash call (``SEGMENT`` is the CPU's prompt chunk, so a long prompt's chunks still read their past that way)
+    and its own segment's keys, zero-padded to ``SEGMENT``, in a masked one; the two merge by their log-sum-exps,
+    as ``_merge`` does it. torch's CPU flash kernel gives a query row the same numbers in calls of any number of
+    rows when each of its blocks of query rows holds 4 or more (``_padded_rows``), and the same for key blocks
+    that are masked out; the masked own segment's fixed width keeps the rest of its arithmetic fixed.
+
+    E.g. SEGMENT 256, a cached prefix of 300 and 5 new tokens (positions 300..304): keys [0, 256) unmasked, keys
+    [256, 512) with 256..304 visible as each query's causal mask says; a cold 305-token prompt's queries 300..304
+    took the same two calls in its second segment."""
+    out = torch.empty_like(q)
+    end = context_len + q.shape[0]
+    start = context_len
+    while start < end:
+        seg = start // SEGMENT * SEGMENT
+        stop = min(end, seg + SEGMENT)
+        rows = slice(start - context_len, stop - context_len)
+        own_k = k.new_zeros((SEGMENT, *k.shape[1:]))
+        own_v = v.new_zeros((SEGMENT, *v.shape[1:]))
+        own_k[: stop - seg], own_v[: stop - seg] = k[seg:stop], v[seg:stop]
+        visible = torch.arange(seg, seg + SEGMENT)[None, :] <= torch.arange(start, stop)[:, None]
+        merged = _flash_rows(q[rows], own_k, own_v, visible, scale)
+        if seg:
+            merged = _merge(*merged, *_flash_rows(q[rows], k[:seg], v[:seg], None, scale))
+        out[rows] = merged[0][0].transpose(0, 1)[: stop - start].to(q.dtype)
+        start = stop
+    return out
+
+
+def _flash_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output [1, Hq, R', D], log-sum-exp [1, Hq, R']) of torch's CPU flash kernel, float32, for queries q [R, Hq,
+    D] padded with zero rows to R' = ``_padded_rows(R)`` (``mask`` [R, K], True: attend; padded rows see key 0)."""
+    pad = _padded_rows(q.shape[0]) - q.shape[0]
     as_4d = lambda x: x.float().transpose(0, 1)[None]  # noqa: E731
-    q4, k4, v4 = as_4d(q), as_4d(k), as_4d(v)
-    own, own_lse = flash(q4, k4[:, :, prefix:], v4[:, :, prefix:], 0.0, True, scale=scale)
-    if prefix:
-        seen, seen_lse = flash(q4, k4[:, :, :prefix], v4[:, :, :prefix], 0.0, False, scale=scale)
-        lse = torch.logaddexp(seen_lse, own_lse)
-        own = seen * torch.exp(seen_lse - lse)[..., None] + own * torch.exp(own_lse - lse)[..., None]
-    return own[0].transpose(0, 1).to(q.dtype)
+    q4 = as_4d(F.pad(q, (0, 0, 0, 0, 0, pad)) if pad else q)
+    if mask is not None:
+        mask = F.pad(mask, (0, 0, 0, pad), value=True) if pad else mask
+        mask = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q4, as_4d(k), as_4d(v), 0.0, False, attn_mask=mask, scale=scale)
+
+
+def _padded_rows(n: int) -> int:
+    """Query rows to give torch's CPU flash kernel for ``n``, so that each of its blocks of query rows (32, 64 or
+    256 by the count) holds 4 or more: a row of a block of 1 to 3 comes out otherwise (another GEMM path).
+    E.g. 1 -> 4, 33 -> 36, 32 -> 32."""
+    n = max(n, 4)
+    while True:
+        block = 32 if n < 192 else 64 if n < 768 else 256
+        if 0 < n % block < 4:
+            n += 4 - n % block
+            continue
+        return n
+
+
+def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two flash outputs [1, H, R, D] over disjoint keys, by their log-sum-exps [1, H, R], as one. The exp and log
+    run on [R, 32k] (each row's heads, zero-padded to a multiple of 32): torch computes a tensor's last partial
+    vector another way, so a row must not land there in one call and not in another."""
+    heads, rows = lse_a.shape[1], lse_a.shape[2]
+    per_row = lambda lse: F.pad(lse[0].t(), (0, -heads % 32))  # noqa: E731
+    a, b = per_row(lse_a), per_row(lse_b)
+    lse = torch.logaddexp(a, b)
+    weight = lambda x: torch.exp(x - lse)[:, :heads].t()[None, :, :, None]  # noqa: E731
+    return out_a * weight(a) + out_b * weight(b), lse[:, :heads].t()[None]
