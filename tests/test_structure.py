@@ -142,3 +142,12 @@ def test_no_function_over_ten_parameters(package):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _num_params(node) > MAX_PARAMS:
                 long.append(f"{name}.{node.name}: {_num_params(node)} parameters")
     assert long == []
+
+
+def test_the_readme_layout_names_every_module():
+    """README.md's "Layout of the code" lists every module of the package by its file name."""
+    readme = (ROOT.parent / "README.md").read_text()
+    layout = readme[readme.index("## Layout of the code"):]
+    missing = sorted(str(p.relative_to(ROOT.parent)) for p in ROOT.rglob("*.py")
+                     if p.name != "__init__.py" and p.name not in layout)
+    assert missing == []

@@ -29,6 +29,7 @@ from hybridkv.model.attention.base import (
     OutputRows, PagedAttentionBackend, StepHalf, StepSequence, output_sequences, split_step,
 )
 from hybridkv.model.causal_lm import CausalLM
+from hybridkv.model.int4_cpu import row_paths_of
 
 log = logging.getLogger("hybridkv")
 
@@ -100,7 +101,7 @@ class ModelRunner:
         # a step's last layer computes only its sampled rows (``OutputRows``); off only to measure what it saves
         self.output_rows_only = True
         # a 4-bit CPU model's choice of kernel by row (``int4_cpu.RowPaths``), set each step; None: no such model
-        self.row_paths = getattr(model, "int4_row_paths", None)
+        self.row_paths = row_paths_of(model)
 
     @property
     def can_capture(self) -> bool:

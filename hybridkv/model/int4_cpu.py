@@ -120,6 +120,11 @@ class _Split:
         return cls(n, None, index(prompt_rows), index(~prompt_rows))
 
 
+def row_paths_of(model: nn.Module) -> RowPaths | None:
+    """The ``RowPaths`` a model's 4-bit layers share, which the runner sets each step; None: no 4-bit layer."""
+    return next((m.paths for m in model.modules() if isinstance(m, Int4Linear)), None)
+
+
 class Int4Linear(nn.Module):
     """``F.linear(x, weight, bias)`` with ``weight`` packed 4-bit; x and the output keep their dtype, except on a
     layer whose output only ever feeds a residual add (``keep_bf16``): that sum promotes the kernel's bf16 output
@@ -219,14 +224,13 @@ def pack_int4_linears(model: nn.Module, bf16_outputs: tuple[str, ...] = ()) -> i
     every ``FusedColumns`` group holding one by an ``Int4Columns`` (before or after ``fuse_columns``: the float
     weights are let go either way); a group whose linears are all on a grid is packed as one layer. The linears
     named in ``bf16_outputs`` (a model's ``residual_branch_ends``) output bf16 (``Int4Linear.keep_bf16``). Every
-    packed layer shares one ``RowPaths``, left as ``model.int4_row_paths`` for the runner. Returns how many linears
-    were packed. CPU only."""
+    packed layer of the model shares one ``RowPaths`` (``row_paths_of``). Returns how many linears were packed.
+    CPU only."""
     places = {id(child): (parent, name, child) for parent in model.modules()
               for name, child in parent.named_children() if isinstance(child, nn.Linear) and _single_rank(child)}
     groups = [(module, attr, group) for module in model.modules() for attr, group in list(vars(module).items())
               if isinstance(group, FusedColumns)]
-    count, paths = 0, RowPaths()
-    model.int4_row_paths = paths
+    count, paths = 0, row_paths_of(model) or RowPaths()
     for module, attr, group in groups:  # one group at a time: a single layer's grids held at once
         if not all(id(linear) in places for linear in group.linears) or not _same_bias(group.linears):
             continue

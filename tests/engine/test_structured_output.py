@@ -267,11 +267,16 @@ ENFORCED = [
 
 @pytest.mark.parametrize("schema", ENFORCED)
 def test_an_output_that_stops_satisfies_its_schema(llm, schema):
-    params = SamplingParams(n=4, temperature=1.2, seed=3, max_tokens=48, structured_outputs=StructuredOutputsParams(
-        json=schema))
-    out = llm.generate("JSON: ", params, use_tqdm=False)[0]
-    stopped = [o for o in out.outputs if o.finish_reason == "stop"]
-    assert stopped, [o.text for o in out.outputs]
+    stopped, texts = [], []
+    for seed in range(3, 7):  # samples until some end (a recursive schema's can run past max_tokens)
+        params = SamplingParams(n=4, temperature=0.8, seed=seed, max_tokens=96,
+                                structured_outputs=StructuredOutputsParams(json=schema))
+        out = llm.generate("JSON: ", params, use_tqdm=False)[0]
+        stopped += [o for o in out.outputs if o.finish_reason == "stop"]
+        texts += [o.text for o in out.outputs]
+        if stopped:
+            break
+    assert stopped, texts
     for o in stopped:
         assert o.stop_reason is None
         jsonschema.validate(json.loads(o.text), schema)

@@ -30,7 +30,7 @@ from hybridkv.model.architectures.norms import RMSNorm
 from hybridkv.model.architectures.position_encoding import PositionTables, rope_rolled
 from hybridkv.model.attention.base import AttentionBackend, OutputRows
 from hybridkv.model.causal_lm import CausalLM
-from hybridkv.model.int4_cpu import Int4Columns, Int4Linear, RowPaths
+from hybridkv.model.int4_cpu import Int4Columns, Int4Linear
 
 
 @dataclass(slots=True)
@@ -132,11 +132,6 @@ class CpuDecodeLlama(nn.Module):
     @property
     def embed_tokens(self) -> nn.Module:
         return self.model.embed_tokens
-
-    @property
-    def int4_row_paths(self) -> RowPaths:
-        """Which kernel each row of a step takes (``pack_int4_linears``), set by the runner each step."""
-        return self.model.int4_row_paths
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 outputs: OutputRows | None = None) -> torch.Tensor:
