@@ -27,7 +27,6 @@ Stop semantics (vLLM's):
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -118,7 +117,8 @@ class OutputTokenIds(Sequence):
         return self.all_token_ids[self.start + i if i >= 0 else i]
 
     def __iter__(self) -> Iterator[int]:
-        return itertools.islice(self.all_token_ids, self.start, None)
+        # a copy of the outputs, not islice: islice steps over the whole prompt first (a 1M-token prompt: ms a step)
+        return iter(self.all_token_ids[self.start:])
 
     def __eq__(self, other: object) -> bool:
         return list(self) == list(other) if isinstance(other, Sequence) else NotImplemented

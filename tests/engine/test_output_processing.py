@@ -285,3 +285,19 @@ def test_output_ids_are_read_in_place_from_the_sequences_ids(tok):
     feed(st, tok.ids("▁world") + [EOS], eos_token_ids=[EOS])
     assert sequence_ids == tok.ids("▁Hello", "▁world") + [EOS] and st.token_ids == tok.ids("▁world") + [EOS]
     assert st.finished and st.argmax_only is False
+
+
+def test_output_ids_are_read_without_walking_the_prompt():
+    """A step reads a sequence's outputs (the sampler's penalties, each streamed output): never by stepping over its
+    prompt's ids, which a 1M-token prompt makes milliseconds a step."""
+    from hybridkv.engine.output_processing import OutputTokenIds
+
+    class Unwalkable(list):
+        def __iter__(self):
+            raise AssertionError("iterated the whole list of ids, prompt included")
+
+    ids = Unwalkable([5, 6, 7, 8])
+    out = OutputTokenIds(ids, 2)
+    assert list(out) == [7, 8] and out[-1] == 8 and out[0:1] == [7] and len(out) == 2
+    out.append(9)
+    assert list(out) == [7, 8, 9] and list.__len__(ids) == 5
