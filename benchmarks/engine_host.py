@@ -104,7 +104,9 @@ class PhaseClock:
         self._wrap(engine.model, "forward", "forward")
         self._wrap(engine.model, "compute_logits", "forward")
         self._wrap(engine.backend, "begin_step", "cpu attn meta")
-        self._wrap(engine, "_catch_up_text", "text")
+        from hybridkv.engine import llm_engine  # deferred text is a module function there: timed for this process
+
+        self._wrap(llm_engine, "_catch_up_text", "text")
         sampler = engine.sampler
         engine.sampler = self._timed(sampler, "sample")
         engine.sampler.argmax = self._timed(sampler.argmax, "sample")  # the all-greedy step's
