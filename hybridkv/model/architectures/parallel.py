@@ -345,7 +345,7 @@ def vocab_rows_per_rank(vocab_size: int, size: int) -> int:
     return -(-vocab_size // size)
 
 
-# On CPU the head's GEMM gives a row other numbers in a call of 1, 2, 3 or 5 rows than in a call of 8 (another
+# On CPU the head's GEMM gives a row other numbers in a call of 1-3 or 5-7 rows than in a call of 8 (another
 # kernel path, or the rows split otherwise across threads); padded to a multiple of this, a row's logits are the
 # same in a batch of any size (checked for 1 to 264 rows, two threads), so a request's logprobs do not depend on
 # what is batched with it.
