@@ -42,8 +42,11 @@ class EngineConfig:
         None, "most tokens of one prompt in one step, the rest of the step left to other requests "
               "(0: no cap; default: none on GPU, half the step on CPU)")
     quantization: str = knob(
-        "auto", "CPU: auto (a GGUF's Q4_1 weights stay 4-bit, run by torch's int4 kernel with bf16 activations: "
-                "decode ~2x faster than float32, logits slightly off) | none (every weight in --dtype)")
+        "auto", "linear weights: auto (the checkpoint's own quantization_config; on CPU a GGUF's Q4_1 weights also "
+                "stay 4-bit for torch's int4 kernel) | none (every weight in --dtype; a quantized checkpoint is "
+                "dequantized) | fp8 (e4m3 weights, per-channel scales, dynamic per-token activations) | int4 "
+                "(W4A16, group 128) | awq | compressed-tensors. On GPU quantized weights stay quantized; on CPU they "
+                "are dequantized at load (the same values)")
     cpu_threads: int = knob(
         0, "CPU: torch's intra-op threads (0: half the cores, at least 1, as llama-cpp-python; on 2 cores shared "
            "with other work, 2 threads decoded 3-7x slower than 1: a thread waiting on a busy core stalls each op)")

@@ -67,7 +67,8 @@ def build_driver_rank(config: EngineConfig, loaded: LoadedModel | None = None) -
     if tp.size > 1 and loaded is not None:
         raise ValueError("tensor_parallel_size > 1 loads each rank's shard itself: pass model, not loaded")
     loaded = loaded or load_checkpoint(config.model, dtype, tokenizer=not config.skip_tokenizer_init, tp=tp,
-                                       load_format=config.load_format, device=config.device, seed=config.seed)
+                                       load_format=config.load_format, device=config.device, seed=config.seed,
+                                       quantization=config.quantization)
     model, int4_linears = keep_4bit_weights(loaded.model.place(config.device, dtype), config, tp)
     if config.fp8_attention_compute and not config.kv_cache_dtype.startswith("fp8"):
         raise ValueError(f"fp8_attention_compute needs kv_cache_dtype=fp8_e4m3, got {config.kv_cache_dtype!r}")

@@ -61,9 +61,7 @@ def keep_4bit_weights(model: CausalLM, config: EngineConfig, tp: TPGroup) -> tup
     output head given an int8 copy for greedy rows (``model/int8_head_cpu.py``); returns the model to run (placed
     again once packed: a 4-bit Llama's small steps run in one loop, ``CpuDecodeLlama``) and how many linears were
     packed (0: the model runs in its dtype, its head float32 for every row)."""
-    if config.quantization not in ("auto", "none"):
-        raise ValueError(f"unknown quantization {config.quantization!r}; choose auto or none")
-    if config.quantization == "none" or config.device != "cpu" or tp.size > 1 or not int4_kernel_available():
+    if config.quantization != "auto" or config.device != "cpu" or tp.size > 1 or not int4_kernel_available():
         return model, 0
     packed = pack_int4_linears(model, model.residual_branch_ends)
     if packed:

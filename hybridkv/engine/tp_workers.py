@@ -147,7 +147,7 @@ def _receive(conn: Connection, spin_s: float):
 def _build_runner(spec: WorkerSpec, tp: TPGroup) -> ModelRunner:
     c, device = spec.config, device_for_rank(spec.device, spec.rank)
     loaded = load_checkpoint(c.model, spec.dtype, progress=False, tokenizer=False, tp=tp, load_format=c.load_format,
-                             device=device, seed=c.seed)
+                             device=device, seed=c.seed, quantization=c.quantization)
     model = loaded.model.place(device, spec.dtype)
     # the same layout and block count as the driver's, so its block tables address this rank's cache
     layout = rank_layout(loaded.hf_config, tp.size, spec.kv_dtype, c.block_size)

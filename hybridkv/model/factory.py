@@ -14,13 +14,17 @@ from typing import Any
 import torch
 
 from hybridkv.kv.dtypes import MODEL_DTYPES
+from hybridkv.kv.weight_formats import UNQUANTIZED, WeightFormat
 from hybridkv.model.architectures.gemma3 import GEMMA3_MODEL_TYPES, Gemma3Config, Gemma3ForCausalLM
 from hybridkv.model.architectures.llama import LlamaForCausalLM
 from hybridkv.model.architectures.llama_config import LLAMA_MODEL_TYPES, ModelConfig
-from hybridkv.model.architectures.parallel import TPGroup
+from hybridkv.model.architectures.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup
 from hybridkv.model.causal_lm import CausalLM
 from hybridkv.model.dtypes import MODEL_TORCH_DTYPES
+from hybridkv.model.quantization.quantized_layers import is_quantized, quantize_layout, random_quantized
 
+# the linears a quantized format stores quantized: those of attention and the MLPs (not routers, embeddings, heads)
+QUANTIZABLE = (ColumnParallelLinear, RowParallelLinear)
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: the checkpoint's weights | random weights from config.json alone
 
 
@@ -46,11 +50,12 @@ def architecture(hf_config: dict[str, Any]) -> Architecture:
 
 def build_model(
     hf_config: dict[str, Any], dtype: torch.dtype = torch.float32, tp: TPGroup | None = None,
-    load_format: str = "auto", device: str = "cpu", seed: int = 0,
+    load_format: str = "auto", device: str = "cpu", seed: int = 0, weights: WeightFormat = UNQUANTIZED,
 ) -> CausalLM:
     """This rank's model, placed on ``device`` (``CausalLM.place``). ``auto``: uninitialised (no random init:
     every parameter must be loaded before use); ``dummy``: norms neutral, every other weight N(0, 0.02) drawn on
-    ``device`` from ``seed + rank``."""
+    ``device`` from ``seed + rank``. ``weights``: a quantized format keeps the linears of attention and the MLPs in
+    it (``quantization/quantized_layers.py``)."""
     if dtype not in MODEL_TORCH_DTYPES:
         raise ValueError(f"dtype {dtype} is not supported; choose {', '.join(MODEL_DTYPES)}")
     if load_format not in LOAD_FORMATS:
@@ -59,6 +64,8 @@ def build_model(
     tp = tp or TPGroup()
     with torch.device("meta"):
         model = arch.model_class(arch.config_class.from_hf(hf_config), dtype=dtype, tp=tp)
+        if weights.quantized:
+            quantize_layout(model, weights, QUANTIZABLE)
     model = model.to_empty(device=device).eval()
     if load_format == "dummy":
         _random_weights(model, torch.Generator(device=device).manual_seed(seed + tp.rank))
@@ -67,9 +74,13 @@ def build_model(
 
 @torch.no_grad()
 def _random_weights(model: torch.nn.Module, gen: torch.Generator) -> None:
+    drawn: set[int] = set()  # a quantized linear's weight and scales, drawn as one (``random_quantized``)
     for name, module in model.named_modules():
         if "norm" in name.rpartition(".")[2]:
             module.reset_parameters()  # neutral: Llama's 1, Gemma's zero-centred 0
+        if is_quantized(module):
+            random_quantized(module, gen)
+            drawn.update(id(p) for n, p in module.named_parameters(recurse=False) if n != "bias")
     for name, param in model.named_parameters():
-        if "norm" not in name:
+        if "norm" not in name and id(param) not in drawn:
             param.normal_(0.0, 0.02, generator=gen)

@@ -58,6 +58,7 @@ from hybridkv.model.architectures.position_encoding import (
     temperature_scales,
 )
 from hybridkv.model.causal_lm import CausalLM
+from hybridkv.model.quantization.quantized_layers import is_quantized
 
 
 @dataclass(slots=True)
@@ -314,7 +315,9 @@ class MoE(DeviceOps, nn.Module):
             self._arrived = fused_moe_counters(num_experts, inter, hidden, x.device)
         top_ids, gates = route(x, self.router.weight, self.top_k, self._arrived)
         shared = self.shared_expert
-        if shared.gate_up.weight is None or x.shape[0] * (self.top_k + 1) > self.SHARED_IN_FUSED_ROWS:
+        # the fused kernels read bf16 weights: a quantized shared expert runs its own GEMMs
+        if (shared.gate_up.weight is None or is_quantized(shared.gate_up)
+                or x.shape[0] * (self.top_k + 1) > self.SHARED_IN_FUSED_ROWS):
             routed = fused_moe(x, gates, top_ids, experts.gate_up_proj, experts.down_proj, self._arrived)
             return shared(x) + routed
         return fused_moe(x, gates, top_ids, experts.gate_up_proj, experts.down_proj, self._arrived,

@@ -28,6 +28,7 @@ from torch import nn
 
 from hybridkv.model.architectures.collectives import CopyEngineSums, OneShotAllReduce
 from hybridkv.model.architectures.device_ops import DeviceOps
+from hybridkv.model.quantization.quantized_layers import QUANT_PARAMS, QuantizedGemm, is_quantized
 
 if TYPE_CHECKING:
     from hybridkv.model.int8_head_cpu import Int8ArgmaxHead
@@ -238,12 +239,13 @@ def gemm_for(device: torch.device):
 
 
 class LinearOps(DeviceOps):
-    """A linear (or a fused group of them) whose GEMM is chosen when the model is placed (``gemm_for``)."""
+    """A linear (or a fused group of them) whose GEMM is chosen when the model is placed (``gemm_for``, or for
+    quantized weights ``QuantizedGemm``)."""
 
     gemm = staticmethod(F.linear)  # until ``bind_ops``
 
     def bind_ops(self, device: torch.device) -> None:
-        self.gemm = gemm_for(device)
+        self.gemm = QuantizedGemm(self, device) if is_quantized(self) else gemm_for(device)
 
 
 class ColumnParallelLinear(LinearOps, nn.Linear):
@@ -261,7 +263,9 @@ class ColumnParallelLinear(LinearOps, nn.Linear):
         return self.gemm(x, self.weight, self.bias)
 
     def load_shard(self, name: str, source: Any) -> torch.Tensor:
-        n = self.out_features
+        if name == "input_scale":
+            return read_whole(source)
+        n = source_shape(source)[0] // self.count  # rows: of the weight, its scales and zero points alike
         return source[self.index * n : (self.index + 1) * n]
 
 
@@ -287,13 +291,32 @@ class FusedColumns(LinearOps):
         with_bias = [linear.bias is not None for linear in self.linears]
         if any(with_bias) != all(with_bias):
             raise ValueError("fused linears must all have a bias or none")
-        self.weight = torch.cat([linear.weight for linear in self.linears])
-        for linear, rows in zip(self.linears, self.weight.split(self.sizes)):
-            linear.weight.data = rows
+        self.weight = self._join("weight")
         if all(with_bias):
-            self.bias = torch.cat([linear.bias for linear in self.linears])
-            for linear, part in zip(self.linears, self.bias.split(self.sizes)):
-                linear.bias.data = part
+            self.bias = self._join("bias")
+        if is_quantized(self.linears[0]):
+            self._fuse_quantized()
+
+    def _join(self, name: str) -> torch.Tensor:
+        """The linears' ``name`` tensors as one, each linear's re-pointed at its rows of it."""
+        joined = torch.cat([getattr(linear, name) for linear in self.linears])
+        for linear, rows in zip(self.linears, joined.split(self.sizes)):
+            getattr(linear, name).data = rows
+        return joined
+
+    def _fuse_quantized(self) -> None:
+        """Scales and zero points are per output row, so they join like the weights; a static FP8 activation
+        scale is one per linear, and the group takes the largest (as vLLM does), which none of them clips."""
+        formats = {linear.weight_format for linear in self.linears}
+        if len(formats) != 1:
+            raise ValueError(f"fused linears must share one weight format, got {sorted(f.name for f in formats)}")
+        self.weight_format = formats.pop()
+        for name in QUANT_PARAMS[:2]:
+            if getattr(self.linears[0], name, None) is not None:
+                setattr(self, name, self._join(name))
+        if getattr(self.linears[0], "input_scale", None) is not None:
+            self.input_scale = torch.stack([linear.input_scale for linear in self.linears]).amax().reshape(1)
+        self.gemm = QuantizedGemm(self, self.weight.device)  # the group's GEMM was bound before it had a format
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.weight is None:
@@ -334,9 +357,10 @@ class RowParallelLinear(LinearOps, nn.Linear):
         return self.tp.all_reduce(y) if self.reduce else y
 
     def load_shard(self, name: str, source: Any) -> torch.Tensor:
-        if name == "bias":
+        shape = source_shape(source)
+        if len(shape) < 2:  # the bias, a per-row or static scale
             return read_whole(source)
-        n = self.in_features
+        n = shape[1] // self.tp.size  # columns: of the weight (packed or not), its group scales and zero points
         return source[:, self.tp.rank * n : (self.tp.rank + 1) * n]
 
 

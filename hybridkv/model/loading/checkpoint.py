@@ -27,6 +27,7 @@ from hybridkv.model.loading.hf_config import load_hf_config
 from hybridkv.model.loading.known_models import resolve_model
 from hybridkv.model.loading.tokenizer import Tokenizer, word_tokenizer
 from hybridkv.model.loading.weights import load_safetensors_model, load_weights
+from hybridkv.model.quantization.weight_plan import WeightPlan
 
 
 @dataclass(slots=True)
@@ -40,31 +41,41 @@ class LoadedModel:
 def load_checkpoint(
     model: str | None, dtype: torch.dtype = torch.float32, progress: bool = True, tokenizer: bool = True,
     tp: TPGroup | None = None, load_format: str = "auto", device: str = "cpu", seed: int = 0,
+    quantization: str = "auto",
 ) -> LoadedModel:
     """``tokenizer=False`` (skip_tokenizer_init, worker ranks) loads none, so a directory without tokenizer files
     loads too. ``tp``: load rank ``tp.rank``'s shard. Real weights load on the CPU (the engine moves them); dummy
-    ones are drawn on ``device``."""
+    ones are drawn on ``device``. ``quantization``: ``--quantization`` (``kv/weight_formats.py``); on a GPU
+    quantized weights stay quantized, elsewhere they are dequantized (``quantization/weight_plan.py``)."""
     if load_format == "dummy":
-        return _dummy_checkpoint(model, dtype, tp, device, seed, tokenizer)
+        return _dummy_checkpoint(model, dtype, tp, (device, seed), tokenizer, quantization)
     if load_format != "auto":
         raise ValueError(f"unknown load_format {load_format!r}; choose auto or dummy")
     resolved = resolve_model(model)
     if resolved.kind == "gguf":
         ckpt = read_gguf(resolved.path, dtype)
-        net = build_model(ckpt.hf_config, dtype, tp)
+        weights = WeightPlan.of(ckpt.hf_config, quantization, device)
+        net = build_model(ckpt.hf_config, dtype, tp, weights=weights.kept)
         load_weights(net, ckpt.named_tensors(progress))
+        weights.round_trip(net)
         tok = Tokenizer.from_gguf(ckpt.reader) if tokenizer else None
         return LoadedModel(resolved.name, net, tok, ckpt.hf_config)
-    net, config = load_safetensors_model(resolved.path, dtype, progress, tp)
+    weights = WeightPlan.of(load_hf_config(resolved.path), quantization, device)
+    net, config = load_safetensors_model(resolved.path, dtype, progress, tp, weights)
     return LoadedModel(resolved.name, net, Tokenizer.from_hf_dir(resolved.path) if tokenizer else None, config)
 
 
-def _dummy_checkpoint(path: str | None, dtype: torch.dtype, tp: TPGroup | None, device: str, seed: int,
-                      tokenizer: bool) -> LoadedModel:
+def _dummy_checkpoint(path: str | None, dtype: torch.dtype, tp: TPGroup | None, where: tuple[str, int],
+                      tokenizer: bool, quantization: str) -> LoadedModel:
+    """``where``: (device, seed). Quantized dummy weights are drawn quantized on a GPU (a full-size model never
+    exists in bf16 there)."""
     if path is None:
         raise ValueError("load_format dummy needs a model directory with config.json")
+    device, seed = where
     config = load_hf_config(path)
-    model = build_model(config, dtype, tp, "dummy", device, seed)
+    weights = WeightPlan.of(config, quantization, device)
+    model = build_model(config, dtype, tp, "dummy", device, seed, weights.kept)
+    weights.round_trip(model)
     tok = None
     if tokenizer:
         has_own = (Path(path) / "tokenizer.json").is_file()

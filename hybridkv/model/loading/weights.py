@@ -18,7 +18,9 @@ from tqdm import tqdm
 from hybridkv.model.architectures.parallel import TPGroup, shard_for_rank
 from hybridkv.model.causal_lm import CausalLM
 from hybridkv.model.factory import build_model
+from hybridkv.model.quantization.weight_plan import WeightPlan
 from hybridkv.model.loading.hf_config import load_hf_config
+from hybridkv.model.quantization.quantized_layers import load_quantizing
 
 # Parts of multimodal checkpoints (Llama4ForConditionalGeneration, llava-style) that are not the text model.
 _SKIPPED_PREFIXES = ("vision_model.", "vision_tower.", "multi_modal_projector.")
@@ -45,7 +47,8 @@ def hf_to_local_name(name: str) -> str | None:
 
 
 def load_weights(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy HF-named tensors into ``model`` (casting dtype); raise if any is unknown, misshapen or missing."""
+    """Copy HF-named tensors into ``model`` (casting dtype); raise if any is unknown, misshapen or missing. A float
+    weight of a quantized linear is quantized as it loads (``--quantization fp8 | int4`` on a bf16 checkpoint)."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -58,12 +61,19 @@ def load_weights(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tenso
             continue
         param = params[name]
         tensor = shard_for_rank(model, name, tensor)  # all of it unless the model is one TP rank's shard
+        owner, _, leaf = name.rpartition(".")
+        if leaf == "weight" and _quantizes(param, tensor):
+            loaded.update(f"{owner}.{filled}" for filled in load_quantizing(model.get_submodule(owner), tensor))
+            continue
         if tuple(tensor.shape) != tuple(param.shape):
             raise ValueError(
                 f"weight {hf_name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}"
             )
         with torch.no_grad():
-            param.copy_(tensor)
+            if leaf == "weight_scale" and param.dtype != tensor.dtype:
+                param.data = tensor.to(param.device)  # a checkpoint's scales as stored (AWQ's fp16): exact values
+            else:
+                param.copy_(tensor)
         loaded.add(name)
     missing = sorted(set(params) - loaded)
     if unexpected or missing:
@@ -71,6 +81,12 @@ def load_weights(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tenso
             f"checkpoint does not match the model: {len(unexpected)} unexpected weights {unexpected[:8]}, "
             f"{len(missing)} missing weights {missing[:8]}"
         )
+
+
+def _quantizes(param: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """A float checkpoint weight for a quantized parameter (int32-packed 4-bit, or e4m3 from a bf16 tensor)."""
+    float_tensor = tensor.is_floating_point() and tensor.dtype != torch.float8_e4m3fn
+    return float_tensor and (param.dtype in (torch.int32, torch.float8_e4m3fn))
 
 
 def safetensors_files(path: str | Path) -> list[Path]:
@@ -107,11 +123,16 @@ def iter_safetensors_slices(files: list[Path], progress: bool = True) -> Iterato
 
 
 def load_safetensors_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True, tp: TPGroup | None = None
+    path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True, tp: TPGroup | None = None,
+    weights: WeightPlan | None = None,
 ) -> tuple[CausalLM, dict[str, Any]]:
     """Model (or one tensor-parallel rank's shard) and its raw config dict from a transformers checkpoint
-    directory."""
+    directory; ``weights``: how its linear weights are kept (None: as the checkpoint's quantization_config says,
+    dequantized)."""
     config = load_hf_config(path)
-    model = build_model(config, dtype, tp)
-    load_weights(model, iter_safetensors_slices(safetensors_files(path), progress))
+    weights = weights or WeightPlan.of(config)
+    model = build_model(config, dtype, tp, weights=weights.kept)
+    named = iter_safetensors_slices(safetensors_files(path), progress)
+    load_weights(model, weights.reader(config, dtype)(named))
+    weights.round_trip(model)
     return model, config

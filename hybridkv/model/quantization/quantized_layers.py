@@ -1,0 +1,163 @@
+"""Linear layers that keep their weights quantized (on a GPU), and how their tensors are made, filled and run.
+
+``quantize_layout(model, fmt)`` runs on a model still on the meta device (``factory.build_model``): every linear of
+attention and the MLPs (``ColumnParallelLinear``, ``RowParallelLinear``) not in the format's ignore list swaps its
+``weight`` for the format's tensors, so the model is allocated at its quantized size. For a [N, K] linear:
+
+    FP8:  weight e4m3 [N, K], weight_scale float32 [N] (+ input_scale float32 [1], static activations)
+    INT4: weight int32 [N, K // 8] (``int4_layout.py``), weight_scale [N, K // G] bf16 (fp16 models: fp16; a checkpoint's: as stored)
+          (+ weight_zero_point int8 [N, K // G], asymmetric)
+
+The router, embeddings, LM head and norms are left in the model dtype, and so are a MoE's experts (no quantized
+fused-MoE kernel yet). A quantized linear then loads a quantized checkpoint's tensors as they come
+(``checkpoint.QuantizedReader``), or quantizes a float weight as it loads (``load_quantizing``).
+
+Its GEMM (``quantized_gemm``) is chosen when the model is placed, as every linear's: on CUDA the INT4 and FP8
+kernels (``kernels/quant_gemm.py``); elsewhere the weight dequantized, then ``F.linear`` (the reference).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.kv.weight_formats import WeightFormat
+from hybridkv.model.quantization.checkpoint import QuantizedLinear
+from hybridkv.model.quantization.quantize import fake_quantize_fp8, int4_scale_dtype, quantize_fp8, quantize_int4
+
+QUANT_PARAMS = ("weight_scale", "weight_zero_point", "input_scale")
+
+
+def quantizable_linears(model: nn.Module, fmt: WeightFormat, kinds: tuple[type, ...]) -> list[tuple[str, nn.Linear]]:
+    """(name, linear) of every linear of ``kinds`` (the tensor-parallel linears of attention and MLPs, not the
+    router) less those the format's ignore list names (matched against transformers' names too)."""
+    found = []
+    for name, module in model.named_modules():
+        if not isinstance(module, kinds):
+            continue
+        names = (name, f"model.{name}", f"model.{name}".replace(".mlp.", ".feed_forward."))
+        if not any(fmt.keeps_unquantized(n) for n in names):
+            found.append((name, module))
+    return found
+
+
+def quantize_layout(model: nn.Module, fmt: WeightFormat, kinds: tuple[type, ...]) -> int:
+    """Swap the weights of ``model``'s quantizable linears (of ``kinds``) for ``fmt``'s tensors (uninitialised, on
+    the weights' device: meta before ``to_empty``); returns how many linears were swapped."""
+    linears = quantizable_linears(model, fmt, kinds)
+    for _, linear in linears:
+        _swap_weight(linear, fmt)
+    return len(linears)
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def _swap_weight(linear: nn.Linear, fmt: WeightFormat) -> None:
+    rows, cols = linear.weight.shape
+    device, model_dtype = linear.weight.device, linear.weight.dtype
+    if fmt.bits == 8:
+        linear.weight = _param((rows, cols), torch.float8_e4m3fn, device)
+        linear.weight_scale = _param((rows,), torch.float32, device)
+        if not fmt.dynamic_activations:
+            linear.input_scale = _param((1,), torch.float32, device)
+    else:
+        groups = fmt.groups_per_row(cols)
+        linear.weight = _param((rows, cols // 8), torch.int32, device)
+        linear.weight_scale = _param((rows, groups), int4_scale_dtype(model_dtype), device)
+        if fmt.zero_points:
+            linear.weight_zero_point = _param((rows, groups), torch.int8, device)
+    linear.weight_format = fmt
+
+
+def is_quantized(linear: nn.Module) -> bool:
+    return getattr(linear, "weight_format", None) is not None
+
+
+def quantized_tensors(linear: nn.Module) -> QuantizedLinear:
+    """The quantized linear's tensors (a fused group's too, once ``FusedColumns.fuse`` has joined them)."""
+    return QuantizedLinear(linear.weight, linear.weight_scale, getattr(linear, "weight_zero_point", None),
+                           getattr(linear, "input_scale", None))
+
+
+@torch.no_grad()
+def load_quantizing(linear: nn.Module, weight: torch.Tensor) -> tuple[str, ...]:
+    """Quantize the float ``weight`` (this rank's [N, K] part) into the quantized ``linear``; returns the names
+    of the parameters it filled. Quantized by column slices of a rank's own part, so an INT4 group never spans two
+    ranks' columns (``K`` of each rank a multiple of the group, or the quantizer says so)."""
+    fmt: WeightFormat = linear.weight_format
+    if fmt.bits == 8:
+        if not fmt.dynamic_activations:
+            raise ValueError("FP8 with static activation scales needs a checkpoint that holds them (input_scale)")
+        q, scale = quantize_fp8(weight.to(linear.weight.device))
+    else:
+        q, scale = quantize_int4(weight.to(linear.weight.device), fmt.group_size, linear.weight_scale.dtype)
+    linear.weight.copy_(q)
+    linear.weight_scale.copy_(scale)
+    return ("weight", "weight_scale")
+
+
+@torch.no_grad()
+def random_quantized(linear: nn.Module, gen: torch.Generator, std: float = 0.02) -> None:
+    """Dummy weights: N(0, std) drawn in the model dtype and quantized, a few rows at a time (a full-size weight is
+    never whole in bf16)."""
+    rows, _ = linear.weight.shape
+    cols = linear.in_features
+    dtype = torch.bfloat16
+    step = max(1, (64 << 20) // (cols * 4))
+    for start in range(0, rows, step):
+        part = torch.empty(min(step, rows - start), cols, dtype=dtype, device=linear.weight.device)
+        part.normal_(0.0, std, generator=gen)
+        q, scale = (quantize_fp8(part) if linear.weight_format.bits == 8
+                    else quantize_int4(part, linear.weight_format.group_size, linear.weight_scale.dtype))
+        linear.weight[start : start + len(part)] = q
+        linear.weight_scale[start : start + len(part)] = scale
+    if getattr(linear, "weight_zero_point", None) is not None:
+        linear.weight_zero_point.zero_()
+    if getattr(linear, "input_scale", None) is not None:
+        linear.input_scale.fill_(1.0)
+
+
+def quantized_gemm_native(linear: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The reference: the weight dequantized to ``x``'s dtype, then ``F.linear``. FP8 activations are quantized
+    per token first, as the kernels do, so the reference computes what they compute."""
+    tensors = quantized_tensors(linear)
+    if tensors.is_fp8:
+        x = fake_quantize_fp8(x, tensors.input_scale)
+    return F.linear(x, tensors.dequantized(x.dtype), bias)
+
+
+def quantized_gemm_cuda(linear: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    from hybridkv.kernels.quant_gemm import fp8_linear, int4_gemm  # triton is only needed on GPU
+
+    t = quantized_tensors(linear)
+    if t.is_fp8:
+        return fp8_linear(x, t.weight, t.scale, t.input_scale, bias)
+    return int4_gemm(x, t.weight, t.scale, t.zero, linear.weight_format.group_size, bias)
+
+
+class QuantizedGemm:
+    """A quantized linear's GEMM ``(x, weight, bias) -> y`` (the signature of every linear's, ``parallel.gemm_for``):
+    ``weight`` is the owner's own, read with its scales from the owner, so a fused group's GEMM reads the joined
+    tensors."""
+
+    def __init__(self, owner: nn.Module, device: torch.device) -> None:
+        self.owner = owner
+        self.run = quantized_gemm_cuda if device.type == "cuda" else quantized_gemm_native
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.run(self.owner, x, bias)
+
+
+@torch.no_grad()
+def round_trip_linears(model: nn.Module, fmt: WeightFormat, kinds: tuple[type, ...]) -> int:
+    """Each of ``model``'s quantizable float linears (of ``kinds``) given its weight quantized to ``fmt`` and
+    dequantized again: the values a quantized model computes with, in the model dtype; returns how many."""
+    linears = quantizable_linears(model, fmt, kinds)
+    for _, linear in linears:
+        w = linear.weight
+        q, scale = quantize_fp8(w) if fmt.bits == 8 else quantize_int4(w, fmt.group_size, int4_scale_dtype(w.dtype))
+        w.copy_(QuantizedLinear(q, scale).dequantized(w.dtype))
+    return len(linears)
