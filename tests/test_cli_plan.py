@@ -71,6 +71,8 @@ def test_gpu_memory_estimate(capsys):
         (["--max-model-len", "0"], "max_model_len"),
         (["--gpu-memory-gib", "80"], "not allowed with"),
         (["--block-size", "x"], "invalid int value"),
+        (["--quantization", "gptq"], "invalid choice: 'gptq'"),
+        (["--quantization", "awq"], "quantization awq needs a checkpoint in that format"),
     ],
 )
 def test_bad_input_one_line_exit_2(capsys, args, needle):
@@ -131,13 +133,15 @@ def test_weights_that_do_not_fit_are_named_with_the_smallest_tp_that_fits(capsys
     proc = subprocess.run([sys.executable, "-m", "hybridkv.cli", *one_gpu], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     reason = next(line for line in proc.stdout.splitlines() if line.startswith("does not fit: "))
-    assert "the weights alone (200.7" in reason and "tensor-parallel size 1) exceed the 125.82 GiB" in reason
-    assert reason.endswith("the smallest tensor-parallel size that fits is 2")
+    assert "the weights alone (200.7" in reason and "tensor-parallel size 1, bfloat16) exceed the 125.82 GiB" in reason
+    assert "; the smallest tensor-parallel size that fits is 2 (bfloat16); " in reason
+    assert reason.endswith("; with --quantization int4 it fits at tensor-parallel size 1")
 
     assert main([*one_gpu, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] is False and plan["kv_memory_bytes"] == 0 and plan["memory"]["weights_bytes"] > 200 * GIB
-    assert plan["reason"].endswith("is 2") and plan["comparison"]["reason"].endswith("is 2")
+    for reason in (plan["reason"], plan["comparison"]["reason"]):
+        assert "is 2 (bfloat16); with --quantization fp8 it fits at tensor-parallel size 1" in reason
     assert main([*one_gpu, "--tensor-parallel-size", "2", "--json"]) == 0  # and 2 does fit
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] is True and plan["reason"] == "" and plan["max_model_len"] > 0
@@ -156,3 +160,33 @@ def test_gpu_memory_reserve_keeps_the_collectives_scratch_at_two_ranks(capsys):
         reserves.append(json.loads(capsys.readouterr().out)["memory"]["activation_reserve_bytes"])
     assert reserves[0] == step_reserve_bytes(EngineConfig(tensor_parallel_size=2), 5120, 202_048)
     assert reserves[0] - reserves[1] == 160 << 20
+
+
+def test_quantization_flag_counts_the_weights_in_that_format(capsys):
+    """Scout on one 139.8 GiB GPU with --quantization int4 and an FP8 cache: 54.62 GiB of weights (int4 group 128
+    for the linear layers, bf16 embeddings and LM head), and a KV pool of over 2.5M tokens; at TP 2 over 8M."""
+    one_gpu = ["plan", "--model", str(SCOUT), "--gpu-memory-gib", "139.8", "--kv-cache-dtype", "fp8_e4m3",
+               "--quantization", "int4"]
+    assert main(one_gpu) == 0
+    out = capsys.readouterr().out
+    assert "weights: int4 (group 128, W4A16, quantized at load) 54.62 GiB per rank" in out
+    assert "does not fit" not in out
+    lengths = []
+    for size in ("1", "2"):
+        assert main([*one_gpu, "--tensor-parallel-size", size, "--json"]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        assert plan["memory"]["weights_format"] == "int4" and plan["fits"]
+        lengths.append(plan["max_model_len"])
+    assert lengths[0] > 2_500_000 and lengths[1] > 8_000_000
+    assert main([*one_gpu[:-1], "none", "--json"]) == 0  # none: every weight bf16, which one GPU cannot hold
+    assert json.loads(capsys.readouterr().out)["memory"]["weights_format"] == "bfloat16"
+
+
+def test_quantization_flag_has_serves_name():
+    """``--quantization`` is the flag ``serve`` builds from ``EngineConfig.quantization``, with its default."""
+    from hybridkv.engine.config import EngineConfig
+
+    parser = build_parser()
+    plan = parser.parse_args(["plan", "--model", "m", "--kv-memory-gib", "1"])
+    serve = parser.parse_args(["serve", "m"])
+    assert plan.quantization == serve.quantization == EngineConfig().quantization == "auto"

@@ -2,6 +2,7 @@
 
     hybridkv plan --model /models/Llama-4-Scout --tensor-parallel-size 8 --kv-memory-gib 89.71
     hybridkv plan --model gemma-3-270m --kv-memory-gib 1 --max-model-len 32768    # a known (GGUF) model name
+    hybridkv plan --model /models/Llama-4-Scout --gpu-memory-gib 139.8 --quantization int4 --kv-cache-dtype fp8_e4m3
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from hybridkv.kv.dtypes import KV_CACHE_DTYPES
 from hybridkv.kv.host_tier import host_tier_tokens
 from hybridkv.kv.layer_specs import text_config
 from hybridkv.kv.planner import CONCURRENCY_LENGTHS, CapacityPlan, PlanInputs, plan_capacity, plan_to_dict
+from hybridkv.kv.weight_formats import QUANTIZATIONS
 from hybridkv.model.loading.hf_config import load_hf_config, model_hf_config
 
 GIB = 1 << 30
@@ -38,6 +40,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"auto | {' | '.join(KV_CACHE_DTYPES)} (auto: what the model computes in on a GPU, bfloat16)",
     )
     p.add_argument("--block-size", type=int, default=16, metavar="B", help="tokens per block, a power of two")
+    # serve's --quantization (EngineConfig.quantization), with the GPU formats the weights estimate counts
+    p.add_argument(
+        "--quantization", default="auto", choices=QUANTIZATIONS,
+        help="with --gpu-memory-gib: the weights' format (auto: the checkpoint's own quantization_config; none: "
+             "the model dtype; fp8, int4: a bf16 checkpoint quantized at load; awq, compressed-tensors: such a "
+             "checkpoint)",
+    )
     mem = p.add_mutually_exclusive_group(required=True)
     mem.add_argument("--kv-memory-gib", type=float, metavar="G",
                      help="KV cache memory per rank (this or --gpu-memory-gib is required)")
@@ -132,6 +141,7 @@ def _plan_inputs(args: argparse.Namespace, config: dict) -> PlanInputs:
         max_num_seqs=args.max_num_seqs,
         segment_bytes=_fp8_segment_bytes(args),
         collective_bytes=_collective_bytes(args, config),
+        quantization=args.quantization,
     )
 
 
@@ -145,15 +155,16 @@ def _fp8_segment_bytes(args: argparse.Namespace) -> int:
     return paged_attention_capabilities("auto", "cuda", args.kv_cache_dtype).segment_bytes
 
 
-def _collective_bytes(args: argparse.Namespace, config: dict) -> int:
-    """The tensor-parallel collectives' scratch (the prefill halves' copy-engine slots, bf16), which ``serve``
-    on GPUs reserves (read from the collective, which imports torch: only when it counts)."""
+def _collective_bytes(args: argparse.Namespace, config: dict) -> Callable[[int], int] | None:
+    """The tensor-parallel collectives' scratch at a tensor-parallel size (the prefill halves' copy-engine slots,
+    bf16), which ``serve`` on GPUs reserves (read from the collective, which imports torch: only when it counts).
+    A function of the size, as the planner's search for the smallest size that fits asks it at other sizes."""
     if args.gpu_memory_gib is None:
-        return 0
+        return None
     from hybridkv.model.architectures.collectives import CopyEngineSums
 
-    hidden = int(text_config(config)["hidden_size"])
-    return CopyEngineSums.scratch_bytes(args.tensor_parallel_size, args.max_num_batched_tokens, hidden)
+    hidden, step = int(text_config(config)["hidden_size"]), args.max_num_batched_tokens
+    return lambda tensor_parallel_size: CopyEngineSums.scratch_bytes(tensor_parallel_size, step, hidden)
 
 
 def format_plan(plan: CapacityPlan, hybrid: CapacityPlan, flat: CapacityPlan) -> str:
@@ -173,6 +184,7 @@ def format_plan(plan: CapacityPlan, hybrid: CapacityPlan, flat: CapacityPlan) ->
             f" - weights {m.weights_bytes / GIB:.2f} GiB - runtime {m.runtime_bytes / GIB:.2f} GiB"
             f" - step reserve {m.activation_reserve_bytes / GIB:.2f} GiB"
             f" = KV {m.kv_memory_bytes / GIB:.2f} GiB per rank",
+            f"weights: {m.weights_format_detail} {m.weights_bytes / GIB:.2f} GiB per rank",
         ]
     if plan.reason:
         lines += ["", f"does not fit: {plan.reason}"]

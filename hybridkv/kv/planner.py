@@ -14,6 +14,8 @@ Given GPU memory instead of KV memory, the KV budget is
 ``gpu_memory * utilization - weights - runtime - step reserve``, all per rank, and the plan says it is an estimate.
 The step reserve is the engine's own (``capacity.step_reserve_bytes``); weights and the runtime (CUDA context,
 NCCL buffers), which the engine measures as memory in use, are estimated (``estimate_weights``, ``RUNTIME_BYTES``).
+The weights are counted byte for byte in the format ``--quantization`` gives (``kv/weight_formats.py``): Scout on
+one rank is 200.74 GiB in bf16, 102.37 GiB with FP8 linear layers, 54.62 GiB with INT4 (group 128) ones.
 Given the same KV memory, ``plan_capacity`` and the engine size the same number of blocks and the same
 ``max_model_len`` (``tests/engine/test_plan_matches_engine.py``).
 
@@ -23,13 +25,14 @@ Pure Python: nothing here imports torch.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from hybridkv.kv.capacity import GIB, longest_fitting, peak_blocks, pool_tokens, step_reserve_bytes
 from hybridkv.kv.dtypes import dtype_bytes
 from hybridkv.kv.layer_specs import checkpoint_dtype, kv_heads_per_rank, layer_specs_from_hf_config, text_config
 from hybridkv.kv.layout import KVLayout, plan_layout
-from hybridkv.kv.specs import ATTENTION_KINDS, AttentionSpec, FullAttentionSpec
+from hybridkv.kv.specs import ATTENTION_KINDS, AttentionSpec, FullAttentionSpec, cdiv
+from hybridkv.kv.weight_formats import UNQUANTIZED, WeightFormat, checkpoint_format, weight_format
 
 # Lengths at which concurrency is reported, besides the requested one: 8K, 128K, 1M tokens.
 CONCURRENCY_LENGTHS = (8 * 1024, 128 * 1024, 1024 * 1024)
@@ -38,6 +41,8 @@ CONCURRENCY_LENGTHS = (8 * 1024, 128 * 1024, 1024 * 1024)
 RUNTIME_BYTES = GIB
 # Tensor-parallel sizes a plan whose weights leave no KV memory is tried at, to name the smallest that fits.
 TP_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
+# --quantization values such a plan is also tried with when the checkpoint is unquantized (quantized at load).
+QUANTIZE_AT_LOAD = ("fp8", "int4")
 
 
 @dataclass(slots=True)
@@ -70,6 +75,8 @@ class MemoryEstimate:
     gpu_memory_utilization: float
     weights_bytes: int
     weights_breakdown: dict[str, int]
+    weights_format: str  # the linear layers' format, short: bfloat16 | fp8 | int4 (``format_name``)
+    weights_format_detail: str  # e.g. "int4 (group 128, W4A16, quantized at load)" (``format_detail``)
     runtime_bytes: int  # CUDA context, NCCL buffers (``RUNTIME_BYTES``)
     activation_reserve_bytes: int  # one step's working set, the engine's formula (``capacity.step_reserve_bytes``)
     kv_memory_bytes: int
@@ -112,7 +119,9 @@ class PlanInputs:
     Give exactly one of ``kv_memory_bytes`` (the KV pool itself) and ``gpu_memory_bytes`` (the pool is then
     estimated: ``gpu_memory * utilization - weights - runtime - step reserve``). ``max_num_seqs``,
     ``segment_bytes`` (the attention backend's FP8 widening scratch) and ``collective_bytes`` (the tensor-parallel
-    collectives' scratch) only size the step reserve of that estimate, as the engine's do.
+    collectives' scratch at a tensor-parallel size: a function, as the search for the smallest size that fits asks
+    it at other sizes) only size the step reserve of that estimate, as the engine's do. ``quantization`` is
+    ``--quantization`` (``weight_formats.QUANTIZATIONS``): the format the weights estimate counts.
 
     >>> PlanInputs(tensor_parallel_size=8, kv_memory_bytes=89 << 30).block_size
     16
@@ -128,7 +137,9 @@ class PlanInputs:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     segment_bytes: int = 0
-    collective_bytes: int = 0  # the tensor-parallel collectives' scratch (``CopyEngineSums.scratch_bytes``)
+    # tensor-parallel size -> the collectives' scratch (``CopyEngineSums.scratch_bytes``); None: no scratch
+    collective_bytes: Callable[[int], int] | None = None
+    quantization: str = "auto"
 
 
 def plan_capacity(hf_config: dict[str, Any], inputs: PlanInputs, *, hybrid: bool = True) -> CapacityPlan:
@@ -139,9 +150,11 @@ def plan_capacity(hf_config: dict[str, Any], inputs: PlanInputs, *, hybrid: bool
         plan_capacity(scout, PlanInputs(tensor_parallel_size=8, kv_memory_bytes=int(89.71 * GIB)))
 
     A plan that does not fit says why in ``reason``; when the GPU memory leaves nothing for the KV cache (Scout's
-    200.7 GiB of bf16 weights on one 139.8 GiB GPU), it names the smallest tensor-parallel size that fits.
+    200.7 GiB of bf16 weights on one 139.8 GiB GPU), it names the smallest tensor-parallel size that fits, and for
+    an unquantized checkpoint the smallest with ``--quantization`` fp8 and int4 where those need fewer ranks.
     """
     _check_inputs(inputs)
+    weight_format(hf_config, inputs.quantization)  # a quantization the checkpoint cannot take is bad input
     plan, layout = _plan(hf_config, inputs, hybrid)
     lengths = list(CONCURRENCY_LENGTHS)
     if plan.row_tokens > 0 and plan.row_tokens not in lengths:
@@ -166,9 +179,11 @@ def _plan(hf_config: dict[str, Any], inputs: PlanInputs, hybrid: bool) -> tuple[
 
     memory = None
     if kv_memory_bytes is None:
+        collectives = inputs.collective_bytes(tensor_parallel_size) if inputs.collective_bytes else 0
         memory = estimate_memory(
             hf_config, tensor_parallel_size, inputs.gpu_memory_bytes, inputs.gpu_memory_utilization,
-            inputs.max_num_batched_tokens, inputs.max_num_seqs, inputs.segment_bytes, inputs.collective_bytes,
+            inputs.max_num_batched_tokens, inputs.max_num_seqs, inputs.segment_bytes, collectives,
+            weight_format(hf_config, inputs.quantization),
         )
         kv_memory_bytes = memory.kv_memory_bytes
     num_blocks = layout.num_blocks(kv_memory_bytes)
@@ -276,9 +291,7 @@ def type_usage(layout: KVLayout, num_tokens: int, max_step_tokens: int) -> list[
 
 def _not_fit_reason(plan: CapacityPlan, layout: KVLayout, hf_config: dict[str, Any], inputs: PlanInputs) -> str:
     if plan.memory is not None and plan.memory.kv_memory_bytes == 0:
-        tp = _smallest_fitting_tp(hf_config, inputs, plan.hybrid)
-        fitting = (f"the smallest tensor-parallel size that fits is {tp}" if tp is not None
-                   else f"no tensor-parallel size up to {TP_CANDIDATES[-1]} fits")
+        fitting = _what_fits(hf_config, inputs, plan.hybrid, plan.memory.weights_format)
         return f"{_no_kv_memory(plan.memory, plan.tensor_parallel_size)}; {fitting}"
     if plan.requested_max_model_len is None:
         need = peak_blocks(layout, 1, plan.max_num_batched_tokens)
@@ -305,25 +318,44 @@ def _no_kv_memory(memory: MemoryEstimate, tensor_parallel_size: int) -> str:
     if memory.weights_bytes > budget:
         return (
             f"the weights alone ({memory.weights_bytes / GIB:.2f} GiB per rank at tensor-parallel size "
-            f"{tensor_parallel_size}) exceed {usable}"
+            f"{tensor_parallel_size}, {memory.weights_format}) exceed {usable}"
         )
     return (
-        f"weights {memory.weights_bytes / GIB:.2f} GiB + runtime {memory.runtime_bytes / GIB:.2f} GiB + step "
-        f"reserve {memory.activation_reserve_bytes / GIB:.2f} GiB per rank at tensor-parallel size "
-        f"{tensor_parallel_size} leave no KV memory of {usable}"
+        f"weights {memory.weights_bytes / GIB:.2f} GiB ({memory.weights_format}) + runtime "
+        f"{memory.runtime_bytes / GIB:.2f} GiB + step reserve {memory.activation_reserve_bytes / GIB:.2f} GiB per rank "
+        f"at tensor-parallel size {tensor_parallel_size} leave no KV memory of {usable}"
     )
 
 
-def _smallest_fitting_tp(hf_config: dict[str, Any], inputs: PlanInputs, hybrid: bool) -> int | None:
-    """The smallest tensor-parallel size above the asked one over which the model's heads split and at which the
-    plan fits; None if no size up to ``TP_CANDIDATES[-1]`` does."""
+def _what_fits(hf_config: dict[str, Any], inputs: PlanInputs, hybrid: bool, asked: str) -> str:
+    """The smallest tensor-parallel size that fits in the asked format; for an unquantized checkpoint, each format
+    it can be quantized to at load that fits on fewer ranks, e.g. Scout on one 139.8 GiB GPU: "the smallest
+    tensor-parallel size that fits is 2 (bfloat16); with --quantization fp8 it fits at tensor-parallel size 1;
+    with --quantization int4 it fits at tensor-parallel size 1". ``asked``: the asked format's ``format_name``."""
+    tp = _smallest_fitting_tp(hf_config, inputs, hybrid, inputs.tensor_parallel_size + 1)
+    parts = [f"the smallest tensor-parallel size that fits is {tp} ({asked})" if tp is not None
+             else f"no tensor-parallel size up to {TP_CANDIDATES[-1]} fits ({asked})"]
+    if not checkpoint_format(hf_config).quantized:
+        for quantization in QUANTIZE_AT_LOAD:
+            if quantization == asked:
+                continue
+            at = _smallest_fitting_tp(hf_config, replace(inputs, quantization=quantization), hybrid, 1)
+            if at is not None and (tp is None or at < tp):
+                parts.append(f"with --quantization {quantization} it fits at tensor-parallel size {at}")
+    return "; ".join(parts)
+
+
+def _smallest_fitting_tp(hf_config: dict[str, Any], inputs: PlanInputs, hybrid: bool, least: int) -> int | None:
+    """The smallest tensor-parallel size from ``least`` on over which the model's heads split and at which the
+    plan fits (its weights, collectives' scratch and KV pool all at that size); None if no size up to
+    ``TP_CANDIDATES[-1]`` does."""
     heads = int(text_config(hf_config)["num_attention_heads"])
     for tp in TP_CANDIDATES:
-        if tp <= inputs.tensor_parallel_size or heads % tp:
+        if tp < least or heads % tp:
             continue
         try:
             plan, _ = _plan(hf_config, replace(inputs, tensor_parallel_size=tp), hybrid)
-        except ValueError:  # the KV heads neither split nor replicate evenly over tp ranks
+        except ValueError:  # the KV heads do not split evenly over tp ranks, or a quantization group a slice
             continue
         if plan.fits:
             return tp
@@ -343,8 +375,12 @@ def _notes(plan: CapacityPlan, hf_config: dict[str, Any], layout: KVLayout) -> l
         notes.append(f"{plan.padding_bytes:,} B of every page are padding: {layout.padding_bytes}")
     if plan.memory is not None:
         notes.append("KV memory is an estimate: GPU memory x utilization - estimated weights, runtime - step reserve")
-        if text_config(hf_config).get("quantization_config") or hf_config.get("quantization_config"):
-            notes.append("the checkpoint is quantized; the weights estimate assumes unquantized weights")
+        dtype = checkpoint_dtype(hf_config)
+        if plan.memory.weights_format == dtype:
+            notes.append(f"the weights estimate counts every weight in {dtype}")
+        else:
+            notes.append(f"the weights estimate counts the linear layers of attention, MLPs and experts in "
+                         f"{plan.memory.weights_format_detail}; embeddings, LM head, routers and norms in {dtype}")
     return notes
 
 
@@ -358,8 +394,9 @@ def estimate_memory(
     max_num_seqs: int = 256,
     segment_bytes: int = 0,
     collective_bytes: int = 0,
+    fmt: WeightFormat = UNQUANTIZED,
 ) -> MemoryEstimate:
-    breakdown = estimate_weights(hf_config, tensor_parallel_size)
+    breakdown = estimate_weights(hf_config, tensor_parallel_size, fmt)
     weights = sum(breakdown.values())
     cfg = text_config(hf_config)
     reserve = step_reserve_bytes(
@@ -368,18 +405,46 @@ def estimate_memory(
     )
     budget = int((gpu_memory_bytes or 0) * utilization)
     kv = max(0, budget - weights - RUNTIME_BYTES - reserve)
-    return MemoryEstimate(gpu_memory_bytes or 0, utilization, weights, breakdown, RUNTIME_BYTES, reserve, kv)
+    dtype = checkpoint_dtype(hf_config)
+    return MemoryEstimate(gpu_memory_bytes or 0, utilization, weights, breakdown, format_name(fmt, dtype),
+                          format_detail(fmt, dtype), RUNTIME_BYTES, reserve, kv)
+
+
+def format_name(fmt: WeightFormat, model_dtype: str) -> str:
+    """What the linear layers are stored as, in a word: ``model_dtype`` unquantized, else fp8 or int4."""
+    return fmt.name if fmt.quantized else model_dtype
+
+
+def format_detail(fmt: WeightFormat, model_dtype: str) -> str:
+    """``format_name`` with its scales and where it comes from: ``format_detail(INT4, "bfloat16")`` ->
+    "int4 (group 128, W4A16, quantized at load)"; an AWQ checkpoint's -> "int4 (group 128, zero points, W4A16,
+    awq checkpoint)"."""
+    if not fmt.quantized:
+        return model_dtype
+    scales = {0: "channel scales", -1: "tensor scale"}.get(fmt.group_size, f"group {fmt.group_size}")
+    parts = [scales] + ["zero points"] * fmt.zero_points
+    if fmt.bits == 8:
+        parts.append("W8A8, " + ("dynamic" if fmt.dynamic_activations else "static") + " activation scales")
+    else:
+        parts.append(f"W{fmt.bits}A16")
+    parts.append("quantized at load" if fmt.source == "at load" else f"{fmt.source} checkpoint")
+    return f"{fmt.name} ({', '.join(parts)})"
 
 
 def model_dtype_bytes(hf_config: dict[str, Any]) -> int:
     return dtype_bytes(checkpoint_dtype(hf_config))
 
 
-def estimate_weights(hf_config: dict[str, Any], tensor_parallel_size: int = 1) -> dict[str, int]:
-    """Bytes of weights on one tensor-parallel rank, by part, in the model dtype.
+def estimate_weights(
+    hf_config: dict[str, Any], tensor_parallel_size: int = 1, fmt: WeightFormat = UNQUANTIZED
+) -> dict[str, int]:
+    """Bytes of weights on one tensor-parallel rank, by part.
 
-    Sharded over TP: embeddings and LM head (vocab-parallel), attention projections (KV heads replicated when
-    there are fewer than ranks), MLPs and experts. Replicated: norms and routers.
+    The linear layers of attention, dense MLPs, experts and shared experts are counted in ``fmt``
+    (``WeightFormat.linear_bytes``, scales and zero points included) on the rank's slice of each
+    (``rank_linears``); those the format's ignore list names, and the embeddings, LM head (vocab-parallel),
+    routers and norms (replicated) in the model dtype. E.g. Scout, one rank: 200.74 GiB in bfloat16, 54.62 GiB in
+    int4 (group 128), of which 3.85 GiB are embeddings and LM head.
     """
     cfg = text_config(hf_config)
     tp = tensor_parallel_size
@@ -389,27 +454,76 @@ def estimate_weights(hf_config: dict[str, Any], tensor_parallel_size: int = 1) -
     vocab = int(cfg.get("vocab_size", 0))
     embed = vocab * hidden // tp
     tied = cfg.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False))
-    moe_ids = _moe_layer_ids(cfg, n_layers)
-    dense = _dense_mlp_params(cfg) * (n_layers - len(moe_ids)) // tp
-    experts, routers = _moe_params(cfg)
-    return {
-        "embedding": embed * dtype,
-        "lm_head": 0 if tied else embed * dtype,
-        "attention": _attention_params_per_rank(cfg, tp) * n_layers * dtype,
-        "mlp": dense * dtype,
-        "moe": (experts * len(moe_ids) // tp + routers * len(moe_ids)) * dtype,
-        "norms": (2 * n_layers + 1) * hidden * dtype,
-    }
+    parts = {"embedding": embed * dtype, "lm_head": 0 if tied else embed * dtype, "attention": 0, "mlp": 0,
+             "moe": hidden * _num_experts(cfg) * len(_moe_layer_ids(cfg, n_layers)) * dtype,  # the routers
+             "norms": (2 * n_layers + 1) * hidden * dtype}
+    for linear in rank_linears(hf_config, tp):
+        parts[linear.part] += _linear_bytes(linear, fmt, tp, dtype)
+    return parts
 
 
-def _attention_params_per_rank(cfg: dict[str, Any], tp: int) -> int:
+@dataclass(frozen=True, slots=True)
+class RankLinear:
+    """One linear layer's slice on a tensor-parallel rank: a [rows, cols] weight (out features x in features)."""
+
+    part: str  # attention | mlp | moe (``estimate_weights``' keys)
+    name: str  # as the checkpoint names it, e.g. "model.layers.0.mlp.down_proj", for a format's ignore list
+    rows: int
+    cols: int
+
+
+def rank_linears(hf_config: dict[str, Any], tensor_parallel_size: int) -> Iterator[RankLinear]:
+    """Every linear layer of the decoder layers, sliced for one rank as the engine shards them: column-parallel
+    ones (q, k, v, gate, up) keep 1/TP of their output rows, row-parallel ones (o, down) 1/TP of their input
+    columns. Experts are counted one by one: Llama-4's fused [E, H, 2I] gate_up and [E, I, H] down are E x (two
+    [I/TP, H] weights and one [H, I/TP]), as a checkpoint stores them per expert.
+
+    E.g. Scout at TP 2: q_proj [2560, 5120], k_proj and v_proj [512, 5120], o_proj [5120, 2560]; each of the 17
+    experts (16 routed, 1 shared) gate_proj and up_proj [4096, 5120], down_proj [5120, 4096]."""
+    cfg = text_config(hf_config)
+    tp = tensor_parallel_size
+    n_layers = int(cfg["num_hidden_layers"])
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or hidden // heads)
-    q_heads = -(-heads // tp)
-    kv = kv_heads_per_rank(kv_heads, tp)
-    return hidden * head_dim * (2 * q_heads + 2 * kv)  # q and o, k and v
+    q_rows = cdiv(heads, tp) * head_dim
+    kv_rows = kv_heads_per_rank(int(cfg.get("num_key_value_heads") or heads), tp) * head_dim
+    prefix = "language_model.model.layers" if "text_config" in hf_config else "model.layers"
+    mlp_name = "feed_forward" if str(cfg.get("model_type", "")).startswith("llama4") else "mlp"
+    moe_ids = set(_moe_layer_ids(cfg, n_layers))
+    expert_inter, shared_inter = _expert_sizes(cfg)
+    for i in range(n_layers):
+        attn = f"{prefix}.{i}.self_attn"
+        for proj, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
+            yield RankLinear("attention", f"{attn}.{proj}", rows, hidden)
+        yield RankLinear("attention", f"{attn}.o_proj", hidden, q_rows)
+        mlp = f"{prefix}.{i}.{mlp_name}"
+        if i not in moe_ids:
+            yield from _mlp_linears("mlp", mlp, hidden, cdiv(_dense_mlp_size(cfg), tp))
+            continue
+        for e in range(_num_experts(cfg)):
+            yield from _mlp_linears("moe", f"{mlp}.experts.{e}", hidden, cdiv(expert_inter, tp))
+        if shared_inter:
+            yield from _mlp_linears("moe", f"{mlp}.shared_expert", hidden, cdiv(shared_inter, tp))
+
+
+def _mlp_linears(part: str, name: str, hidden: int, inter_per_rank: int) -> Iterator[RankLinear]:
+    yield RankLinear(part, f"{name}.gate_proj", inter_per_rank, hidden)
+    yield RankLinear(part, f"{name}.up_proj", inter_per_rank, hidden)
+    yield RankLinear(part, f"{name}.down_proj", hidden, inter_per_rank)
+
+
+def _linear_bytes(linear: RankLinear, fmt: WeightFormat, tensor_parallel_size: int, dtype_bytes: int) -> int:
+    # the quantization groups run along a slice's input columns, so a group must divide the rank's columns
+    if fmt.keeps_unquantized(linear.name):
+        return linear.rows * linear.cols * dtype_bytes
+    try:
+        return fmt.linear_bytes(linear.rows, linear.cols, dtype_bytes)
+    except ValueError:
+        raise ValueError(
+            f"{linear.name}: its slice at tensor-parallel size {tensor_parallel_size} has {linear.cols} input "
+            f"columns, not a multiple of the {fmt.name} quantization group {fmt.group_size}"
+        ) from None
 
 
 def _moe_layer_ids(cfg: dict[str, Any], n_layers: int) -> list[int]:
@@ -427,21 +541,18 @@ def _num_experts(cfg: dict[str, Any]) -> int:
     return int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
 
 
-def _dense_mlp_params(cfg: dict[str, Any]) -> int:
+def _dense_mlp_size(cfg: dict[str, Any]) -> int:
     # Llama-4 names its dense MLP size intermediate_size_mlp (intermediate_size is the expert size there).
-    inter = int(cfg.get("intermediate_size_mlp") or cfg.get("intermediate_size") or 4 * int(cfg["hidden_size"]))
-    return 3 * int(cfg["hidden_size"]) * inter  # gate, up, down
+    return int(cfg.get("intermediate_size_mlp") or cfg.get("intermediate_size") or 4 * int(cfg["hidden_size"]))
 
 
-def _moe_params(cfg: dict[str, Any]) -> tuple[int, int]:
-    """(experts + shared experts, router) parameters of one MoE layer."""
-    hidden = int(cfg["hidden_size"])
-    n = _num_experts(cfg)
+def _expert_sizes(cfg: dict[str, Any]) -> tuple[int, int]:
+    """(a routed expert's, the shared experts' together) intermediate size of one MoE layer; 0: no shared."""
     inter = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0)
     shared = int(cfg.get("shared_expert_intermediate_size") or 0) or int(cfg.get("n_shared_experts") or 0) * inter
     if str(cfg.get("model_type", "")).startswith("llama4"):
         shared = inter  # one shared expert the size of a routed one
-    return 3 * hidden * (n * inter + shared), hidden * n
+    return inter, shared
 
 
 def plan_to_dict(plan: CapacityPlan) -> dict[str, Any]:

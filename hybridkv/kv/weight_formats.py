@@ -159,6 +159,8 @@ def _awq_format(qc: dict[str, Any]) -> WeightFormat:
     bits = int(qc.get("bits", qc.get("w_bit", 4)))
     if bits != 4 or version != "gemm":
         raise ValueError(f"AWQ with {bits} bits and version {version!r} is not supported (4 bits, gemm)")
-    return WeightFormat("int4", 4, int(qc.get("group_size", qc.get("q_group_size", 128))),
+    group_size = int(qc.get("group_size", qc.get("q_group_size", 128)))
+    # AWQ's group -1 is a scale per output row (our "channel", 0), not one for the whole tensor
+    return WeightFormat("int4", 4, max(group_size, 0),
                         zero_points=bool(qc.get("zero_point", True)), scale_bytes=2, source="awq",
                         ignore=tuple(qc.get("modules_to_not_convert") or ()))

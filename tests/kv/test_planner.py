@@ -20,6 +20,7 @@ from hybridkv.kv.planner import (
     plan_to_dict,
 )
 from hybridkv.kv.specs import FullAttentionSpec, cdiv
+from hybridkv.kv.weight_formats import INT4, UNQUANTIZED, weight_format
 
 REPO = Path(__file__).parents[2]
 DATA = REPO / "tests" / "data" / "scout-text-config.json"
@@ -283,17 +284,158 @@ def test_weights_beyond_the_gpu_name_the_smallest_tensor_parallel_size_that_fits
     budget = int(139.8 * GIB * 0.9)
     assert plan.memory.weights_bytes > budget and plan.kv_memory_bytes == 0 and not plan.fits
     assert plan.reason.startswith(f"the weights alone ({plan.memory.weights_bytes / GIB:.2f} GiB per rank")
-    assert plan.reason.endswith("the smallest tensor-parallel size that fits is 2")
+    assert "tensor-parallel size 1, bfloat16) exceed" in plan.reason
+    # the asked format's smallest size, then the formats a bf16 checkpoint is quantized to at load that need fewer
+    assert plan.reason.endswith(
+        "; the smallest tensor-parallel size that fits is 2 (bfloat16)"
+        "; with --quantization fp8 it fits at tensor-parallel size 1"
+        "; with --quantization int4 it fits at tensor-parallel size 1")
     assert make_plan(scout, tensor_parallel_size=2, **inputs).fits
-    # a length no size up to 64 holds (Scout's 40 heads split over 2, 4, 8 only)
-    assert make_plan(scout, max_model_len=10**9, **inputs).reason.endswith("no tensor-parallel size up to 64 fits")
+    assert make_plan(scout, quantization="fp8", **inputs).fits and make_plan(scout, quantization="int4", **inputs).fits
+    # a length no size up to 64 holds (Scout's 40 heads split over 2, 4, 8 only), in no format
+    assert make_plan(scout, max_model_len=10**9, **inputs).reason.endswith(
+        "no tensor-parallel size up to 64 fits (bfloat16)")
     # weights that fit, but with the runtime and the step reserve leave nothing: said so, and TP 2 again
     tight = make_plan(scout, gpu_memory_bytes=int(201 * GIB), gpu_memory_utilization=1.0)
     assert tight.memory.weights_bytes < 201 * GIB and tight.kv_memory_bytes == 0
-    assert "+ step reserve" in tight.reason and tight.reason.endswith("fits is 2")
+    assert "+ step reserve" in tight.reason and "fits is 2 (bfloat16); with --quantization fp8" in tight.reason
+
+
+def test_a_quantized_plan_that_does_not_fit_names_only_formats_that_need_fewer_ranks(scout):
+    """int4 on one 39.8 GiB GPU: its 54.62 GiB of weights need TP 2; fp8 needs more ranks, so it is not named."""
+    plan = make_plan(scout, gpu_memory_bytes=int(39.8 * GIB), quantization="int4")
+    assert plan.reason.startswith("the weights alone (54.62 GiB per rank at tensor-parallel size 1, int4) exceed")
+    assert plan.reason.endswith("; the smallest tensor-parallel size that fits is 2 (int4)")
+    assert make_plan(scout, gpu_memory_bytes=int(39.8 * GIB), quantization="int4", tensor_parallel_size=2).fits
+
+
+def test_the_smallest_tensor_parallel_size_is_planned_with_its_own_collectives_scratch(scout):
+    """The search asks the collectives' scratch at each size it tries: one that takes the whole GPU at TP 2 (and
+    none elsewhere) moves the answer from 2 to 4."""
+    gpu = int(139.8 * GIB)
+    budget = int(gpu * 0.9)
+    plan = make_plan(scout, gpu_memory_bytes=gpu, collective_bytes=lambda tp: budget if tp == 2 else 0)
+    plain = make_plan(scout, gpu_memory_bytes=gpu)
+    assert plan.memory.activation_reserve_bytes == plain.memory.activation_reserve_bytes  # TP 1's: 0 scratch
+    assert "the smallest tensor-parallel size that fits is 2 (bfloat16)" in plain.reason
+    assert "the smallest tensor-parallel size that fits is 4 (bfloat16)" in plan.reason
 
 
 def test_a_pool_too_small_for_one_token_says_so_without_a_length_asked(scout):
     plan = scout_plan(scout, kv_memory_bytes=4096)
     assert plan.usable_blocks == 0 and plan.max_model_len == 0 and not plan.fits
     assert plan.reason == "no request fits: 0.00 GiB holds 0 usable blocks of 98,304 B, and one token needs 4"
+
+
+# ---- quantized weights ----------------------------------------------------------------------------------------
+def small_llama(**overrides) -> dict:
+    """Two layers, hidden 256, 4 heads of 64 (2 KV heads), MLP 512: shapes small enough to count by hand."""
+    cfg = {
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "intermediate_size": 512,
+        "vocab_size": 1000,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+    return cfg | overrides
+
+
+def compressed_tensors_w4a16(group_size: int, symmetric: bool, ignore: list[str]) -> dict:
+    """A quantization_config as compressed-tensors 0.20 writes it (``QuantizationConfig.model_dump()``)."""
+    weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "group_size": group_size, "strategy": "group",
+               "dynamic": False}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ignore,
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                          "output_activations": None}}}
+
+
+# Per layer and rank, [rows, cols] slices: TP 1: q, o [256, 256]; k, v [128, 256]; gate, up [512, 256]; down
+# [256, 512]. TP 2: q [128, 256]; k, v [64, 256]; o [256, 128]; gate, up [256, 256]; down [256, 256].
+# FP8: 1 B a weight + a float32 scale per output row. INT4 group 128: 1/2 B a weight + a bf16 scale per 128 inputs
+# of a row. AWQ: INT4 + a 4-bit zero point per scale.
+SMALL_LINEARS = {  # (format, tp): (attention, mlp) bytes of one layer, counted by hand
+    ("fp8", 1): (2 * (65_536 + 1_024) + 2 * (32_768 + 512), 2 * (131_072 + 2_048) + (131_072 + 1_024)),
+    ("fp8", 2): ((32_768 + 512) + 2 * (16_384 + 256) + (32_768 + 1_024), 3 * (65_536 + 1_024)),
+    ("int4", 1): (2 * (32_768 + 1_024) + 2 * (16_384 + 512), 3 * (65_536 + 2_048)),
+    ("int4", 2): ((16_384 + 512) + 2 * (8_192 + 256) + (16_384 + 512), 3 * (32_768 + 1_024)),
+    ("awq", 1): (2 * (32_768 + 1_024 + 256) + 2 * (16_384 + 512 + 128), 3 * (65_536 + 2_048 + 512)),
+    ("awq", 2): ((16_384 + 512 + 128) + 2 * (8_192 + 256 + 64) + (16_384 + 512 + 128), 3 * (32_768 + 1_024 + 256)),
+}
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+
+
+@pytest.mark.parametrize("name, tp", list(SMALL_LINEARS))
+def test_quantized_weights_are_counted_exactly_per_rank(name, tp):
+    cfg = small_llama(quantization_config=AWQ) if name == "awq" else small_llama()
+    fmt = weight_format(cfg, name)
+    weights = estimate_weights(cfg, tp, fmt)
+    attention, mlp = SMALL_LINEARS[(name, tp)]
+    assert weights["attention"] == 2 * attention and weights["mlp"] == 2 * mlp and weights["moe"] == 0
+    # embeddings and LM head (vocab-parallel) and norms stay bf16 whatever the format
+    assert weights["embedding"] == weights["lm_head"] == 1000 * 256 // tp * 2
+    assert weights["norms"] == 5 * 256 * 2
+    assert estimate_weights(cfg, tp, UNQUANTIZED)["attention"] == 2 * (2 * 256 * 256 + 2 * 128 * 256) * 2 // tp
+
+
+def test_awq_group_minus_one_is_a_scale_per_output_row():
+    """AWQ's q_group_size -1 is channel-wise: one bf16 scale and one 4-bit zero point per output row."""
+    cfg = small_llama(quantization_config=AWQ | {"group_size": -1})
+    mlp = estimate_weights(cfg, 1, weight_format(cfg, "auto"))["mlp"]
+    assert mlp == 2 * (2 * (65_536 + 512 * 2 + 512 // 2) + (65_536 + 256 * 2 + 256 // 2))
+
+
+def test_expert_weights_are_counted_per_expert_on_the_rank_slice(scout):
+    """Scout at TP 2, int4 group 128: per layer 17 experts (16 routed, 1 shared) of two [4096, 5120] weights and
+    one [5120, 4096], each 1/2 B a weight + a bf16 scale per 128 inputs; the routers [16, 5120] stay bf16."""
+    per_weight = 4096 * 5120 // 2 + 4096 * 40 * 2  # == 5120 * 4096 // 2 + 5120 * 32 * 2
+    weights = estimate_weights(scout, 2, INT4)
+    assert weights["moe"] == 48 * (17 * 3 * per_weight + 16 * 5120 * 2)
+    assert sum(weights.values()) / GIB == pytest.approx(27.31, abs=0.01)
+
+
+def test_a_group_that_does_not_divide_a_rank_slice_names_layer_columns_group_and_tp():
+    # TP 4: o_proj keeps 1 of 4 heads, 64 input columns, and a 128-column group does not divide them
+    with pytest.raises(ValueError) as error:
+        estimate_weights(small_llama(), 4, INT4)
+    message = str(error.value)
+    assert message.startswith("model.layers.0.self_attn.o_proj:")
+    assert "tensor-parallel size 4" in message and "64 input columns" in message and "group 128" in message
+    with pytest.raises(ValueError, match="o_proj: its slice at tensor-parallel size 4"):
+        make_plan(small_llama(), tensor_parallel_size=4, gpu_memory_bytes=GIB, quantization="int4")
+
+
+def test_a_compressed_tensors_checkpoint_is_counted_in_its_own_format_with_auto():
+    """quantization_config read with --quantization auto: INT4 group 64 with zero points, self_attn left bf16 by
+    its ignore list; the plan says which format it counted."""
+    qc = compressed_tensors_w4a16(64, symmetric=False, ignore=["lm_head", "re:.*self_attn.*"])
+    cfg = small_llama(quantization_config=qc)
+    plan = make_plan(cfg, gpu_memory_bytes=4 * GIB)
+    m = plan.memory
+    assert (m.weights_format, m.weights_format_detail) == (
+        "int4", "int4 (group 64, zero points, W4A16, compressed-tensors checkpoint)")
+    weights = m.weights_breakdown
+    assert weights["attention"] == estimate_weights(small_llama(), 1)["attention"]  # ignored: bf16
+    # gate, up [512, 256] and down [256, 512]: 1/2 B a weight, a bf16 scale and a 4-bit zero point per 64 inputs
+    assert weights["mlp"] == 2 * 3 * (65_536 + 2_048 * 2 + 2_048 // 2)
+    assert m.weights_bytes == sum(weights.values())
+    assert any("int4 (group 64, zero points, W4A16, compressed-tensors checkpoint)" in n for n in plan.notes)
+    assert not any("assumes unquantized" in n for n in plan.notes)
+    assert make_plan(cfg, gpu_memory_bytes=4 * GIB, quantization="compressed-tensors").memory == m
+    assert make_plan(cfg, gpu_memory_bytes=4 * GIB, quantization="none").memory.weights_format == "bfloat16"
+
+
+@pytest.mark.parametrize("quantization, match", [
+    ("awq", "quantization awq needs a checkpoint in that format"),
+    ("compressed-tensors", "quantization compressed-tensors needs a checkpoint in that format"),
+    ("gptq", "unknown quantization 'gptq'"),
+])
+def test_a_quantization_the_checkpoint_cannot_take_is_bad_input(quantization, match):
+    for memory in ({"kv_memory_bytes": GIB}, {"gpu_memory_bytes": 4 * GIB}):
+        with pytest.raises(ValueError, match=match):
+            make_plan(small_llama(), quantization=quantization, **memory)
