@@ -65,7 +65,7 @@ def int4_gemm_kernel(
     x_ptr, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, rows, n, k, k_per_split, group,
     stride_xm, stride_pn, stride_sn, stride_zn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLITS: tl.constexpr, EVEN_K: tl.constexpr, ZERO: tl.constexpr, BIAS: tl.constexpr, SCALE_WEIGHTS: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, ZERO: tl.constexpr, BIAS: tl.constexpr, SCALE_WEIGHTS: tl.constexpr,
     IEEE: tl.constexpr, NIBBLE_DOTS: tl.constexpr = False,
 ):
     # tiles in groups of GROUP_M row tiles per column tile: those programs share the column tile's weights in L2
@@ -129,7 +129,7 @@ def int4_gemm_kernel(
                 else:
                     acc += tl.dot(x, w) * s[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
-    if SPLITS > 1:
+    if SPLIT:  # a partial of the K-split, summed by sum_splits_kernel
         tl.store(part_ptr + (split * rows + ms[:, None]) * n + ns[None, :], acc, mask=ok)
     else:
         if BIAS:
@@ -138,13 +138,13 @@ def int4_gemm_kernel(
 
 
 @triton.jit
-def sum_splits_kernel(part_ptr, b_ptr, out_ptr, rows, n, stride_om, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+def sum_splits_kernel(part_ptr, b_ptr, out_ptr, rows, n, splits, stride_om, BLOCK: tl.constexpr,
                       BIAS: tl.constexpr):
     """out[m, c] = sum over s of part[s, m, c] in split order (+ bias[c]), rounded to the output's dtype."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < rows * n
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
+    for s in range(splits):
         acc += tl.load(part_ptr + s * rows * n + i, mask=ok, other=0.0)
     c = i % n
     if BIAS:
@@ -175,7 +175,7 @@ def launch_int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         x, packed, scale, zero if zero is not None else scale, bias if bias is not None else scale, out, part,
         rows, n, k, k_per_split, group,
         x.stride(0), packed.stride(0), scale.stride(0), zero.stride(0) if zero is not None else 0, out.stride(0),
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block_k, GROUP_M=8, SPLITS=splits, EVEN_K=k % block_k == 0,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block_k, GROUP_M=8, SPLIT=splits > 1, EVEN_K=k % block_k == 0,
         ZERO=zero is not None,
         BIAS=bias is not None, SCALE_WEIGHTS=t.scale_weights, IEEE=x.dtype == torch.float32,
         NIBBLE_DOTS=t.nibble_dots and block_k >= 128,
@@ -184,8 +184,7 @@ def launch_int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     if splits > 1:
         block = 1024
         sum_splits_kernel[(triton.cdiv(rows * n, block),)](
-            part, bias if bias is not None else part, out, rows, n, out.stride(0),
-            SPLITS=splits, BLOCK=block, BIAS=bias is not None, num_warps=4,
+            part, bias if bias is not None else part, out, rows, n, splits, out.stride(0), BLOCK=block, BIAS=bias is not None, num_warps=4,
         )
     return out
 
