@@ -125,7 +125,7 @@ def quantize_fp8_per_token(x: torch.Tensor, input_scale: torch.Tensor | None = N
                          f"{tuple(x.shape)} strides {x.stride()}")
     if input_scale is not None and input_scale.numel() != 1:
         raise ValueError(f"a static fp8 input_scale is one value, got {input_scale.numel()}")
-    return launch_fp8_quantize(x, input_scale)
+    return launch_fp8_quantize(x, input_scale, (FP8_MAX, FP8_INV_MAX, FP8_MIN_SCALE))
 
 
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,

@@ -25,14 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridkv.kernels.quant_gemm import FP8_INV_MAX, FP8_MAX, FP8_MIN_SCALE
 
 # rows up to which a call takes the decode tiles (the weight read once, split along N and K)
 DECODE_ROWS = 64
 # float32 2^23 + 8: subtracted from (nibble | 0x4B000000) it leaves nibble - 8 = q
 MAGIC = tl.constexpr(8388616.0)
-# quant_gemm's FP8 constants, as the kernels read them
-E4M3_MAX, E4M3_INV_MAX, E4M3_MIN_SCALE = (tl.constexpr(v) for v in (FP8_MAX, FP8_INV_MAX, FP8_MIN_SCALE))
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +63,7 @@ def int4_gemm_kernel(
     stride_xm, stride_pn, stride_sn, stride_zn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, ZERO: tl.constexpr, BIAS: tl.constexpr, SCALE_WEIGHTS: tl.constexpr,
-    IEEE: tl.constexpr, NIBBLE_DOTS: tl.constexpr = False,
+    PRECISION: tl.constexpr, NIBBLE_DOTS: tl.constexpr = False,
 ):
     # tiles in groups of GROUP_M row tiles per column tile: those programs share the column tile's weights in L2
     pid = tl.program_id(0)
@@ -105,29 +102,21 @@ def int4_gemm_kernel(
             # a dot per nibble i, over columns 8 j + i: the nibbles are taken apart in the dot operand's registers
             part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for i in tl.static_range(8):
-                xi = tl.load(x_ptr + ms[:, None] * stride_xm + (8 * js + i)[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                             other=0.0)
+                xi = tl.load(x_ptr + ms[:, None] * stride_xm + (8 * js + i)[None, :],
+                             mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 wi = (((p >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - offset[None, :]
-                part = tl.dot(xi, wi.to(x_ptr.dtype.element_ty), part)
+                part = tl.dot(xi, wi.to(x_ptr.dtype.element_ty), part, input_precision=PRECISION)
             acc += part * s[None, :]
         else:
             ks = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + ms[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & ((ks < k_hi) | EVEN_K)[None, :],
-                        other=0.0)
+            x = tl.load(x_ptr + ms[:, None] * stride_xm + ks[None, :],
+                        mask=m_ok[:, None] & ((ks < k_hi) | EVEN_K)[None, :], other=0.0)
             nib = tl.reshape((p[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
             w = (nib | 0x4B000000).to(tl.float32, bitcast=True) - offset[None, :]
             if SCALE_WEIGHTS:
-                w = (w * s[None, :]).to(x_ptr.dtype.element_ty)
-                if IEEE:
-                    acc = tl.dot(x, w, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(x, w, acc)
+                acc = tl.dot(x, (w * s[None, :]).to(x_ptr.dtype.element_ty), acc, input_precision=PRECISION)
             else:
-                w = w.to(x_ptr.dtype.element_ty)
-                if IEEE:
-                    acc += tl.dot(x, w, input_precision="ieee") * s[None, :]
-                else:
-                    acc += tl.dot(x, w) * s[None, :]
+                acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), input_precision=PRECISION) * s[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
     if SPLIT:  # a partial of the K-split, summed by sum_splits_kernel
         tl.store(part_ptr + (split * rows + ms[:, None]) * n + ns[None, :], acc, mask=ok)
@@ -177,23 +166,27 @@ def launch_int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         x.stride(0), packed.stride(0), scale.stride(0), zero.stride(0) if zero is not None else 0, out.stride(0),
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block_k, GROUP_M=8, SPLIT=splits > 1, EVEN_K=k % block_k == 0,
         ZERO=zero is not None,
-        BIAS=bias is not None, SCALE_WEIGHTS=t.scale_weights, IEEE=x.dtype == torch.float32,
+        BIAS=bias is not None, SCALE_WEIGHTS=t.scale_weights,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         NIBBLE_DOTS=t.nibble_dots and block_k >= 128,
         num_warps=t.warps, num_stages=t.stages,
     )
     if splits > 1:
         block = 1024
         sum_splits_kernel[(triton.cdiv(rows * n, block),)](
-            part, bias if bias is not None else part, out, rows, n, splits, out.stride(0), BLOCK=block, BIAS=bias is not None, num_warps=4,
+            part, bias if bias is not None else part, out, rows, n, splits, out.stride(0),
+            BLOCK=block, BIAS=bias is not None, num_warps=4,
         )
     return out
 
 
 @triton.jit
 def fp8_quantize_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, k, stride_xm, stride_qm, BLOCK: tl.constexpr,
-                        STATIC: tl.constexpr, ONE_TILE: tl.constexpr):
-    """Row ``program_id``: scale = max(absmax * FP8_INV_MAX, FP8_MIN_SCALE) (or the static scale), q = e4m3(x /
-    scale) saturated at +-448, the division rounded to nearest as torch's: the same bits as the torch reference."""
+                        STATIC: tl.constexpr, ONE_TILE: tl.constexpr, E4M3_MAX: tl.constexpr,
+                        E4M3_INV_MAX: tl.constexpr, E4M3_MIN_SCALE: tl.constexpr):
+    """Row ``program_id``: scale = max(absmax * INV_MAX, MIN_SCALE) (or the static scale), q = e4m3(x / scale)
+    saturated at +-MAX, the division rounded to nearest as torch's: the same bits as the torch reference.
+    (The constants are quant_gemm's FP8_*.)"""
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_xm
     q_row = q_ptr + row.to(tl.int64) * stride_qm
@@ -222,7 +215,9 @@ def fp8_quantize_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, k, stride_xm, strid
             tl.store(q_row + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=k0 + cols < k)
 
 
-def launch_fp8_quantize(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def launch_fp8_quantize(x: torch.Tensor, input_scale: torch.Tensor | None, limits: tuple[float, float, float]
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quant_gemm.quantize_fp8_per_token`` on checked inputs; ``limits``: (FP8_MAX, FP8_INV_MAX, FP8_MIN_SCALE)."""
     rows, k = x.shape
     q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
@@ -231,6 +226,7 @@ def launch_fp8_quantize(x: torch.Tensor, input_scale: torch.Tensor | None) -> tu
     block = min(triton.next_power_of_2(k), 8192)  # a row of up to 8,192 values stays in registers
     fp8_quantize_kernel[(rows,)](
         x, q, scale, input_scale if input_scale is not None else scale, k, x.stride(0), q.stride(0),
-        BLOCK=block, STATIC=input_scale is not None, ONE_TILE=k <= block, num_warps=8 if block >= 4096 else 4,
+        BLOCK=block, STATIC=input_scale is not None, ONE_TILE=k <= block, E4M3_MAX=limits[0], E4M3_INV_MAX=limits[1],
+        E4M3_MIN_SCALE=limits[2], num_warps=8 if block >= 4096 else 4,
     )
     return q, scale

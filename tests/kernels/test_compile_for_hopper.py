@@ -206,7 +206,8 @@ def test_int4_gemm(block_m, block_k, split, nibble_dots, scale_weights, even_k, 
     ptx = compile_for_hopper(
         quant_triton.int4_gemm_kernel,
         dict(BLOCK_M=block_m, BLOCK_N=128 if block_m == 128 else 64, BLOCK_K=block_k, GROUP_M=8, SPLIT=split,
-             EVEN_K=even_k, ZERO=True, BIAS=True, SCALE_WEIGHTS=scale_weights, IEEE=False, NIBBLE_DOTS=nibble_dots),
+             EVEN_K=even_k, ZERO=True, BIAS=True, SCALE_WEIGHTS=scale_weights, PRECISION="tf32",
+             NIBBLE_DOTS=nibble_dots),
         {"p_ptr": I32, "z_ptr": "*i8", "part_ptr": F32}, num_warps=warps, num_stages=stages,
         divisible=("x_ptr", "p_ptr", "stride_xm", "stride_pn", "k", "k_per_split"))
     assert re.search(r"mma\.sync|wgmma\.mma_async", ptx) and ".local" not in ptx
@@ -223,7 +224,8 @@ def test_fp8_quantize(one_tile, static):
     from hybridkv.kernels import quant_triton
 
     ptx = compile_for_hopper(quant_triton.fp8_quantize_kernel,
-                             dict(BLOCK=8192 if one_tile else 4096, STATIC=static, ONE_TILE=one_tile),
+                             dict(BLOCK=8192 if one_tile else 4096, STATIC=static, ONE_TILE=one_tile, E4M3_MAX=448.0,
+                                  E4M3_INV_MAX=1 / 448, E4M3_MIN_SCALE=1 / (448 * 512)),
                              {"q_ptr": "*fp8e4nv", "scale_ptr": F32, "static_ptr": F32}, num_warps=8)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx
     assert not re.search(r"div\.(full|approx)", ptx)
