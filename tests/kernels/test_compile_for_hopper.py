@@ -190,3 +190,42 @@ def test_prefill_moe_kernels():
                                   (moe_prefill.add_routed_kernel, dict(TOP_K=2, BLOCK=1024), {"place_ptr": I64})):
         ptx = compile_for_hopper(kernel, consts, types, divisible=tuple(n for n in rows if n in kernel.arg_names))
         assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx), kernel.fn.__name__
+
+
+@pytest.mark.parametrize("block_m,block_k,split,nibble_dots,scale_weights,even_k,warps,stages", [
+    (16, 128, True, True, False, True, 4, 4),     # decode, group 128: a dot per nibble, K split
+    (64, 32, True, False, False, True, 4, 4),     # decode, group 32: the reshaped tile
+    (128, 64, False, False, True, True, 8, 3),    # prefill: the scaled weights into the tensor cores
+    (64, 128, False, False, True, False, 4, 4),   # one group a row, K not a multiple of the tile
+])
+def test_int4_gemm(block_m, block_k, split, nibble_dots, scale_weights, even_k, warps, stages):
+    """The INT4 GEMM's tiles: tensor-core dots (wgmma where Triton takes it: the prefill tiles), nothing spilled
+    to local memory; with EVEN_K the packed weights are copied 8 or 16 bytes at a time."""
+    from hybridkv.kernels import quant_triton
+
+    ptx = compile_for_hopper(
+        quant_triton.int4_gemm_kernel,
+        dict(BLOCK_M=block_m, BLOCK_N=128 if block_m == 128 else 64, BLOCK_K=block_k, GROUP_M=8, SPLIT=split,
+             EVEN_K=even_k, ZERO=True, BIAS=True, SCALE_WEIGHTS=scale_weights, PRECISION="tf32",
+             NIBBLE_DOTS=nibble_dots),
+        {"p_ptr": I32, "z_ptr": "*i8", "part_ptr": F32}, num_warps=warps, num_stages=stages,
+        divisible=("x_ptr", "p_ptr", "stride_xm", "stride_pn", "k", "k_per_split"))
+    assert re.search(r"mma\.sync|wgmma\.mma_async", ptx) and ".local" not in ptx
+    if block_m == 128:
+        assert "wgmma.mma_async" in ptx
+    if even_k:
+        assert re.search(r"cp\.async\.c[ag]\.shared\.global \[[^]]+\], \[[^]]+\], 0x(8|10)", ptx)
+    compile_for_hopper(quant_triton.sum_splits_kernel, dict(BLOCK=1024, BIAS=True), {"part_ptr": F32, "splits": "i32"})
+
+
+@pytest.mark.parametrize("one_tile,static", [(True, False), (False, False), (True, True)])
+def test_fp8_quantize(one_tile, static):
+    """Round-to-nearest divisions and the saturating e4m3 conversion: the same bits as torch's reference."""
+    from hybridkv.kernels import quant_triton
+
+    ptx = compile_for_hopper(quant_triton.fp8_quantize_kernel,
+                             dict(BLOCK=8192 if one_tile else 4096, STATIC=static, ONE_TILE=one_tile, E4M3_MAX=448.0,
+                                  E4M3_INV_MAX=1 / 448, E4M3_MIN_SCALE=1 / (448 * 512)),
+                             {"q_ptr": "*fp8e4nv", "scale_ptr": F32, "static_ptr": F32}, num_warps=8)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx
+    assert not re.search(r"div\.(full|approx)", ptx)

@@ -1,0 +1,232 @@
+"""The Triton kernels behind ``quant_gemm.py``: the INT4 GEMM (W4A16) and FP8 activation quantization.
+
+INT4 GEMM: program (tile of rows, tile of columns, K-split) reads its packed weights ``[K tile / 8, N tile]`` as
+int32, spreads each word into its 8 nibbles (``[K tile / 8, 8, N tile]``, reshaped to the ``[K tile, N tile]``
+tile in column order), turns the nibbles into floats without an integer conversion (``nibble | 0x4B000000`` is
+the float32 2^23 + nibble, so subtracting 2^23 + 8 + zero leaves ``q - zero`` exactly), and multiplies on the
+tensor cores in the activation dtype with a float32 accumulator. A K tile lies within one scale group, so the
+group's scale multiplies either the tile's product (decode: a few rows, fewer multiplies than weights) or the
+weights (prefill: each weight then equals ``dequantize_int4``'s, and the accumulator chains through the dots).
+
+Decode-sized inputs (<= ``DECODE_ROWS`` rows) are bound by reading the weight, 0.5 byte a value: the columns are
+split into tiles and K into enough splits for several programs per SM; each split stores a float32 partial and a
+second launch sums the splits in split order (the same bits every call), adds the bias and rounds. E.g. 8192 x
+8192 on 132 SMs: 128 column tiles of 64 x 5 splits of 1,664 = 640 programs reading 53 KB each.
+
+FP8 quantization: one program per row finds the row's absolute max, stores its scale and the e4m3 row (the row
+is read twice; the second read hits L2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+# rows up to which a call takes the decode tiles (the weight read once, split along N and K)
+DECODE_ROWS = 64
+# float32 2^23 + 8: subtracted from (nibble | 0x4B000000) it leaves nibble - 8 = q
+MAGIC = tl.constexpr(8388616.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Tile:
+    """One launch's shape: rows x columns x K per program, programs per SM wanted (K is split until the grid has
+    that many), warps, pipeline stages, whether the group scale multiplies the weights (else the product), and
+    whether each nibble gets its own dot (``NIBBLE_DOTS`` in the kernel; K tiles of 128 or more only)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    per_sm: int
+    warps: int
+    stages: int
+    scale_weights: bool
+    nibble_dots: bool = False
+
+
+def int4_tile(rows: int) -> Int4Tile:
+    """The default tile for ``rows`` rows (not yet tuned on a GPU: ``benchmarks/gpu/quant_gemm.py --sweep``)."""
+    if rows <= DECODE_ROWS:
+        return Int4Tile(max(16, triton.next_power_of_2(rows)), 64, 128, 4, 4, 4, False, True)
+    if rows <= 256:
+        return Int4Tile(64, 128, 64, 1, 4, 4, True)
+    return Int4Tile(128, 128, 64, 1, 8, 3, True)
+
+
+@triton.jit
+def int4_gemm_kernel(
+    x_ptr, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, rows, n, k, k_per_split, group,
+    stride_xm, stride_pn, stride_sn, stride_zn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, ZERO: tl.constexpr, BIAS: tl.constexpr, SCALE_WEIGHTS: tl.constexpr,
+    PRECISION: tl.constexpr, NIBBLE_DOTS: tl.constexpr = False,
+):
+    # tiles in groups of GROUP_M row tiles per column tile: those programs share the column tile's weights in L2
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    m_tiles = tl.cdiv(rows, BLOCK_M)
+    n_tiles = tl.cdiv(n, BLOCK_N)
+    per_group = GROUP_M * n_tiles
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(m_tiles - first_m, GROUP_M)
+    tile_m = first_m + (pid % per_group) % group_rows
+    tile_n = (pid % per_group) // group_rows
+
+    ms = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = ms < rows
+    ns = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = ns < n
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, k)
+    words = p_ptr + ns[None, :].to(tl.int64) * stride_pn
+    shifts = tl.arange(0, 8) * 4
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k0 = tl.multiple_of(k0, BLOCK_K)
+        js = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        # every tile whole (EVEN_K): no mask along K, so the loads take 16 bytes a thread
+        k_ok = (js < k_hi // 8) | EVEN_K
+        p = tl.load(words + js[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0)
+        g = k0 // group  # the tile lies in one group (the launcher's BLOCK_K divides the group, or one group)
+        s = tl.load(s_ptr + ns * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)
+        if ZERO:
+            offset = MAGIC + tl.load(z_ptr + ns * stride_zn + g, mask=n_ok, other=0).to(tl.float32)
+        else:
+            offset = tl.full((BLOCK_N,), MAGIC, tl.float32)
+        # (p | 0x4B000000) - offset is q - zero, exactly; a masked word gives -8 - zero, met by zeros of x
+        if NIBBLE_DOTS:
+            # a dot per nibble i, over columns 8 j + i: the nibbles are taken apart in the dot operand's registers
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for i in tl.static_range(8):
+                xi = tl.load(x_ptr + ms[:, None] * stride_xm + (8 * js + i)[None, :],
+                             mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                wi = (((p >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - offset[None, :]
+                part = tl.dot(xi, wi.to(x_ptr.dtype.element_ty), part, input_precision=PRECISION)
+            acc += part * s[None, :]
+        else:
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + ms[:, None] * stride_xm + ks[None, :],
+                        mask=m_ok[:, None] & ((ks < k_hi) | EVEN_K)[None, :], other=0.0)
+            nib = tl.reshape((p[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+            w = (nib | 0x4B000000).to(tl.float32, bitcast=True) - offset[None, :]
+            if SCALE_WEIGHTS:
+                acc = tl.dot(x, (w * s[None, :]).to(x_ptr.dtype.element_ty), acc, input_precision=PRECISION)
+            else:
+                acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), input_precision=PRECISION) * s[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT:  # a partial of the K-split, summed by sum_splits_kernel
+        tl.store(part_ptr + (split * rows + ms[:, None]) * n + ns[None, :], acc, mask=ok)
+    else:
+        if BIAS:
+            acc += tl.load(b_ptr + ns, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + ms[:, None] * stride_om + ns[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def sum_splits_kernel(part_ptr, b_ptr, out_ptr, rows, n, splits, stride_om, BLOCK: tl.constexpr,
+                      BIAS: tl.constexpr):
+    """out[m, c] = sum over s of part[s, m, c] in split order (+ bias[c]), rounded to the output's dtype."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < rows * n
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(splits):
+        acc += tl.load(part_ptr + s * rows * n + i, mask=ok, other=0.0)
+    c = i % n
+    if BIAS:
+        acc += tl.load(b_ptr + c, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (i // n) * stride_om + c, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def launch_int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                     group: int, bias: torch.Tensor | None, tile: Int4Tile | None = None) -> torch.Tensor:
+    """``quant_gemm.int4_gemm`` on checked inputs: x [M, K] with contiguous rows, ``group`` columns a scale."""
+    rows, k = x.shape
+    n = packed.shape[0]
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    t = tile or int4_tile(rows)
+    block_k = t.block_k if group == k else min(t.block_k, group & -group)  # a K tile within one group
+    if block_k < 16:
+        raise ValueError(f"int4_gemm needs a group size that is a multiple of 16 (or one group a row), got {group}")
+    tiles = triton.cdiv(rows, t.block_m) * triton.cdiv(n, t.block_n)
+    # (an H200's count where there is no GPU: Triton's CPU interpreter)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+    splits = max(1, min(triton.cdiv(t.per_sm * sms, tiles), triton.cdiv(k, block_k), 32))
+    k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    splits = triton.cdiv(k, k_per_split)
+    part = torch.empty((splits, rows, n), dtype=torch.float32, device=x.device) if splits > 1 else out
+    int4_gemm_kernel[(tiles, splits)](
+        x, packed, scale, zero if zero is not None else scale, bias if bias is not None else scale, out, part,
+        rows, n, k, k_per_split, group,
+        x.stride(0), packed.stride(0), scale.stride(0), zero.stride(0) if zero is not None else 0, out.stride(0),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block_k, GROUP_M=8, SPLIT=splits > 1, EVEN_K=k % block_k == 0,
+        ZERO=zero is not None,
+        BIAS=bias is not None, SCALE_WEIGHTS=t.scale_weights,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        NIBBLE_DOTS=t.nibble_dots and block_k >= 128,
+        num_warps=t.warps, num_stages=t.stages,
+    )
+    if splits > 1:
+        block = 1024
+        sum_splits_kernel[(triton.cdiv(rows * n, block),)](
+            part, bias if bias is not None else part, out, rows, n, splits, out.stride(0),
+            BLOCK=block, BIAS=bias is not None, num_warps=4,
+        )
+    return out
+
+
+@triton.jit
+def fp8_quantize_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, k, stride_xm, stride_qm, BLOCK: tl.constexpr,
+                        STATIC: tl.constexpr, ONE_TILE: tl.constexpr, E4M3_MAX: tl.constexpr,
+                        E4M3_INV_MAX: tl.constexpr, E4M3_MIN_SCALE: tl.constexpr):
+    """Row ``program_id``: scale = max(absmax * INV_MAX, MIN_SCALE) (or the static scale), q = e4m3(x / scale)
+    saturated at +-MAX, the division rounded to nearest as torch's: the same bits as the torch reference.
+    (The constants are quant_gemm's FP8_*.)"""
+    row = tl.program_id(0)
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    q_row = q_ptr + row.to(tl.int64) * stride_qm
+    cols = tl.arange(0, BLOCK)
+    if ONE_TILE:
+        x = tl.load(x_row + cols, mask=cols < k, other=0.0).to(tl.float32)
+    if STATIC:
+        s = tl.load(static_ptr).to(tl.float32)
+    else:
+        if ONE_TILE:
+            amax = tl.max(tl.abs(x), axis=0)
+        else:
+            amax = 0.0
+            for k0 in range(0, k, BLOCK):
+                xt = tl.load(x_row + k0 + cols, mask=k0 + cols < k, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(tl.abs(xt), axis=0))
+        s = tl.maximum(amax * E4M3_INV_MAX, E4M3_MIN_SCALE)
+    tl.store(scale_ptr + row, s)
+    if ONE_TILE:
+        q = tl.clamp(tl.div_rn(x, s), -E4M3_MAX, E4M3_MAX)
+        tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=cols < k)
+    else:
+        for k0 in range(0, k, BLOCK):
+            xt = tl.load(x_row + k0 + cols, mask=k0 + cols < k, other=0.0).to(tl.float32)
+            q = tl.clamp(tl.div_rn(xt, s), -E4M3_MAX, E4M3_MAX)
+            tl.store(q_row + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=k0 + cols < k)
+
+
+def launch_fp8_quantize(x: torch.Tensor, input_scale: torch.Tensor | None, limits: tuple[float, float, float]
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quant_gemm.quantize_fp8_per_token`` on checked inputs; ``limits``: (FP8_MAX, FP8_INV_MAX, FP8_MIN_SCALE)."""
+    rows, k = x.shape
+    q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return q, scale
+    block = min(triton.next_power_of_2(k), 8192)  # a row of up to 8,192 values stays in registers
+    fp8_quantize_kernel[(rows,)](
+        x, q, scale, input_scale if input_scale is not None else scale, k, x.stride(0), q.stride(0),
+        BLOCK=block, STATIC=input_scale is not None, ONE_TILE=k <= block, E4M3_MAX=limits[0], E4M3_INV_MAX=limits[1],
+        E4M3_MIN_SCALE=limits[2], num_warps=8 if block >= 4096 else 4,
+    )
+    return q, scale
