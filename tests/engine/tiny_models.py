@@ -36,6 +36,13 @@ def llama4_d128_config():
                          attention_chunk_size=192, no_rope_layer_interval=2)
 
 
+def llama4_q_config():
+    # every linear's inputs a multiple of 128 (INT4's group) and its sizes of 16 (FP8's GEMM): quantizable
+    return llama4_config(hidden_size=128, intermediate_size=128, intermediate_size_mlp=256, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, no_rope_layer_interval=2,
+                         initializer_range=0.3)
+
+
 def llama3_config():
     return transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -62,7 +69,7 @@ def gemma3_config():
     )
 
 
-CONFIGS = {"llama4": llama4_config, "llama4_d128": llama4_d128_config, "llama3": llama3_config, "mistral": mistral_config, "gemma3": gemma3_config}
+CONFIGS = {"llama4": llama4_config, "llama4_d128": llama4_d128_config, "llama4_q": llama4_q_config, "llama3": llama3_config, "mistral": mistral_config, "gemma3": gemma3_config}
 
 
 def save_word_tokenizer(path: Path) -> None:

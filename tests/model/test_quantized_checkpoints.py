@@ -30,7 +30,7 @@ from hybridkv.model.architectures.parallel import TPGroup  # noqa: E402
 from hybridkv.model.loading.hf_config import load_hf_config  # noqa: E402
 from hybridkv.model.loading.weights import load_safetensors_model  # noqa: E402
 from hybridkv.model.quantization.checkpoint import AWQ_NIBBLE  # noqa: E402
-from hybridkv.model.quantization.int4_layout import dequantize_int4, pack_int4, unpack_int4  # noqa: E402
+from hybridkv.kernels.quant_gemm import dequantize_int4  # noqa: E402
 from hybridkv.model.quantization.quantize import quantize_fp8, quantize_int4  # noqa: E402
 from hybridkv.model.quantization.quantized_layers import is_quantized  # noqa: E402
 from hybridkv.model.quantization.weight_plan import WeightPlan  # noqa: E402
@@ -199,7 +199,7 @@ def test_int4_dequantized_in_bf16_equals_the_library_in_bf16():
     stored, _ = compress_linear(w, s)
     scale, zero = qparams(w.to(torch.bfloat16), s)
     want = PackedQuantizationCompressor.decompress(stored, s)["weight"]  # its zero points as it packed them
-    ours = dequantize_int4(stored["weight_packed"], scale.to(torch.bfloat16), zero, torch.bfloat16)
+    ours = dequantize_int4(stored["weight_packed"], scale.to(torch.bfloat16), zero, 32, torch.bfloat16)
     assert want.dtype == torch.bfloat16 and torch.equal(ours, want)
 
 
@@ -359,19 +359,12 @@ def test_bf16_checkpoint_quantized_at_load(tmp_path, quantization):
     else:
         q, scale = quantize_int4(w, INT4.group_size, torch.bfloat16)
         assert torch.equal(linear.weight, q)
-        want = dequantize_int4(q, scale, None, torch.float32)
+        want = dequantize_int4(q, scale, None, INT4.group_size, torch.float32)
     assert torch.equal(linear.weight_scale.float(), scale.float())
     # the CPU keeps the same values in float32 (the round trip), and the layers' names and the rest unchanged
     assert torch.equal(on_cpu.layers[1].self_attn.k_proj.weight, want)
     assert torch.equal(on_cpu.embed_tokens.weight, hf.model.embed_tokens.weight.float())
     assert not torch.equal(want, w.float())
-
-
-def test_int4_layout_packs_a_worked_example():
-    q = torch.tensor([[-8, -1, 0, 1, 7, 2, 3, 4]], dtype=torch.int8)
-    assert pack_int4(q).item() == 0xCBAF9870 - (1 << 32)  # nibbles 0, 7, 8, 9, 15, 10, 11, 12 from the low end
-    q = torch.randint(-8, 8, (16, 64), dtype=torch.int8)
-    assert torch.equal(unpack_int4(pack_int4(q)), q)
 
 
 def test_quantization_flags_name_their_limits():

@@ -45,6 +45,7 @@ from hybridkv.model.architectures.parallel import (
 from hybridkv.model.architectures.device_ops import bind_ops
 from hybridkv.model.architectures.position_encoding import rope_cos_sin, rope_halves, rope_inv_freq
 from hybridkv.model.causal_lm import CausalLM
+from hybridkv.model.quantization.quantized_layers import move_model
 
 GEMMA3_MODEL_TYPES = ("gemma3", "gemma3_text")
 _GLOBAL_THETA = 1_000_000.0  # transformers' Gemma3TextConfig.default_theta
@@ -283,7 +284,8 @@ class Gemma3ForCausalLM(nn.Module):
 
     def place(self, device: torch.device | str, dtype: torch.dtype | None = None) -> CausalLM:
         """This model on ``device`` (in ``dtype``; None: as it is), its linears' GEMMs bound for the device."""
-        self.to(device=device, dtype=dtype).eval()
+        move_model(self, device, dtype)
+        self.eval()
         bind_ops(self, device)
         self._constants = self._device_constants(torch.device(device))
         return self

@@ -58,7 +58,7 @@ from hybridkv.model.architectures.position_encoding import (
     temperature_scales,
 )
 from hybridkv.model.causal_lm import CausalLM
-from hybridkv.model.quantization.quantized_layers import is_quantized
+from hybridkv.model.quantization.quantized_layers import is_quantized, move_model
 
 
 @dataclass(slots=True)
@@ -501,7 +501,8 @@ class LlamaForCausalLM(DeviceOps, nn.Module):
         """This model on ``device`` (in ``dtype``; None: as it is), every layer's ops bound for the device
         (``device_ops.py``). A 4-bit Llama-2/3 (``pack_int4_linears``) comes back as ``CpuDecodeLlama``: its
         small steps run its layers as one loop."""
-        self.to(device=device, dtype=dtype).eval()
+        move_model(self, device, dtype)
+        self.eval()
         bind_ops(self, device)
         self._inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.head_dim).to(device)
         return CpuDecodeLlama.of(self) or self

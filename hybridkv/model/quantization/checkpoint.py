@@ -6,7 +6,7 @@ and its ``weight_scale``, maybe a static ``input_scale``). ``QuantizedReader`` h
 are all read, then yields the layer either
 
 - kept quantized, under the names the quantized linears hold (``quantized_layers.py``): ``weight`` (e4m3, or INT4
-  packed as ``int4_layout.py`` says), ``weight_scale`` (FP8: float32 [N]; INT4: [N, K // G]), ``weight_zero_point``
+  packed as ``kernels/quant_gemm.py`` says), ``weight_scale`` (FP8: float32 [N]; INT4: [N, K // G]), ``weight_zero_point``
   (INT4, int8 [N, K // G]) and ``input_scale`` (static FP8 activations); or
 - dequantized, as one ``weight`` in the model dtype (the CPU, ``--quantization none``, and the experts of a MoE,
   which have no quantized kernels yet).
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from hybridkv.kv.weight_formats import WeightFormat
-from hybridkv.model.quantization.int4_layout import dequantize_int4, pack_int4, unpack_int4
+from hybridkv.kernels.quant_gemm import dequantize_int4, pack_int4, unpack_int4
 from hybridkv.model.quantization.quantize import dequantize_fp8
 
 # AWQ's GEMM packing puts column 8 j + k of a word's 8 in nibble AWQ_NIBBLE[k] (AutoAWQ's order [0, 2, 4, 6, 1, 3,
@@ -53,7 +53,8 @@ class QuantizedLinear:
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         if self.is_fp8:
             return dequantize_fp8(self.weight, self.scale, dtype)
-        return dequantize_int4(self.weight, self.scale, self.zero, dtype)
+        group_size = self.weight.shape[1] * 8 // self.scale.shape[1]
+        return dequantize_int4(self.weight, self.scale, self.zero, group_size, dtype)
 
     def named(self, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
         yield f"{prefix}.weight", self.weight

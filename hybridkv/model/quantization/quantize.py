@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from hybridkv.model.quantization.int4_layout import pack_int4
+from hybridkv.kernels.quant_gemm import FP8_MAX, pack_int4, quantize_fp8_per_token_reference
 
-FP8_MAX = 448.0
-# the smallest per-token activation scale: a row of zeros quantizes to zeros, not NaN
-FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,12 +52,7 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 
 
 def fake_quantize_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Activations [M, K] as FP8 W8A8 sees them: each row scaled by its ``absmax / 448`` (or one static
-    ``input_scale``), rounded to e4m3 and scaled back, in ``x``'s dtype. The reference of the FP8 kernels."""
-    xf = x.float()
-    if input_scale is None:
-        scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
-    else:
-        scale = input_scale.float().reshape(1, 1)
-    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return (q.float() * scale).to(x.dtype)
+    """Activations [M, K] as FP8 W8A8 sees them (``quantize_fp8_per_token_reference``: per token, or one static
+    ``input_scale``), scaled back to ``x``'s dtype. The reference of the FP8 GEMM."""
+    q, scale = quantize_fp8_per_token_reference(x.reshape(-1, x.shape[-1]), input_scale)
+    return (q.float() * scale).to(x.dtype).view(x.shape)

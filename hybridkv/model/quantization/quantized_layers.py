@@ -5,7 +5,7 @@ attention and the MLPs (``ColumnParallelLinear``, ``RowParallelLinear``) not in 
 ``weight`` for the format's tensors, so the model is allocated at its quantized size. For a [N, K] linear:
 
     FP8:  weight e4m3 [N, K], weight_scale float32 [N] (+ input_scale float32 [1], static activations)
-    INT4: weight int32 [N, K // 8] (``int4_layout.py``), weight_scale [N, K // G] bf16 (fp16 models: fp16; a checkpoint's: as stored)
+    INT4: weight int32 [N, K // 8] (``kernels/quant_gemm.py``), weight_scale [N, K // G] bf16 (fp16 models: fp16; a checkpoint's: as stored)
           (+ weight_zero_point int8 [N, K // G], asymmetric)
 
 The router, embeddings, LM head and norms are left in the model dtype, and so are a MoE's experts (no quantized
@@ -161,3 +161,16 @@ def round_trip_linears(model: nn.Module, fmt: WeightFormat, kinds: tuple[type, .
         q, scale = quantize_fp8(w) if fmt.bits == 8 else quantize_int4(w, fmt.group_size, int4_scale_dtype(w.dtype))
         w.copy_(QuantizedLinear(q, scale).dequantized(w.dtype))
     return len(linears)
+
+
+def move_model(model: nn.Module, device: torch.device | str, dtype: torch.dtype | None) -> None:
+    """``model`` to ``device``, its float tensors cast to ``dtype`` (None: kept) but a quantized linear's own: e4m3
+    weights and float32 FP8 scales stay as they are (``Module.to`` would cast e4m3 too: it is a float dtype); INT4
+    scales take ``dtype``, the activations' dtype the INT4 kernel reads them in."""
+    if dtype is not None:  # cast where the tensors are, then move: no tensor is on the device twice
+        kept = {id(p) for m in model.modules() if is_quantized(m) for n, p in m.named_parameters(recurse=False)
+                if n in ("weight", "input_scale") or (n == "weight_scale" and m.weight_format.bits == 8)}
+        for tensor in (*model.parameters(), *model.buffers()):
+            if tensor.is_floating_point() and id(tensor) not in kept and tensor.dtype != dtype:
+                tensor.data = tensor.data.to(dtype)
+    model.to(device=device)
