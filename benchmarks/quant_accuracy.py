@@ -52,7 +52,7 @@ Tensors = dict[str, torch.Tensor]  # a checkpoint's, by HF name, in float32
 
 MODELS = (DEFAULT_MODEL, "gemma-3-270m")
 TEXT_CHARS = 100_000  # about 24,000 tokens with either tokenizer: 23 windows of 1,024
-LOGIT_ROWS = 256  # rows through the LM head at a time: Gemma's 262,144-entry vocabulary is 1 GiB a 1,024 rows
+LOGIT_ROWS = 256  # rows through the LM head at a time: Gemma's 262,144-entry vocabulary is 1 GiB of logits per 1,024 rows
 # the bars (#60)
 FP8_MIN_AGREEMENT, FP8_MAX_PPL_RISE, INT4_MAX_PPL_RISE = 0.99, 0.01, 0.05
 
