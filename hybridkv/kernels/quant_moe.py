@@ -2,7 +2,7 @@
 GEMM that dequantizes its weight tiles as it multiplies.
 
 Each projection of every expert is a stack in ``quant_gemm.py``'s INT4 layout, one expert after another: ``packed``
-int32 [E, N, K // 8], ``scale`` [E, N, K // G] (the activations' dtype), ``zero`` int8 [E, N, K // G] or None. For
+int32 [E, N, K // 8], ``scale`` [E, N, K // G] (the model dtype), ``zero`` int8 [E, N, K // G] or None. For
 Llama-4: gate_up N = 2I (the expert's gate rows, then its up rows), K = H; down N = H, K = I. A weight tile is
 dequantized in registers as ``quant_triton.py`` does it (``nibble | 0x4B000000`` is the float 2^23 + nibble, so
 subtracting ``MAGIC`` + zero leaves ``q - zero`` exactly), times its group's scale, rounded to the activations'
