@@ -16,8 +16,8 @@ inputs, never zeros.
 
     python benchmarks/gpu/quant_gemm.py [--rows 1,8,16,64,256,2048] [--shapes qkv,o,8192] [--sweep]
 
-``--sweep``: for the decode rows (<= 64) also times a few INT4 tiles and prints the best per row (for tuning
-``quant_triton.int4_tile``).
+``--sweep``: for the decode rows (<= 64) also times the INT4 tiles of ``sweep_tiles`` (the GEMV up to 8 rows, a
+dot per nibble up to 16, the reshaped tile) and prints the best per row (for tuning ``quant_triton.int4_tile``).
 """
 
 from __future__ import annotations
@@ -43,9 +43,27 @@ from hybridkv.kernels.quant_triton import DECODE_ROWS, Int4Tile, launch_int4_gem
 
 GROUP = 128
 TOL = 1e-2  # relative error of the output's norm against the float32 reference (bf16 outputs land near 2e-3)
-SWEEP = [Int4Tile(16, 64, 128, 4, 4, 4, False, True), Int4Tile(16, 32, 128, 4, 4, 4, False, True),
-         Int4Tile(16, 64, 256, 2, 4, 3, False, True), Int4Tile(16, 128, 128, 2, 8, 3, False, True),
-         Int4Tile(16, 64, 128, 4, 4, 4, False, False)]
+# --sweep's candidates: the GEMV (no dots) up to 8 rows, a dot per nibble up to 16, the reshaped tile to 64
+GEMV_SWEEP = [Int4Tile(1, 64, 128, 8, 4, 1, False, gemv=True), Int4Tile(1, 64, 128, 4, 4, 1, False, gemv=True),
+              Int4Tile(1, 128, 128, 4, 8, 1, False, gemv=True), Int4Tile(1, 32, 128, 8, 2, 1, False, gemv=True),
+              Int4Tile(1, 64, 128, 4, 4, 3, False, gemv=True), Int4Tile(1, 64, 128, 8, 4, 1, True, gemv=True)]
+NIBBLE_SWEEP = [Int4Tile(16, 128, 128, 2, 8, 3, False, True), Int4Tile(16, 64, 128, 4, 4, 4, False, True)]
+RESHAPE_SWEEP = [Int4Tile(16, 64, 128, 4, 4, 4, False), Int4Tile(16, 128, 128, 2, 8, 3, False),
+                 Int4Tile(16, 64, 64, 4, 4, 4, False), Int4Tile(16, 64, 128, 4, 4, 4, True),
+                 Int4Tile(16, 128, 64, 2, 4, 4, False)]
+
+
+def sweep_tiles(m: int) -> list[Int4Tile]:
+    """The tiles --sweep times at ``m`` rows (the dot tiles' rows padded to a power of two, at least 16)."""
+    tiles = [t for t in GEMV_SWEEP if m <= 8] + [t for t in NIBBLE_SWEEP if m <= 16] + RESHAPE_SWEEP
+    return [t if t.gemv else replace(t, block_m=max(16, triton.next_power_of_2(m))) for t in tiles]
+
+
+def tile_name(t: Int4Tile) -> str:
+    """E.g. "N64 K128 x8/SM w4 s1 gemv"; "scaled w": the group scale multiplies the weights."""
+    kind = "gemv" if t.gemv else "nibble dots" if t.nibble_dots else "reshape"
+    return f"N{t.block_n} K{t.block_k} x{t.per_sm}/SM w{t.warps} s{t.stages} {kind}" + \
+        (" scaled w" if t.scale_weights else "")
 
 
 def scout_shapes() -> dict[str, tuple[int, int]]:
@@ -165,15 +183,13 @@ def sweep_rows(name: str, wt: Weights, n: int, k: int, rows: list[int]) -> list[
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         want = F.linear(x, wt.w)
         times = []
-        for tile in SWEEP:
-            t = replace(tile, block_m=max(16, triton.next_power_of_2(m)))
+        for t in sweep_tiles(m):
             if rel_err(launch_int4_gemm(x, *wt.int4[0], None, GROUP, None, t), want) > TOL:
                 raise SystemExit(f"{name} M={m}: tile {t} is wrong")
             times.append((graph_us(lambda i: launch_int4_gemm(x, *wt.int4[i], None, GROUP, None, t), wt.n4), t))
         best_t, best = min(times, key=lambda p: p[0])
-        out.append([name, m, " / ".join(f"{us:.1f}" for us, _ in times), f"{best_t:.1f}",
-                    f"N {best.block_n} K {best.block_k} x{best.per_sm}/SM w{best.warps} s{best.stages} "
-                    f"{'nibble dots' if best.nibble_dots else 'reshape'}"])
+        out.append([name, m, " / ".join(f"{tile_name(t)}: {us:.1f}" for us, t in times), f"{best_t:.1f}",
+                    tile_name(best)])
     return out
 
 
@@ -201,9 +217,7 @@ def main() -> None:
         del wt
         torch.cuda.empty_cache()
     if sweep:
-        print("\nINT4 tiles at decode rows, us (in order: "
-              + " / ".join(f"N{t.block_n} K{t.block_k} x{t.per_sm} w{t.warps} s{t.stages}"
-                           f"{'' if t.nibble_dots else ' reshape'}" for t in SWEEP) + ")\n")
+        print("\nINT4 tiles at decode rows, us\n")
         print(markdown_table(["linear", "M", "us", "best us", "best tile"], sweep))
     print()
     print(markdown_table(["linear", "N x K", "M", "int4 us", "tinygemm us", "bf16 us", "int4 GB/s", "of copy",

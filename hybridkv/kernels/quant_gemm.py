@@ -133,7 +133,7 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: 
     """``F.linear(x, dequantize_int4(packed, scale, zero, group_size), bias)`` without materializing the weight:
     x [..., K] bf16 or fp16 (float32 too, for checks), the weight as in the module docstring, bias [N] in x's
     dtype. Float32 accumulation; the result in x's dtype. Up to 64 rows the weight is read once across the GPU
-    (split along N and K); more rows run tensor-core tiles. CUDA-graph capturable: no host sync."""
+    (split along N and K; up to 4 rows without tensor cores); more rows run tensor-core tiles. CUDA-graph capturable: no host sync."""
     from hybridkv.kernels.quant_triton import launch_int4_gemm  # GPU only
 
     k = check_int4(packed, scale, zero, group_size)

@@ -13,6 +13,14 @@ split into tiles and K into enough splits for several programs per SM; each spli
 second launch sums the splits in split order (the same bits every call), adds the bias and rounds. E.g. 8192 x
 8192 on 132 SMs: 128 column tiles of 64 x 5 splits of 1,664 = 640 programs reading 53 KB each.
 
+INT4 GEMV (a few rows: ``int4_tile``): no tensor cores, whose dots would pad the rows to 16. A program reads its
+words ``[columns, K tile / 8]`` 16 bytes a thread and leaves nibble i in place, at bits 4j of the word's low
+(i < 4) or high half: ``(half & 0xF << 4j) | 0x4B000000`` is the float 2^23 + nibble * 16^j, and subtracting
+2^23 + (8 + zero) * 16^j leaves (q - zero) * 16^j exactly; x times 16^-j (exact) undoes the 16^j in the product.
+A weight then costs a LOP3, an FADD and an FFMA a row; the group scale multiplies each K tile's sum (or the
+weights, for more rows). Each row of x has its own accumulator [columns, words], summed across the words once at
+the end.
+
 FP8 quantization: one program per row finds the row's absolute max, stores its scale and the e4m3 row (the row
 is read twice; the second read hits L2).
 """
@@ -28,15 +36,22 @@ import triton.language as tl
 
 # rows up to which a call takes the decode tiles (the weight read once, split along N and K)
 DECODE_ROWS = 64
+# rows the GEMV takes at most: an accumulator a row, in registers
+GEMV_ROWS = 16
 # float32 2^23 + 8: subtracted from (nibble | 0x4B000000) it leaves nibble - 8 = q
 MAGIC = tl.constexpr(8388616.0)
+# float32 2^23: (nibble << 4j) | 0x4B000000 is 2^23 + nibble * 16^j
+MAGIC_23 = tl.constexpr(8388608.0)
 
 
 @dataclass(frozen=True, slots=True)
 class Int4Tile:
     """One launch's shape: rows x columns x K per program, programs per SM wanted (K is split until the grid has
-    that many), warps, pipeline stages, whether the group scale multiplies the weights (else the product), and
-    whether each nibble gets its own dot (``NIBBLE_DOTS`` in the kernel; K tiles of 128 or more only)."""
+    that many), warps, pipeline stages, whether the group scale multiplies the weights (else the product), whether
+    each nibble gets its own dot (``NIBBLE_DOTS`` in the kernel; K tiles of 128 or more only), and whether the
+    program is ``int4_gemv_kernel`` (no dots: every row of x in one program, ``block_m`` unused; up to
+    ``GEMV_ROWS`` rows). A GEMV tile's columns stay below its threads (32 a warp): a [columns] load of as many
+    elements as threads or more is laid out on its own and moved into the weights' layout every K tile."""
 
     block_m: int
     block_n: int
@@ -46,12 +61,21 @@ class Int4Tile:
     stages: int
     scale_weights: bool
     nibble_dots: bool = False
+    gemv: bool = False
 
 
 def int4_tile(rows: int) -> Int4Tile:
-    """The default tile for ``rows`` rows (not yet tuned on a GPU: ``benchmarks/gpu/quant_gemm.py --sweep``)."""
+    """The default tile for ``rows`` rows (``benchmarks/gpu/quant_gemm.py --sweep`` times the candidates).
+
+    Up to 4 rows the GEMV: tensor-core dots pad the rows to 16, and their operand's layout costs more than the
+    FMAs. Up to 16 a dot per nibble, then the reshaped tile (an H100's sweep: 3-6x faster than per-nibble dots at
+    32 and 64 rows)."""
+    if rows <= 4:
+        return Int4Tile(1, 64, 128, 8, 4, 1, False, gemv=True)
+    if rows <= 16:
+        return Int4Tile(16, 128, 128, 2, 8, 3, False, True)
     if rows <= DECODE_ROWS:
-        return Int4Tile(max(16, triton.next_power_of_2(rows)), 64, 128, 4, 4, 4, False, True)
+        return Int4Tile(triton.next_power_of_2(rows), 64, 128, 4, 4, 4, False)
     if rows <= 256:
         return Int4Tile(64, 128, 64, 1, 4, 4, True)
     return Int4Tile(128, 128, 64, 1, 8, 3, True)
@@ -127,6 +151,68 @@ def int4_gemm_kernel(
 
 
 @triton.jit
+def int4_gemv_kernel(
+    x_ptr, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, rows, n, k, tiles_per_split, group,
+    stride_xm, stride_pn, stride_sn, stride_zn, stride_om,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    ZERO: tl.constexpr, BIAS: tl.constexpr, SCALE_WEIGHTS: tl.constexpr, STAGES: tl.constexpr,
+):
+    # program (column tile, K-split); a tuple of ROWS accumulators [BLOCK_N, WORDS], one a row of x: element (c, j)
+    # sums the row's products with word j (of each K tile) of column c. Every tensor keeps the weights' layout
+    # (16-byte loads along the words): nothing moves through shared memory
+    tile_n = tl.program_id(0)
+    split = tl.program_id(1)
+    WORDS: tl.constexpr = BLOCK_K // 8
+    ns = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = ns < n
+    # the split's words, whole K tiles: a multiple of WORDS, so the loads take 16 bytes a thread
+    j_lo = split * tiles_per_split * WORDS
+    j_hi = tl.minimum(j_lo + tiles_per_split * WORDS, k // 8)
+    words = p_ptr + ns[:, None].to(tl.int64) * stride_pn
+    acc = (tl.zeros((BLOCK_N, WORDS), dtype=tl.float32),) * ROWS
+    for t in tl.range(0, tl.cdiv(j_hi - j_lo, WORDS), num_stages=STAGES):
+        js = j_lo + t * WORDS + tl.arange(0, WORDS)
+        k_ok = (js < j_hi) | EVEN_K
+        p = tl.load(words + js[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+        hi = p >> 16  # nibbles 4..7 in bits 0..15
+        g = (j_lo + t * WORDS) * 8 // group  # the tile lies in one group
+        # [BLOCK_N, 1] loads: in the weights' layout (a [BLOCK_N] one would take another, then a conversion)
+        s = tl.load(s_ptr + ns[:, None] * stride_sn + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        if ZERO:
+            z = tl.load(z_ptr + ns[:, None] * stride_zn + g, mask=n_ok[:, None], other=0).to(tl.float32)
+        else:
+            z = 0.0
+        part = (tl.zeros((BLOCK_N, WORDS), dtype=tl.float32),) * ROWS
+        for i in tl.static_range(8):
+            # nibble i of a word left in place, at bits 4 j of its half: (half & mask) | 0x4B000000 is the float
+            # 2^23 + nibble * 16^j, so subtracting 2^23 + (8 + zero) * 16^j leaves (q - zero) * 16^j exactly, and
+            # x * 16^-j (exact) makes the product (q - zero) * x: no shift a nibble
+            j = i % 4
+            half = p if i < 4 else hi
+            w = ((half & (0xF << (4 * j))) | 0x4B000000).to(tl.float32, bitcast=True)
+            w -= MAGIC_23 + (8.0 + z) * (1 << (4 * j))
+            if SCALE_WEIGHTS:  # one multiply a weight, not one a row and word
+                w *= s
+            new = ()
+            for m in tl.static_range(ROWS):
+                xi = tl.load(x_ptr + m * stride_xm + 8 * js + i, mask=k_ok, other=0.0)
+                new += (part[m] + w * (xi.to(tl.float32) * (1.0 / (1 << (4 * j))))[None, :],)
+            part = new
+        new = ()
+        for m in tl.static_range(ROWS):
+            new += (part[m] + acc[m] if SCALE_WEIGHTS else acc[m] + part[m] * s,)
+        acc = new
+    for m in tl.static_range(ROWS):
+        out = tl.sum(acc[m], axis=1)
+        if SPLIT:  # a partial of the K-split, summed by sum_splits_kernel
+            tl.store(part_ptr + (split * rows + m) * n + ns, out, mask=n_ok)
+        else:
+            if BIAS:
+                out += tl.load(b_ptr + ns, mask=n_ok, other=0.0).to(tl.float32)
+            tl.store(out_ptr + m * stride_om + ns, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def sum_splits_kernel(part_ptr, b_ptr, out_ptr, rows, n, splits, stride_om, BLOCK: tl.constexpr,
                       BIAS: tl.constexpr):
     """out[m, c] = sum over s of part[s, m, c] in split order (+ bias[c]), rounded to the output's dtype."""
@@ -153,24 +239,27 @@ def launch_int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     block_k = t.block_k if group == k else min(t.block_k, group & -group)  # a K tile within one group
     if block_k < 16:
         raise ValueError(f"int4_gemm needs a group size that is a multiple of 16 (or one group a row), got {group}")
-    tiles = triton.cdiv(rows, t.block_m) * triton.cdiv(n, t.block_n)
+    if t.gemv and rows > GEMV_ROWS:
+        raise ValueError(f"the int4 GEMV tile takes up to {GEMV_ROWS} rows (one accumulator a row), got {rows}")
+    tiles = triton.cdiv(n, t.block_n) * (1 if t.gemv else triton.cdiv(rows, t.block_m))
     # (an H200's count where there is no GPU: Triton's CPU interpreter)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
     splits = max(1, min(triton.cdiv(t.per_sm * sms, tiles), triton.cdiv(k, block_k), 32))
-    k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
-    splits = triton.cdiv(k, k_per_split)
+    k_tiles = triton.cdiv(triton.cdiv(k, splits), block_k)  # K tiles a split
+    splits = triton.cdiv(k, k_tiles * block_k)
     part = torch.empty((splits, rows, n), dtype=torch.float32, device=x.device) if splits > 1 else out
-    int4_gemm_kernel[(tiles, splits)](
-        x, packed, scale, zero if zero is not None else scale, bias if bias is not None else scale, out, part,
-        rows, n, k, k_per_split, group,
-        x.stride(0), packed.stride(0), scale.stride(0), zero.stride(0) if zero is not None else 0, out.stride(0),
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block_k, GROUP_M=8, SPLIT=splits > 1, EVEN_K=k % block_k == 0,
-        ZERO=zero is not None,
-        BIAS=bias is not None, SCALE_WEIGHTS=t.scale_weights,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        NIBBLE_DOTS=t.nibble_dots and block_k >= 128,
-        num_warps=t.warps, num_stages=t.stages,
-    )
+    args = (x, packed, scale, zero if zero is not None else scale, bias if bias is not None else scale, out, part)
+    strides = (x.stride(0), packed.stride(0), scale.stride(0), zero.stride(0) if zero is not None else 0,
+               out.stride(0))
+    if t.gemv:
+        int4_gemv_kernel[(tiles, splits)](
+            *args, rows, n, k, k_tiles, group, *strides, ROWS=rows, BLOCK_N=t.block_n, BLOCK_K=block_k,
+            SPLIT=splits > 1, EVEN_K=k % block_k == 0, ZERO=zero is not None, BIAS=bias is not None,
+            SCALE_WEIGHTS=t.scale_weights, STAGES=t.stages, num_warps=t.warps,
+        )
+    else:
+        launch_int4_dots(args, strides, (rows, n, k, k_tiles * block_k, group), block_k, (tiles, splits), t,
+                         zero is not None, bias is not None)
     if splits > 1:
         block = 1024
         sum_splits_kernel[(triton.cdiv(rows * n, block),)](
@@ -178,6 +267,21 @@ def launch_int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
             BLOCK=block, BIAS=bias is not None, num_warps=4,
         )
     return out
+
+
+def launch_int4_dots(args: tuple, strides: tuple, sizes: tuple, block_k: int, grid: tuple[int, int], t: Int4Tile,
+                     zero: bool, bias: bool) -> None:
+    """``int4_gemm_kernel`` on ``launch_int4_gemm``'s operands: ``args`` the tensors, ``strides`` theirs,
+    ``sizes`` (rows, n, k, K a split, group), ``grid`` (tiles, splits)."""
+    x, k, splits = args[0], sizes[2], grid[1]
+    int4_gemm_kernel[grid](
+        *args, *sizes, *strides,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block_k, GROUP_M=8, SPLIT=splits > 1, EVEN_K=k % block_k == 0,
+        ZERO=zero, BIAS=bias, SCALE_WEIGHTS=t.scale_weights,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        NIBBLE_DOTS=t.nibble_dots and block_k >= 128,
+        num_warps=t.warps, num_stages=t.stages,
+    )
 
 
 @triton.jit

@@ -67,7 +67,7 @@ class WeightFormat:
             return rows * cols * unquantized_bytes
         groups = self.groups_per_row(cols)
         scale_rows = 1 if self.group_size < 0 else rows
-        zeros = scale_rows * groups * self.bits // 8 if self.zero_points else 0
+        zeros = scale_rows * groups if self.zero_points else 0  # held as int8 (a byte each), as the kernels read them
         return rows * cols * self.bits // 8 + scale_rows * groups * self.scale_bytes + zeros
 
     def groups_per_row(self, cols: int) -> int:

@@ -1,5 +1,5 @@
-"""What a server serves, in the log once it is ready: model, device and dtypes, ``max_model_len`` and what bound
-it, the KV pool per attention type, prefix caching, the host tier, the tool parser and the URL.
+"""What a server serves, in the log once it is ready: model, device and dtypes, the weights' format and bytes,
+``max_model_len`` and what bound it, the KV pool per attention type, prefix caching, the host tier, the tool parser and the URL.
 
 Every number is one the engine or the planner already computed (``plan.type_usage``, ``capacity.pool_tokens``,
 ``planner.concurrency_at``, ``host_tier.host_tier_tokens``); nothing here recomputes a formula.
@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 from hybridkv.kv.capacity import pool_tokens
 from hybridkv.kv.host_tier import host_tier_tokens
-from hybridkv.kv.planner import type_usage, concurrency_at
+from hybridkv.kv.planner import concurrency_at, format_detail, type_usage
+from hybridkv.kv.weight_formats import weight_format
 
 if TYPE_CHECKING:
     from hybridkv.server.app import ServerState
@@ -24,6 +25,7 @@ def startup_summary(state: ServerState, url: str) -> str:
     return "\n".join([
         f"hybridkv serve ready at {url}",
         _model_line(state),
+        _weights_line(engine),
         f"  max_model_len: {engine.max_model_len:,} tokens (why: {engine.max_model_len_bound})",
         *_pool_lines(engine),
         _cache_line(engine),
@@ -42,6 +44,19 @@ def _model_line(state: ServerState) -> str:
     ranks = f", tensor parallel {tp}" if tp > 1 else ""
     return (f"  model: {name}{served} on {engine.config.device}{ranks}, {dtype} "
             f"(KV cache {engine.layout.groups[0].spec.dtype})")
+
+
+def _weights_line(engine) -> str:
+    """The linear weights' format and the bytes this rank holds (parameters and buffers, as loaded)."""
+    from hybridkv.model.dtypes import dtype_name  # torch: loaded with the engine already
+
+    model = engine.loaded.model
+    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    fmt = weight_format(engine.loaded.hf_config, engine.config.quantization)
+    detail = format_detail(fmt, dtype_name(next(engine.model.parameters()).dtype))
+    cpu = ", dequantized to the model dtype on the CPU" if fmt.quantized and engine.config.device == "cpu" else ""
+    rank = " per rank" if engine.config.tensor_parallel_size > 1 else ""
+    return f"  weights: {detail}{cpu}, {held / GIB:.2f} GiB{rank}"
 
 
 def _pool_lines(engine) -> list[str]:

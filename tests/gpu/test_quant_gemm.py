@@ -102,6 +102,28 @@ def test_int4_gemm_fp16_and_leading_dims(rows):
     assert_close_to(got, x.float() @ w.T)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("group_size,k,zero_points,bias,scale_weights", [
+    (128, 512, False, False, False), (32, 512, True, True, False), (64, 512, False, True, True),
+    (0, 200, True, False, True),  # one group a row, K not a multiple of the K tile
+])
+def test_int4_gemv_tile(rows, group_size, k, zero_points, bias, scale_weights):
+    """The GEMV (no dots) at any tile, not only the defaults: columns past the last tile, K splits, every group
+    size, zero points, a bias, the scale on the weights or on each K tile's sum."""
+    from hybridkv.kernels.quant_triton import Int4Tile, launch_int4_gemm
+
+    n = 100
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    weight, w = random_int4(n, k, group_size, zero_points, dtype, seed=rows + k)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    tile = Int4Tile(1, 32, 128, 4, 2, 1, scale_weights, gemv=True)
+    got = launch_int4_gemm(x.to(DEVICE), *weight, group_size or k, b.to(DEVICE) if bias else None, tile)
+    want = x.float() @ w.T + (b.float() if bias else 0)
+    assert_close_to(got, want, exact_float32=INTERPRET)
+
+
 def test_int4_gemm_same_bits_every_call():
     """The K-splits are summed in a fixed order: one input, the same output bits."""
     dtype = torch.float32 if INTERPRET else torch.bfloat16

@@ -24,10 +24,11 @@ FLOATS = {"scale", "k_scale", "v_scale", "eps"}
 
 
 def compile_for_hopper(kernel, constexprs: dict, types: dict, num_warps: int = 4, num_stages: int = 3,
-                       divisible: tuple[str, ...] = ()) -> str:
-    """The kernel's PTX for sm_90. A parameter is a constexpr (``constexprs``, else its default), a type named in
-    ``types``, a bf16 pointer if its name says pointer, a float32 if it is a scale or epsilon, else an int32.
-    Those ``divisible`` are known multiples of 16, as Triton specializes such pointers and integers at launch."""
+                       divisible: tuple[str, ...] = (), stage: str = "ptx") -> str:
+    """The kernel's PTX (or another ``stage``: "ttgir") for sm_90. A parameter is a constexpr (``constexprs``, else
+    its default), a type named in ``types``, a bf16 pointer if its name says pointer, a float32 if it is a scale or
+    epsilon, else an int32. Those ``divisible`` are known multiples of 16, as Triton specializes such pointers and
+    integers at launch."""
     signature, values = {}, {}
     for p in kernel.params:
         if p.is_constexpr:
@@ -48,7 +49,7 @@ def compile_for_hopper(kernel, constexprs: dict, types: dict, num_warps: int = 4
         if "ptxas" in str(e).lower() and "not found" in str(e).lower():
             pytest.skip(f"this Triton has no ptxas: {e}")
         raise
-    return compiled.asm["ptx"]
+    return compiled.asm[stage]
 
 
 GLOBAL_WRITE = re.compile(r"^(@!?%p\d+\s+)?(st\.global|atom\.|red\.)")  # a store or atomic, predicated or not
@@ -216,6 +217,31 @@ def test_int4_gemm(block_m, block_k, split, nibble_dots, scale_weights, even_k, 
     if even_k:
         assert re.search(r"cp\.async\.c[ag]\.shared\.global \[[^]]+\], \[[^]]+\], 0x(8|10)", ptx)
     compile_for_hopper(quant_triton.sum_splits_kernel, dict(BLOCK=1024, BIAS=True), {"part_ptr": F32, "splits": "i32"})
+
+
+@pytest.mark.parametrize("rows,block_n,warps,zero,scale_weights,even_k", [
+    (1, 64, 4, False, False, True),   # decode at batch 1
+    (1, 128, 8, True, False, True),   # zero points
+    (4, 64, 4, False, True, True),    # the scale on the weights
+    (2, 32, 2, True, False, False),   # K not a multiple of the tile
+])
+def test_int4_gemv(rows, block_n, warps, zero, scale_weights, even_k):
+    """The INT4 GEMV: no dots, the packed weights 16 bytes a thread (EVEN_K), nothing spilled; in its K loop no
+    layout conversion (the scales and x read in the weights' layout: no round trip through shared memory)."""
+    from hybridkv.kernels import quant_triton
+
+    args = (quant_triton.int4_gemv_kernel,
+            dict(ROWS=rows, BLOCK_N=block_n, BLOCK_K=128, SPLIT=True, EVEN_K=even_k, ZERO=zero, BIAS=True,
+                 SCALE_WEIGHTS=scale_weights, STAGES=1),
+            {"p_ptr": I32, "z_ptr": "*i8", "part_ptr": F32}, warps, 1,
+            ("x_ptr", "p_ptr", "stride_xm", "stride_pn", "k"))
+    ptx = compile_for_hopper(*args)
+    assert not re.search(r"mma|wgmma", ptx) and ".local" not in ptx
+    if even_k:  # (else the mask along K is not known to be whole across four words)
+        assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)
+    ttgir = compile_for_hopper(*args, stage="ttgir")
+    loop = ttgir[ttgir.index("scf.for"):ttgir.index("scf.yield")]
+    assert "convert_layout" not in loop and "local_alloc" not in loop
 
 
 @pytest.mark.parametrize("one_tile,static", [(True, False), (False, False), (True, True)])

@@ -358,14 +358,14 @@ def compressed_tensors_w4a16(group_size: int, symmetric: bool, ignore: list[str]
 # Per layer and rank, [rows, cols] slices: TP 1: q, o [256, 256]; k, v [128, 256]; gate, up [512, 256]; down
 # [256, 512]. TP 2: q [128, 256]; k, v [64, 256]; o [256, 128]; gate, up [256, 256]; down [256, 256].
 # FP8: 1 B a weight + a float32 scale per output row. INT4 group 128: 1/2 B a weight + a bf16 scale per 128 inputs
-# of a row. AWQ: INT4 + a 4-bit zero point per scale.
+# of a row. AWQ: INT4 + an int8 zero point per scale (unpacked in memory).
 SMALL_LINEARS = {  # (format, tp): (attention, mlp) bytes of one layer, counted by hand
     ("fp8", 1): (2 * (65_536 + 1_024) + 2 * (32_768 + 512), 2 * (131_072 + 2_048) + (131_072 + 1_024)),
     ("fp8", 2): ((32_768 + 512) + 2 * (16_384 + 256) + (32_768 + 1_024), 3 * (65_536 + 1_024)),
     ("int4", 1): (2 * (32_768 + 1_024) + 2 * (16_384 + 512), 3 * (65_536 + 2_048)),
     ("int4", 2): ((16_384 + 512) + 2 * (8_192 + 256) + (16_384 + 512), 3 * (32_768 + 1_024)),
-    ("awq", 1): (2 * (32_768 + 1_024 + 256) + 2 * (16_384 + 512 + 128), 3 * (65_536 + 2_048 + 512)),
-    ("awq", 2): ((16_384 + 512 + 128) + 2 * (8_192 + 256 + 64) + (16_384 + 512 + 128), 3 * (32_768 + 1_024 + 256)),
+    ("awq", 1): (2 * (32_768 + 1_024 + 512) + 2 * (16_384 + 512 + 256), 3 * (65_536 + 2_048 + 1_024)),
+    ("awq", 2): ((16_384 + 512 + 256) + 2 * (8_192 + 256 + 128) + (16_384 + 512 + 256), 3 * (32_768 + 1_024 + 512)),
 }
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
 
@@ -384,10 +384,10 @@ def test_quantized_weights_are_counted_exactly_per_rank(name, tp):
 
 
 def test_awq_group_minus_one_is_a_scale_per_output_row():
-    """AWQ's q_group_size -1 is channel-wise: one bf16 scale and one 4-bit zero point per output row."""
+    """AWQ's q_group_size -1 is channel-wise: one bf16 scale and one int8 zero point per output row."""
     cfg = small_llama(quantization_config=AWQ | {"group_size": -1})
     mlp = estimate_weights(cfg, 1, weight_format(cfg, "auto"))["mlp"]
-    assert mlp == 2 * (2 * (65_536 + 512 * 2 + 512 // 2) + (65_536 + 256 * 2 + 256 // 2))
+    assert mlp == 2 * (2 * (65_536 + 512 * 2 + 512) + (65_536 + 256 * 2 + 256))
 
 
 def test_expert_weights_are_counted_per_expert_on_the_rank_slice(scout):
@@ -421,8 +421,8 @@ def test_a_compressed_tensors_checkpoint_is_counted_in_its_own_format_with_auto(
         "int4", "int4 (group 64, zero points, W4A16, compressed-tensors checkpoint)")
     weights = m.weights_breakdown
     assert weights["attention"] == estimate_weights(small_llama(), 1)["attention"]  # ignored: bf16
-    # gate, up [512, 256] and down [256, 512]: 1/2 B a weight, a bf16 scale and a 4-bit zero point per 64 inputs
-    assert weights["mlp"] == 2 * 3 * (65_536 + 2_048 * 2 + 2_048 // 2)
+    # gate, up [512, 256] and down [256, 512]: 1/2 B a weight, a bf16 scale and an int8 zero point per 64 inputs
+    assert weights["mlp"] == 2 * 3 * (65_536 + 2_048 * 2 + 2_048)
     assert m.weights_bytes == sum(weights.values())
     assert any("int4 (group 64, zero points, W4A16, compressed-tensors checkpoint)" in n for n in plan.notes)
     assert not any("assumes unquantized" in n for n in plan.notes)

@@ -12,6 +12,7 @@ AutoAWQ's published packing), then
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from compressed_tensors.compressors.pack_quantized.base import PackedQuantizatio
 from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme  # noqa: E402
 from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
 
-from hybridkv.kv.weight_formats import INT4, WeightFormat, checkpoint_format, weight_format  # noqa: E402
+from hybridkv.kv.weight_formats import FP8, INT4, WeightFormat, checkpoint_format, weight_format  # noqa: E402
 from hybridkv.model.architectures.parallel import TPGroup  # noqa: E402
 from hybridkv.model.loading.hf_config import load_hf_config  # noqa: E402
 from hybridkv.model.loading.weights import load_safetensors_model  # noqa: E402
@@ -386,3 +387,15 @@ def test_int4_group_must_not_span_two_ranks(tmp_path):
     with pytest.raises(ValueError, match="not a multiple of the quantization group"):
         load_safetensors_model(tmp_path, progress=False, tp=TPGroup(0, 2), weights=kept(config))
 
+
+
+@pytest.mark.parametrize("fmt", [FP8, INT4, replace(INT4, group_size=32, zero_points=True)])
+def test_the_planner_counts_the_bytes_a_quantized_model_holds(fmt):
+    from hybridkv.kv.planner import estimate_weights
+    from hybridkv.model.factory import build_model
+
+    config = tiny_llama(hidden=128).config.to_dict() | {"torch_dtype": "bfloat16", "dtype": "bfloat16"}
+    model = build_model(config, torch.bfloat16, weights=fmt)
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert held == sum(estimate_weights(config, 1, fmt).values())
+    assert held < sum(estimate_weights(config, 1).values())

@@ -33,6 +33,9 @@ def test_the_summary_states_the_planners_numbers(tiny_model):
     lines = text.splitlines()
     assert lines[0] == "hybridkv serve ready at http://127.0.0.1:8123"
     assert lines[1] == f"  model: {engine.loaded.name}, served as 'tiny' on cpu, float32 (KV cache float32)"
+    params = sum(p.numel() * 4 for p in engine.loaded.model.parameters())  # float32, no buffers in this model
+    assert lines[2] == f"  weights: float32, {params / (1 << 30):.2f} GiB"
+    del lines[2]
     assert plan.max_model_len > 512  # the cache holds more than the model was trained for: its context bounds it
     assert lines[2] == "  max_model_len: 512 tokens (why: the model's context (max_position_embeddings) is 512)"
     assert plan.usable_blocks == engine.kv.pool.num_usable_blocks
@@ -49,6 +52,12 @@ def test_the_summary_states_the_planners_numbers(tiny_model):
     assert lines[5] == (f"  prefix caching: on (xxh3_128); host tier: {host_gib:.2f} GiB per rank = {pages:,} pages = "
                         f"{pages * 4:,} tokens of context")
     assert lines[6] == "  tools: tool call parser hermes, auto tool choice on"
+
+
+def test_the_summary_names_quantized_weights_and_their_values_on_the_cpu(tiny_model):
+    text, _ = summary_for(tiny_model("llama4_q").path, quantization="int4")
+    assert ("  weights: int4 (group 128, W4A16, quantized at load), dequantized to the model dtype on the CPU, "
+            in text)
 
 
 def test_a_max_model_len_bound_by_the_cache_says_so(tiny_model):
