@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -133,17 +135,20 @@ def test_dummy_experts_are_drawn_quantized():
         assert torch.isfinite(model(ids, torch.arange(3), attn).float()).all()
 
 
+@pytest.mark.parametrize("zero_points", [False, True])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_engine_bytes_of_int4_experts_are_the_planners(tp):
+def test_engine_bytes_of_int4_experts_are_the_planners(tp, zero_points):
     """Scout's routed experts of one layer (16 x [5120 -> 8192 x 2 -> 5120]), as the engine allocates them and as
     ``hybridkv plan`` counts them (per expert linear, scales included): the same bytes."""
     config = {"model_type": "llama4_text", "num_hidden_layers": 1, "hidden_size": 5120, "num_attention_heads": 40,
               "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 8192, "num_local_experts": 16,
               "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "vocab_size": 1000}
+    fmt = replace(INT4, zero_points=zero_points)
     with torch.device("meta"):
         experts = Experts(16, 5120, 8192, torch.bfloat16, TPGroup(0, tp))
-        quantize_experts_layout(experts, INT4)
+        quantize_experts_layout(experts, fmt)
     engine = sum(p.numel() * p.element_size() for p in experts.parameters())
-    planned = sum(_linear_bytes(linear, INT4, tp, 2) for linear in rank_linears(config, tp)
+    planned = sum(_linear_bytes(linear, fmt, tp, 2) for linear in rank_linears(config, tp)
                   if ".experts." in linear.name)
-    assert engine == planned == 16 * (3 * 5120 * 8192 // tp // 2 + 3 * 5120 * 64 // tp * 2)
+    groups = 3 * 5120 * 64 // tp  # of the three [5120, 8192 / tp]-sized projections, in groups of 128
+    assert engine == planned == 16 * (3 * 5120 * 8192 // tp // 2 + groups * (2 + zero_points))
