@@ -10,7 +10,7 @@ checkpoint quantized at load), as vLLM decides it::
     weight_format(<compressed-tensors W4A16>)  -> INT4, its group size and zero points
     weight_format(<AWQ>, "awq")                -> INT4 with 4-bit zero points (AWQ's GEMM packing)
 
-Only the linear layers of attention, MLPs and experts are quantized; embeddings, the LM head, routers and norms
+Only the linear layers of attention, MLPs and (INT4) experts are quantized; embeddings, the LM head, routers and norms
 stay in the model dtype (as vLLM's ``fp8`` and the RedHatAI Scout checkpoints keep them). Bytes of one [rows, cols]
 weight::
 
@@ -54,6 +54,12 @@ class WeightFormat:
     @property
     def quantized(self) -> bool:
         return self.bits < 16
+
+    @property
+    def quantizes_experts(self) -> bool:
+        """A MoE's routed experts are kept in this format too: INT4 (``kernels/quant_moe.py`` runs them); FP8 keeps
+        them in the model dtype (no FP8 expert kernels), dequantizing an FP8 checkpoint's."""
+        return self.bits == 4
 
     def linear_bytes(self, rows: int, cols: int, unquantized_bytes: int = 2) -> int:
         """Bytes of a [rows, cols] weight in this format (its scales and zero points included)."""

@@ -16,15 +16,16 @@ import torch
 from hybridkv.kv.dtypes import MODEL_DTYPES
 from hybridkv.kv.weight_formats import UNQUANTIZED, WeightFormat
 from hybridkv.model.architectures.gemma3 import GEMMA3_MODEL_TYPES, Gemma3Config, Gemma3ForCausalLM
-from hybridkv.model.architectures.llama import LlamaForCausalLM
+from hybridkv.model.architectures.llama import Experts, LlamaForCausalLM
 from hybridkv.model.architectures.llama_config import LLAMA_MODEL_TYPES, ModelConfig
 from hybridkv.model.architectures.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup
 from hybridkv.model.causal_lm import CausalLM
 from hybridkv.model.dtypes import MODEL_TORCH_DTYPES
 from hybridkv.model.quantization.quantized_layers import is_quantized, quantize_layout, random_quantized
 
-# the linears a quantized format stores quantized: those of attention and the MLPs (not routers, embeddings, heads)
-QUANTIZABLE = (ColumnParallelLinear, RowParallelLinear)
+# the linears a quantized format stores quantized: those of attention and the MLPs, and a MoE's routed experts where
+# the format quantizes them (INT4); not routers, embeddings, heads
+QUANTIZABLE = (ColumnParallelLinear, RowParallelLinear, Experts)
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: the checkpoint's weights | random weights from config.json alone
 
 
@@ -54,8 +55,8 @@ def build_model(
 ) -> CausalLM:
     """This rank's model, placed on ``device`` (``CausalLM.place``). ``auto``: uninitialised (no random init:
     every parameter must be loaded before use); ``dummy``: norms neutral, every other weight N(0, 0.02) drawn on
-    ``device`` from ``seed + rank``. ``weights``: a quantized format keeps the linears of attention and the MLPs in
-    it (``quantization/quantized_layers.py``)."""
+    ``device`` from ``seed + rank``. ``weights``: a quantized format keeps the linears of attention and the MLPs (and
+    INT4 a MoE's experts) in it (``quantization/quantized_layers.py``)."""
     if dtype not in MODEL_TORCH_DTYPES:
         raise ValueError(f"dtype {dtype} is not supported; choose {', '.join(MODEL_DTYPES)}")
     if load_format not in LOAD_FORMATS:

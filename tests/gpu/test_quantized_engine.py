@@ -39,6 +39,7 @@ def test_quantized_at_load_runs_its_kernels_in_graphs_and_agrees_with_the_cpu(ti
     q_proj = gpu.engine.model.layers[0].self_attn.q_proj
     assert is_quantized(q_proj)
     assert q_proj.weight.dtype == (torch.int32 if quantization == "int4" else torch.float8_e4m3fn)
+    assert gpu.engine.model.layers[1].mlp.experts.quantized == (quantization == "int4")  # FP8 experts stay bf16
     eager = LLM(device="cuda", dtype="bfloat16", kv_cache_memory_bytes=64 << 20, enforce_eager=True, **common)
     cpu = LLM(device="cpu", **common)
     got = gpu.generate(prompts, PARAMS, use_tqdm=False)

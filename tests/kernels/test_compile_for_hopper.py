@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from hybridkv.kernels import fused_moe, paged_attention, rms_norm, rope, skinny_gemm  # noqa: E402
+from hybridkv.kernels import fused_moe, paged_attention, quant_moe, rms_norm, rope, skinny_gemm  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 FLOATS = {"scale", "k_scale", "v_scale", "eps"}
@@ -255,3 +255,18 @@ def test_fp8_quantize(one_tile, static):
                              {"q_ptr": "*fp8e4nv", "scale_ptr": F32, "static_ptr": F32}, num_warps=8)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx
     assert not re.search(r"div\.(full|approx)", ptx)
+
+
+@pytest.mark.parametrize("gated,zero", [(True, False), (False, True)])
+def test_int4_moe(gated, zero):
+    """The INT4 experts' decode GEMM (gate_up: gated token rows; down: the pairs' rows, zero points), its SiLU over
+    the K-splits and the sum over choices, and the prefill grouped GEMM: Scout's group 128 tiles."""
+    int4 = {"ids_ptr": I64, "p_ptr": I32, "z_ptr": "*i8", "part_ptr": F32}
+    compile_for_hopper(quant_moe.int4_moe_gemm_kernel,
+                       dict(TOP_K=2, GATED=gated, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, ZERO=zero, E_PAD=16,
+                            PRECISION="tf32"), int4)
+    compile_for_hopper(quant_moe.silu_splits_kernel, dict(BLOCK=1024), {"part_ptr": F32})
+    compile_for_hopper(quant_moe.sum_choices_kernel, dict(TOP_K=2, BLOCK=1024), {"part_ptr": F32})
+    compile_for_hopper(quant_moe.int4_grouped_gemm_kernel,
+                       dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, E_PAD=16, ZERO=zero, PRECISION="tf32"),
+                       {**int4, "ends_ptr": I32})

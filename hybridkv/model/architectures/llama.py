@@ -51,6 +51,7 @@ from hybridkv.model.architectures.parallel import (
     RowParallelLinear,
     TPGroup,
     VocabParallelEmbedding,
+    source_shape,
     vocab_parallel_logits,
 )
 from hybridkv.model.architectures.position_encoding import (
@@ -58,6 +59,7 @@ from hybridkv.model.architectures.position_encoding import (
     temperature_scales,
 )
 from hybridkv.model.causal_lm import CausalLM
+from hybridkv.model.quantization.quantized_experts import float_stack, stacked_int4
 from hybridkv.model.quantization.quantized_layers import is_quantized, move_model
 
 
@@ -211,30 +213,59 @@ class MLP(DeviceOps, nn.Module):
 
 
 class Experts(nn.Module):
-    """Expert weights fused as transformers stores them: gate_up [E, H, 2I] (gate first), down [E, I, H].
+    """Expert weights fused as transformers stores them: gate_up [E, H, 2I] (gate first), down [E, I, H]. Under an
+    INT4 format each is stacked output-major instead, a quantized linear's layout per expert: gate_up int32
+    [E, 2I, H // 8], down int32 [E, H, I // 8], with their scales (``quantization/quantized_experts.py``).
 
     Under TP every rank holds every expert, sliced along I (gate and up alike): any expert's partial output is
     summed like a dense MLP's, and the load stays even however tokens route."""
+
+    stacked_weights = ("gate_up_proj", "down_proj")  # the [E, K, N] stacks a format may quantize
 
     def __init__(
         self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype | None, tp: TPGroup
     ) -> None:
         super().__init__()
-        self.intermediate = intermediate
-        self.start, local = tp.part(intermediate, "expert intermediate size")
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * local, dtype=dtype))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, local, hidden, dtype=dtype))
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.start, self.local = tp.part(intermediate, "expert intermediate size")
+        self.ranks = tp.size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * self.local, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, self.local, hidden, dtype=dtype))
+
+    @property
+    def quantized(self) -> bool:
+        return is_quantized(self)
 
     def load_shard(self, name: str, source) -> torch.Tensor:
-        lo, hi = self.start, self.start + self.down_proj.shape[1]
-        if name == "down_proj":
-            return source[:, lo:hi]
-        full = self.intermediate
-        return torch.cat((source[:, :, lo:hi], source[:, :, full + lo : full + hi]), dim=-1)
+        """This rank's slice of I: a float checkpoint stack in transformers' layout (its last dim for gate_up, its
+        middle one for down), or the quantized stacks the reader gathers (gate_up's rows, down's input columns:
+        packed words, group scales and zero points alike)."""
+        lo, hi, full = self.start, self.start + self.local, self.intermediate
+        float_stack = name in self.stacked_weights and (
+            not isinstance(source, torch.Tensor) or source.is_floating_point())
+        if float_stack:
+            if name == "down_proj":
+                return source[:, lo:hi]
+            return torch.cat((source[:, :, lo:hi], source[:, :, full + lo : full + hi]), dim=-1)
+        if name.startswith("gate_up_proj"):
+            return torch.cat((source[:, lo:hi], source[:, full + lo : full + hi]), dim=1)
+        cols = source_shape(source)[2]
+        if cols % self.ranks:
+            raise ValueError(f"experts.{name}: {cols} columns do not split over {self.ranks} ranks (the "
+                             f"quantization group must divide each rank's {self.local} expert inputs)")
+        part = cols // self.ranks
+        rank = lo // self.local
+        return source[:, :, rank * part : (rank + 1) * part]
+
+    def stacks(self, dtype: torch.dtype, experts: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [e, H, 2I], down [e, I, H]) of ``experts`` in transformers' float layout: the parameters, or
+        INT4 experts' weights dequantized to ``dtype`` (the reference the quantized kernels are tested against)."""
+        return (float_stack(self, "gate_up_proj", dtype, experts), float_stack(self, "down_proj", dtype, experts))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = (x @ self.gate_up_proj[e]).chunk(2, dim=-1)
-        return (F.silu(gate) * up) @ self.down_proj[e]
+        gate_up, down = self.stacks(x.dtype, slice(e, e + 1))
+        gate, up = (x @ gate_up[0]).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ down[0]
 
 
 def fused_moe_max_pairs() -> int:
@@ -258,7 +289,7 @@ class MoE(DeviceOps, nn.Module):
         # grouped_mm needs every row stride to be a multiple of 16 bytes (true of real models, not of every
         # tiny or oddly split one)
         item = self.experts.down_proj.element_size()
-        local = self.experts.down_proj.shape[1]
+        local = self.experts.local
         self._grouped_mm_ok = hasattr(F, "grouped_mm") and all(
             (n * item) % 16 == 0 for n in (cfg.hidden_size, local, 2 * local))
         self._arrived: torch.Tensor | None = None  # the fused kernels' arrival counters (zero between launches)
@@ -289,7 +320,9 @@ class MoE(DeviceOps, nn.Module):
 
     def routed_cuda(self, x: torch.Tensor) -> RoutedRows:
         top_ids, gates = self._route(x)
-        if self._grouped_mm_ok and self._sorts(top_ids):
+        if self.experts.quantized and self._sorts(top_ids):
+            return self._routed_by_int4_kernels(x, top_ids, gates)
+        if self._grouped_mm_ok and not self.experts.quantized and self._sorts(top_ids):
             return self._routed_by_kernels(x, top_ids, gates)
         return RoutedRows(self._routed(x, top_ids, gates), None, self.top_k)
 
@@ -306,15 +339,21 @@ class MoE(DeviceOps, nn.Module):
 
     def _fused_decode(self, x: torch.Tensor) -> torch.Tensor:
         """Decode sizes: the router in one launch, then the selected experts (with the shared expert, for few
-        tokens once its gate/up is one weight) in three more; no host sync, so a CUDA graph holds it."""
+        tokens once its gate/up is one weight) in three more; no host sync, so a CUDA graph holds it. INT4 experts
+        run ``kernels/quant_moe.py``'s decode kernels, the shared expert its own GEMMs."""
         from hybridkv.kernels.fused_moe import fused_moe, fused_moe_counters, route
 
         experts = self.experts
         if self._arrived is None:
-            num_experts, inter, hidden = experts.down_proj.shape
-            self._arrived = fused_moe_counters(num_experts, inter, hidden, x.device)
+            self._arrived = fused_moe_counters(experts.num_experts, experts.local, experts.hidden, x.device)
         top_ids, gates = route(x, self.router.weight, self.top_k, self._arrived)
         shared = self.shared_expert
+        if experts.quantized:
+            from hybridkv.kernels.quant_moe import int4_moe_decode
+
+            routed = int4_moe_decode(x, gates, top_ids, stacked_int4(experts, "gate_up_proj").parts(),
+                                     stacked_int4(experts, "down_proj").parts())
+            return shared(x) + routed
         # the fused kernels read bf16 weights: a quantized shared expert runs its own GEMMs
         if (shared.gate_up.weight is None or is_quantized(shared.gate_up)
                 or x.shape[0] * (self.top_k + 1) > self.SHARED_IN_FUSED_ROWS):
@@ -345,7 +384,8 @@ class MoE(DeviceOps, nn.Module):
         E.g. 3 tokens, top-1, ids [2, 0, 2] -> order [1, 0, 2], ends per expert [1, 1, 3]: rows 0..1 run through
         expert 0, none through expert 1, rows 1..3 through expert 2. No host sync and two launches instead of a
         Python loop over experts with a gather and scatter each."""
-        num_experts = self.experts.gate_up_proj.shape[0]
+        num_experts = self.experts.num_experts
+        gate_up_w, down_w = self.experts.stacks(x.dtype)
         ids = top_ids.reshape(-1)
         order = torch.argsort(ids, stable=True)
         # where each expert's rows end in the sorted ids; not bincount, whose CUDA kernel reads the ids' maximum on
@@ -353,8 +393,8 @@ class MoE(DeviceOps, nn.Module):
         experts = torch.arange(num_experts, device=ids.device, dtype=ids.dtype)
         ends = torch.searchsorted(ids[order], experts, right=True).to(torch.int32)
         gated_in = x[order // self.top_k] * gates.reshape(-1)[order, None]
-        gate, up = F.grouped_mm(gated_in, self.experts.gate_up_proj, offs=ends).chunk(2, dim=-1)
-        out = F.grouped_mm(F.silu(gate) * up, self.experts.down_proj, offs=ends)
+        gate, up = F.grouped_mm(gated_in, gate_up_w, offs=ends).chunk(2, dim=-1)
+        out = F.grouped_mm(F.silu(gate) * up, down_w, offs=ends)
         # back to (token, choice) order by a gather, much faster on GPU than scattering the rows into out[order]
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(len(order), device=order.device)
@@ -366,7 +406,7 @@ class MoE(DeviceOps, nn.Module):
     def _sorts(self, top_ids: torch.Tensor) -> bool:
         from hybridkv.kernels.moe_prefill import sorts  # triton is only needed on GPU
 
-        return sorts(top_ids.numel(), self.experts.gate_up_proj.shape[0])
+        return sorts(top_ids.numel(), self.experts.num_experts)
 
     def _routed_by_kernels(self, x: torch.Tensor, top_ids: torch.Tensor, gates: torch.Tensor) -> RoutedRows:
         """``_routed_by_grouped_mm``'s dispatch on CUDA, its sort, gathers and elementwise work in five Triton
@@ -374,10 +414,24 @@ class MoE(DeviceOps, nn.Module):
         from hybridkv.kernels.moe_prefill import gather_gated, silu_mul, sort_by_expert
 
         experts = self.experts
-        ends, order, place = sort_by_expert(top_ids, experts.gate_up_proj.shape[0])
+        ends, order, place = sort_by_expert(top_ids, experts.num_experts)
         gated_in = gather_gated(x, gates, order, self.top_k)
         hidden = silu_mul(F.grouped_mm(gated_in, experts.gate_up_proj, offs=ends))
         return RoutedRows(F.grouped_mm(hidden, experts.down_proj, offs=ends), place, self.top_k)
+
+    def _routed_by_int4_kernels(self, x: torch.Tensor, top_ids: torch.Tensor, gates: torch.Tensor) -> RoutedRows:
+        """``_routed_by_kernels`` over INT4 experts: the same sort and gathers, each grouped GEMM a Triton kernel
+        that dequantizes the expert's weight tiles as it multiplies (``kernels/quant_moe.py``): no bf16 copy of
+        any expert, so the step needs no scratch beyond the rows' own activations."""
+        from hybridkv.kernels.moe_prefill import gather_gated, silu_mul, sort_by_expert
+        from hybridkv.kernels.quant_moe import int4_grouped_gemm
+
+        experts = self.experts
+        ends, order, place = sort_by_expert(top_ids, experts.num_experts)
+        gated_in = gather_gated(x, gates, order, self.top_k)
+        hidden = silu_mul(int4_grouped_gemm(gated_in, ends, *stacked_int4(experts, "gate_up_proj").parts()))
+        out = int4_grouped_gemm(hidden, ends, *stacked_int4(experts, "down_proj").parts())
+        return RoutedRows(out, place, self.top_k)
 
 
 @dataclass(slots=True)

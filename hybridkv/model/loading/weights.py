@@ -62,15 +62,15 @@ def load_weights(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tenso
         param = params[name]
         tensor = shard_for_rank(model, name, tensor)  # all of it unless the model is one TP rank's shard
         owner, _, leaf = name.rpartition(".")
-        if leaf == "weight" and _quantizes(param, tensor):
-            loaded.update(f"{owner}.{filled}" for filled in load_quantizing(model.get_submodule(owner), tensor))
+        if _quantizes(param, tensor):  # a linear's weight, or a stack of experts
+            loaded.update(f"{owner}.{filled}" for filled in load_quantizing(model.get_submodule(owner), tensor, leaf))
             continue
         if tuple(tensor.shape) != tuple(param.shape):
             raise ValueError(
                 f"weight {hf_name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}"
             )
         with torch.no_grad():
-            if leaf == "weight_scale" and param.dtype != tensor.dtype:
+            if leaf.endswith("_scale") and param.dtype != tensor.dtype:
                 param.data = tensor.to(param.device)  # a checkpoint's scales as stored (AWQ's fp16): exact values
             else:
                 param.copy_(tensor)

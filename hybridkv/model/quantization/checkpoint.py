@@ -8,14 +8,17 @@ are all read, then yields the layer either
 - kept quantized, under the names the quantized linears hold (``quantized_layers.py``): ``weight`` (e4m3, or INT4
   packed as ``kernels/quant_gemm.py`` says), ``weight_scale`` (FP8: float32 [N]; INT4: [N, K // G]), ``weight_zero_point``
   (INT4, int8 [N, K // G]) and ``input_scale`` (static FP8 activations); or
-- dequantized, as one ``weight`` in the model dtype (the CPU, ``--quantization none``, and the experts of a MoE,
-  which have no quantized kernels yet).
+- dequantized, as one ``weight`` in the model dtype (the CPU, ``--quantization none``, and the experts of a MoE
+  under a format that keeps them in the model dtype: FP8).
 
 E.g. an AWQ layer ``q_proj`` with ``qweight`` [4096, 512], ``qzeros`` [32, 512], ``scales`` [32, 4096] comes out
 as ``q_proj.weight`` int32 [4096, 512], ``q_proj.weight_scale`` [4096, 32], ``q_proj.weight_zero_point`` [4096, 32].
 
 Llama-4 checkpoints quantized by llm-compressor store experts one by one (``experts.3.gate_proj``); they are
-gathered into the fused ``experts.gate_up_proj`` [E, H, 2I] and ``experts.down_proj`` [E, I, H] transformers uses.
+gathered into the fused ``experts.gate_up_proj`` [E, H, 2I] and ``experts.down_proj`` [E, I, H] transformers uses
+or, kept quantized (INT4), into the stacks ``quantized_experts.py`` describes: ``experts.gate_up_proj`` int32
+[E, 2I, H // 8] with ``experts.gate_up_proj_scale`` (and ``_zero_point``), ``experts.down_proj`` [E, H, I // 8] with
+``experts.down_proj_scale``.
 """
 
 from __future__ import annotations
@@ -162,21 +165,27 @@ class QuantizedReader:
         self._check_done(layout)
 
     def _linear(self, prefix: str, linear: QuantizedLinear) -> Iterator[tuple[str, Any]]:
-        if self.keep and not _EXPERT.match(f"{prefix}.weight"):
-            yield from linear.named(prefix)
+        expert = self.num_experts and _EXPERT.match(f"{prefix}.weight") is not None
+        if self.keep and (not expert or self.fmt.quantizes_experts):
+            yield from self._expert_or_plain(f"{prefix}.weight", linear)
         else:
             yield from self._expert_or_plain(f"{prefix}.weight", linear.dequantized(self.dtype))
 
     def _expert_or_plain(self, name: str, source: Any) -> Iterator[tuple[str, Any]]:
+        """``source`` (a tensor, or a linear kept quantized) as it is, or held until its expert's peers are read."""
         match = _EXPERT.match(name)
         if match is None or not self.num_experts:
-            yield name, source
+            if isinstance(source, QuantizedLinear):
+                yield from source.named(name.removesuffix(".weight"))
+            else:
+                yield name, source
             return
         experts = self._experts.setdefault(match["experts"], {})
-        experts[int(match["e"]), match["proj"]] = _tensor(source).to(self.dtype)
+        kept = isinstance(source, QuantizedLinear)
+        experts[int(match["e"]), match["proj"]] = source if kept else _tensor(source).to(self.dtype)
         if len(experts) == 3 * self.num_experts:
             del self._experts[match["experts"]]
-            yield from self._fused_experts(match["experts"], experts)
+            yield from (self._stacked_experts if kept else self._fused_experts)(match["experts"], experts)
 
     def _fused_experts(self, prefix: str, experts: dict[tuple[int, str], torch.Tensor]) -> Iterator[tuple[str, Any]]:
         """transformers' fused layout: gate_up [E, H, 2I] (x @ gate_up), down [E, I, H]."""
@@ -184,6 +193,17 @@ class QuantizedReader:
         gate_up = torch.stack([torch.cat((experts[e, "gate_proj"], experts[e, "up_proj"])).t() for e in e_range])
         yield f"{prefix}.gate_up_proj", gate_up
         yield f"{prefix}.down_proj", torch.stack([experts[e, "down_proj"].t() for e in e_range])
+
+    def _stacked_experts(self, prefix: str, experts: dict[tuple[int, str], QuantizedLinear]
+                         ) -> Iterator[tuple[str, Any]]:
+        """The quantized stacks (``quantized_experts.py``): gate_up [E, 2I, H // 8] (each expert's gate rows, then
+        its up rows), down [E, H, I // 8]; their scales and zero points stacked alike."""
+        for stack, projs in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+            for suffix, part in (("", "weight"), ("_scale", "scale"), ("_zero_point", "zero")):
+                per_expert = [[getattr(experts[e, p], part) for p in projs] for e in range(self.num_experts)]
+                if any(t is None for ts in per_expert for t in ts):
+                    continue
+                yield f"{prefix}.{stack}{suffix}", torch.stack([torch.cat(ts) for ts in per_expert])
 
     def _check_done(self, layout: _Layout) -> None:
         if self._layers:

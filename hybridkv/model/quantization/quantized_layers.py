@@ -8,8 +8,9 @@ attention and the MLPs (``ColumnParallelLinear``, ``RowParallelLinear``) not in 
     INT4: weight int32 [N, K // 8] (``kernels/quant_gemm.py``), weight_scale [N, K // G] bf16 (fp16 models: fp16; a checkpoint's: as stored)
           (+ weight_zero_point int8 [N, K // G], asymmetric)
 
-The router, embeddings, LM head and norms are left in the model dtype, and so are a MoE's experts (no quantized
-fused-MoE kernel yet). A quantized linear then loads a quantized checkpoint's tensors as they come
+A MoE's routed experts (a module of ``kinds`` with ``stacked_weights``) are stacked INT4 tensors under an INT4
+format (``quantized_experts.py``) and stay in the model dtype under FP8. The router, embeddings, LM head and norms
+are left in the model dtype. A quantized linear then loads a quantized checkpoint's tensors as they come
 (``checkpoint.QuantizedReader``), or quantizes a float weight as it loads (``load_quantizing``).
 
 Its GEMM (``quantized_gemm``) is chosen when the model is placed, as every linear's: on CUDA the INT4 and FP8
@@ -25,18 +26,25 @@ from torch import nn
 from hybridkv.kv.weight_formats import WeightFormat
 from hybridkv.model.quantization.checkpoint import QuantizedLinear
 from hybridkv.model.quantization.quantize import fake_quantize_fp8, int4_scale_dtype, quantize_fp8, quantize_int4
+from hybridkv.model.quantization.quantized_experts import (
+    is_stacked, load_experts_quantizing, quantize_experts_layout, random_quantized_experts, round_trip_experts,
+)
 
 QUANT_PARAMS = ("weight_scale", "weight_zero_point", "input_scale")
 
 
 def quantizable_linears(model: nn.Module, fmt: WeightFormat, kinds: tuple[type, ...]) -> list[tuple[str, nn.Linear]]:
     """(name, linear) of every linear of ``kinds`` (the tensor-parallel linears of attention and MLPs, not the
-    router) less those the format's ignore list names (matched against transformers' names too)."""
+    router; and the experts, where the format quantizes them) less those the format's ignore list names (matched
+    against transformers' names too; experts by their fused names and expert 0's own)."""
     found = []
     for name, module in model.named_modules():
-        if not isinstance(module, kinds):
+        if not isinstance(module, kinds) or (is_stacked(module) and not fmt.quantizes_experts):
             continue
         names = (name, f"model.{name}", f"model.{name}".replace(".mlp.", ".feed_forward."))
+        if is_stacked(module):
+            names = tuple(f"{n}{part}" for n in names for part in ("", ".gate_up_proj", ".down_proj",
+                                                                     ".0.gate_proj", ".0.up_proj", ".0.down_proj"))
         if not any(fmt.keeps_unquantized(n) for n in names):
             found.append((name, module))
     return found
@@ -47,7 +55,7 @@ def quantize_layout(model: nn.Module, fmt: WeightFormat, kinds: tuple[type, ...]
     the weights' device: meta before ``to_empty``); returns how many linears were swapped."""
     linears = quantizable_linears(model, fmt, kinds)
     for _, linear in linears:
-        _swap_weight(linear, fmt)
+        (quantize_experts_layout if is_stacked(linear) else _swap_weight)(linear, fmt)
     return len(linears)
 
 
@@ -83,10 +91,13 @@ def quantized_tensors(linear: nn.Module) -> QuantizedLinear:
 
 
 @torch.no_grad()
-def load_quantizing(linear: nn.Module, weight: torch.Tensor) -> tuple[str, ...]:
-    """Quantize the float ``weight`` (this rank's [N, K] part) into the quantized ``linear``; returns the names
-    of the parameters it filled. Quantized by column slices of a rank's own part, so an INT4 group never spans two
-    ranks' columns (``K`` of each rank a multiple of the group, or the quantizer says so)."""
+def load_quantizing(linear: nn.Module, weight: torch.Tensor, name: str = "weight") -> tuple[str, ...]:
+    """Quantize the float ``weight`` (this rank's [N, K] part; for experts, the [E, K, N] stack ``name``) into the
+    quantized ``linear``; returns the names of the parameters it filled. Quantized by column slices of a rank's own
+    part, so an INT4 group never spans two ranks' columns (``K`` of each rank a multiple of the group, or the
+    quantizer says so)."""
+    if is_stacked(linear):
+        return load_experts_quantizing(linear, name, weight)
     fmt: WeightFormat = linear.weight_format
     if fmt.bits == 8:
         if not fmt.dynamic_activations:
@@ -103,6 +114,9 @@ def load_quantizing(linear: nn.Module, weight: torch.Tensor) -> tuple[str, ...]:
 def random_quantized(linear: nn.Module, gen: torch.Generator, std: float = 0.02) -> None:
     """Dummy weights: N(0, std) drawn in the model dtype and quantized, a few rows at a time (a full-size weight is
     never whole in bf16)."""
+    if is_stacked(linear):
+        random_quantized_experts(linear, gen, std)
+        return
     rows, _ = linear.weight.shape
     cols = linear.in_features
     dtype = torch.bfloat16
@@ -157,6 +171,9 @@ def round_trip_linears(model: nn.Module, fmt: WeightFormat, kinds: tuple[type, .
     dequantized again: the values a quantized model computes with, in the model dtype; returns how many."""
     linears = quantizable_linears(model, fmt, kinds)
     for _, linear in linears:
+        if is_stacked(linear):
+            round_trip_experts(linear, fmt)
+            continue
         w = linear.weight
         q, scale = quantize_fp8(w) if fmt.bits == 8 else quantize_int4(w, fmt.group_size, int4_scale_dtype(w.dtype))
         w.copy_(QuantizedLinear(q, scale).dequantized(w.dtype))
