@@ -141,7 +141,7 @@ def test_weights_that_do_not_fit_are_named_with_the_smallest_tp_that_fits(capsys
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] is False and plan["kv_memory_bytes"] == 0 and plan["memory"]["weights_bytes"] > 200 * GIB
     for reason in (plan["reason"], plan["comparison"]["reason"]):
-        assert "is 2 (bfloat16); with --quantization fp8 it fits at tensor-parallel size 1" in reason
+        assert "is 2 (bfloat16); with --quantization int4 it fits at tensor-parallel size 1" in reason
     assert main([*one_gpu, "--tensor-parallel-size", "2", "--json"]) == 0  # and 2 does fit
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] is True and plan["reason"] == "" and plan["max_model_len"] > 0

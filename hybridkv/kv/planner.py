@@ -15,7 +15,7 @@ Given GPU memory instead of KV memory, the KV budget is
 The step reserve is the engine's own (``capacity.step_reserve_bytes``); weights and the runtime (CUDA context,
 NCCL buffers), which the engine measures as memory in use, are estimated (``estimate_weights``, ``RUNTIME_BYTES``).
 The weights are counted byte for byte in the format ``--quantization`` gives (``kv/weight_formats.py``): Scout on
-one rank is 200.74 GiB in bf16, 102.37 GiB with FP8 linear layers, 54.62 GiB with INT4 (group 128) ones.
+one rank is 200.74 GiB in bf16, 192.31 GiB with FP8 (routed experts stay bf16), 54.62 GiB with INT4 (group 128).
 Given the same KV memory, ``plan_capacity`` and the engine size the same number of blocks and the same
 ``max_model_len`` (``tests/engine/test_plan_matches_engine.py``).
 
@@ -154,7 +154,7 @@ def plan_capacity(hf_config: dict[str, Any], inputs: PlanInputs, *, hybrid: bool
     an unquantized checkpoint the smallest with ``--quantization`` fp8 and int4 where those need fewer ranks.
     """
     _check_inputs(inputs)
-    weight_format(hf_config, inputs.quantization)  # a quantization the checkpoint cannot take is bad input
+    fitted_format(hf_config, inputs.quantization)  # a quantization the checkpoint cannot take is bad input
     plan, layout = _plan(hf_config, inputs, hybrid)
     lengths = list(CONCURRENCY_LENGTHS)
     if plan.row_tokens > 0 and plan.row_tokens not in lengths:
@@ -183,7 +183,7 @@ def _plan(hf_config: dict[str, Any], inputs: PlanInputs, hybrid: bool) -> tuple[
         memory = estimate_memory(
             hf_config, tensor_parallel_size, inputs.gpu_memory_bytes, inputs.gpu_memory_utilization,
             inputs.max_num_batched_tokens, inputs.max_num_seqs, inputs.segment_bytes, collectives,
-            weight_format(hf_config, inputs.quantization),
+            fitted_format(hf_config, inputs.quantization, tensor_parallel_size),
         )
         kv_memory_bytes = memory.kv_memory_bytes
     num_blocks = layout.num_blocks(kv_memory_bytes)
@@ -330,8 +330,8 @@ def _no_kv_memory(memory: MemoryEstimate, tensor_parallel_size: int) -> str:
 def _what_fits(hf_config: dict[str, Any], inputs: PlanInputs, hybrid: bool, asked: str) -> str:
     """The smallest tensor-parallel size that fits in the asked format; for an unquantized checkpoint, each format
     it can be quantized to at load that fits on fewer ranks, e.g. Scout on one 139.8 GiB GPU: "the smallest
-    tensor-parallel size that fits is 2 (bfloat16); with --quantization fp8 it fits at tensor-parallel size 1;
-    with --quantization int4 it fits at tensor-parallel size 1". ``asked``: the asked format's ``format_name``."""
+    tensor-parallel size that fits is 2 (bfloat16); with --quantization int4 it fits at tensor-parallel size 1"
+    (FP8 keeps Scout's routed experts bf16: 192.31 GiB, TP 2 as well). ``asked``: the asked format's ``format_name``."""
     tp = _smallest_fitting_tp(hf_config, inputs, hybrid, inputs.tensor_parallel_size + 1)
     parts = [f"the smallest tensor-parallel size that fits is {tp} ({asked})" if tp is not None
              else f"no tensor-parallel size up to {TP_CANDIDATES[-1]} fits ({asked})"]
@@ -462,6 +462,26 @@ def estimate_weights(
     return parts
 
 
+# INT4 quantized at load takes the widest of these groups that divides every quantized linear's inputs on a rank
+INT4_AT_LOAD_GROUPS = (128, 64, 32)
+
+
+def fitted_format(hf_config: dict[str, Any], quantization: str, tensor_parallel_size: int = 1) -> WeightFormat:
+    """``weight_format``, INT4 quantized at load in the widest of ``INT4_AT_LOAD_GROUPS`` that divides the input
+    columns of every linear it quantizes on a rank: 128 for Scout, 64 for SmolLM2-135M (hidden size 576)."""
+    fmt = weight_format(hf_config, quantization)
+    if fmt.bits != 4 or fmt.source != "at load":
+        return fmt
+    cols = {linear.cols for linear in rank_linears(hf_config, tensor_parallel_size)
+            if fmt.quantizes_experts or not linear.routed_expert}
+    for group in INT4_AT_LOAD_GROUPS:
+        if all(c % group == 0 for c in cols):
+            return replace(fmt, group_size=group)
+    raise ValueError(f"--quantization int4: no group of {', '.join(map(str, INT4_AT_LOAD_GROUPS))} inputs divides "
+                     f"every linear layer's input columns at tensor-parallel size {tensor_parallel_size} "
+                     f"({', '.join(map(str, sorted(cols)))})")
+
+
 @dataclass(frozen=True, slots=True)
 class RankLinear:
     """One linear layer's slice on a tensor-parallel rank: a [rows, cols] weight (out features x in features)."""
@@ -470,6 +490,7 @@ class RankLinear:
     name: str  # as the checkpoint names it, e.g. "model.layers.0.mlp.down_proj", for a format's ignore list
     rows: int
     cols: int
+    routed_expert: bool = False  # quantized only where the format quantizes experts (``quantizes_experts``)
 
 
 def rank_linears(hf_config: dict[str, Any], tensor_parallel_size: int) -> Iterator[RankLinear]:
@@ -502,20 +523,20 @@ def rank_linears(hf_config: dict[str, Any], tensor_parallel_size: int) -> Iterat
             yield from _mlp_linears("mlp", mlp, hidden, cdiv(_dense_mlp_size(cfg), tp))
             continue
         for e in range(_num_experts(cfg)):
-            yield from _mlp_linears("moe", f"{mlp}.experts.{e}", hidden, cdiv(expert_inter, tp))
+            yield from _mlp_linears("moe", f"{mlp}.experts.{e}", hidden, cdiv(expert_inter, tp), routed=True)
         if shared_inter:
             yield from _mlp_linears("moe", f"{mlp}.shared_expert", hidden, cdiv(shared_inter, tp))
 
 
-def _mlp_linears(part: str, name: str, hidden: int, inter_per_rank: int) -> Iterator[RankLinear]:
-    yield RankLinear(part, f"{name}.gate_proj", inter_per_rank, hidden)
-    yield RankLinear(part, f"{name}.up_proj", inter_per_rank, hidden)
-    yield RankLinear(part, f"{name}.down_proj", hidden, inter_per_rank)
+def _mlp_linears(part: str, name: str, hidden: int, inter_per_rank: int, routed: bool = False) -> Iterator[RankLinear]:
+    yield RankLinear(part, f"{name}.gate_proj", inter_per_rank, hidden, routed)
+    yield RankLinear(part, f"{name}.up_proj", inter_per_rank, hidden, routed)
+    yield RankLinear(part, f"{name}.down_proj", hidden, inter_per_rank, routed)
 
 
 def _linear_bytes(linear: RankLinear, fmt: WeightFormat, tensor_parallel_size: int, dtype_bytes: int) -> int:
     # the quantization groups run along a slice's input columns, so a group must divide the rank's columns
-    if fmt.keeps_unquantized(linear.name):
+    if fmt.keeps_unquantized(linear.name) or (linear.routed_expert and not fmt.quantizes_experts):
         return linear.rows * linear.cols * dtype_bytes
     try:
         return fmt.linear_bytes(linear.rows, linear.cols, dtype_bytes)

@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING
 
 from hybridkv.kv.capacity import pool_tokens
 from hybridkv.kv.host_tier import host_tier_tokens
-from hybridkv.kv.planner import concurrency_at, format_detail, type_usage
-from hybridkv.kv.weight_formats import weight_format
+from hybridkv.kv.planner import concurrency_at, fitted_format, format_detail, type_usage
 
 if TYPE_CHECKING:
     from hybridkv.server.app import ServerState
@@ -52,7 +51,8 @@ def _weights_line(engine) -> str:
 
     model = engine.loaded.model
     held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-    fmt = weight_format(engine.loaded.hf_config, engine.config.quantization)
+    config = engine.config
+    fmt = fitted_format(engine.loaded.hf_config, config.quantization, config.tensor_parallel_size)
     detail = format_detail(fmt, dtype_name(next(engine.model.parameters()).dtype))
     cpu = ", dequantized to the model dtype on the CPU" if fmt.quantized and engine.config.device == "cpu" else ""
     rank = " per rank" if engine.config.tensor_parallel_size > 1 else ""

@@ -389,12 +389,22 @@ def test_int4_group_must_not_span_two_ranks(tmp_path):
 
 
 
+def moe_config() -> dict:
+    return transformers.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=128, intermediate_size_mlp=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, interleave_moe_layer_step=2, num_local_experts=4,
+        num_experts_per_tok=1).to_dict()
+
+
 @pytest.mark.parametrize("fmt", [FP8, INT4, replace(INT4, group_size=32, zero_points=True)])
-def test_the_planner_counts_the_bytes_a_quantized_model_holds(fmt):
+@pytest.mark.parametrize("moe", [False, True])
+def test_the_planner_counts_the_bytes_a_quantized_model_holds(fmt, moe):
+    """FP8 keeps a MoE's routed experts in the model dtype, and the planner counts them so."""
     from hybridkv.kv.planner import estimate_weights
     from hybridkv.model.factory import build_model
 
-    config = tiny_llama(hidden=128).config.to_dict() | {"torch_dtype": "bfloat16", "dtype": "bfloat16"}
+    config = moe_config() if moe else tiny_llama(hidden=128).config.to_dict()
+    config |= {"torch_dtype": "bfloat16", "dtype": "bfloat16"}
     model = build_model(config, torch.bfloat16, weights=fmt)
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     assert held == sum(estimate_weights(config, 1, fmt).values())

@@ -54,13 +54,13 @@ def load_checkpoint(
     resolved = resolve_model(model)
     if resolved.kind == "gguf":
         ckpt = read_gguf(resolved.path, dtype)
-        weights = WeightPlan.of(ckpt.hf_config, quantization, device)
+        weights = WeightPlan.of(ckpt.hf_config, quantization, device, _tp_size(tp))
         net = build_model(ckpt.hf_config, dtype, tp, weights=weights.kept)
         load_weights(net, ckpt.named_tensors(progress))
         weights.round_trip(net)
         tok = Tokenizer.from_gguf(ckpt.reader) if tokenizer else None
         return LoadedModel(resolved.name, net, tok, ckpt.hf_config)
-    weights = WeightPlan.of(load_hf_config(resolved.path), quantization, device)
+    weights = WeightPlan.of(load_hf_config(resolved.path), quantization, device, _tp_size(tp))
     net, config = load_safetensors_model(resolved.path, dtype, progress, tp, weights)
     return LoadedModel(resolved.name, net, Tokenizer.from_hf_dir(resolved.path) if tokenizer else None, config)
 
@@ -73,7 +73,7 @@ def _dummy_checkpoint(path: str | None, dtype: torch.dtype, tp: TPGroup | None, 
         raise ValueError("load_format dummy needs a model directory with config.json")
     device, seed = where
     config = load_hf_config(path)
-    weights = WeightPlan.of(config, quantization, device)
+    weights = WeightPlan.of(config, quantization, device, _tp_size(tp))
     model = build_model(config, dtype, tp, "dummy", device, seed, weights.kept)
     weights.round_trip(model)
     tok = None
@@ -81,3 +81,7 @@ def _dummy_checkpoint(path: str | None, dtype: torch.dtype, tp: TPGroup | None, 
         has_own = (Path(path) / "tokenizer.json").is_file()
         tok = Tokenizer.from_hf_dir(path) if has_own else word_tokenizer(model.cfg.vocab_size)
     return LoadedModel(f"{Path(path).name} (dummy weights)", model, tok, config)
+
+
+def _tp_size(tp: TPGroup | None) -> int:
+    return 1 if tp is None else tp.size

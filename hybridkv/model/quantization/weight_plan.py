@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from hybridkv.kv.layer_specs import text_config
-from hybridkv.kv.weight_formats import UNQUANTIZED, WeightFormat, checkpoint_format, weight_format
+from hybridkv.kv.planner import fitted_format
+from hybridkv.kv.weight_formats import UNQUANTIZED, WeightFormat, checkpoint_format
 from hybridkv.model.factory import QUANTIZABLE
 from hybridkv.model.quantization.checkpoint import QuantizedReader
 from hybridkv.model.quantization.quantized_layers import round_trip_linears
@@ -34,8 +35,9 @@ class WeightPlan:
     keep: bool  # quantized tensors stay quantized in the model (else dequantized into its dtype)
 
     @classmethod
-    def of(cls, hf_config: dict[str, Any], quantization: str = "auto", device: str = "cpu") -> WeightPlan:
-        served = weight_format(hf_config, quantization)
+    def of(cls, hf_config: dict[str, Any], quantization: str = "auto", device: str = "cpu",
+           tensor_parallel_size: int = 1) -> WeightPlan:
+        served = fitted_format(hf_config, quantization, tensor_parallel_size)
         return cls(served, checkpoint_format(hf_config), served.quantized and torch.device(device).type == "cuda")
 
     @property
