@@ -37,15 +37,15 @@ import torch
 
 from hybridkv.bench.tables import markdown_table
 from hybridkv.kv.layer_specs import layer_specs_from_hf_config
-from hybridkv.kv.weight_formats import FP8, INT4, UNQUANTIZED, WeightFormat, checkpoint_format
+from hybridkv.kv.planner import fitted_format
+from hybridkv.kv.weight_formats import FP8, UNQUANTIZED, WeightFormat, checkpoint_format
 from hybridkv.model.attention.dense import DenseAttention
 from hybridkv.model.causal_lm import CausalLM
-from hybridkv.model.factory import QUANTIZABLE, build_model
+from hybridkv.model.factory import build_model
 from hybridkv.model.loading.gguf_reader import read_gguf
 from hybridkv.model.loading.known_models import DEFAULT_MODEL, resolve_model
 from hybridkv.model.loading.tokenizer import Tokenizer
 from hybridkv.model.loading.weights import load_weights
-from hybridkv.model.quantization.quantized_layers import quantizable_linears
 from hybridkv.model.quantization.weight_plan import WeightPlan
 
 Tensors = dict[str, torch.Tensor]  # a checkpoint's, by HF name, in float32
@@ -95,15 +95,11 @@ def score(model: CausalLM, hf_config: dict, seqs: list[torch.Tensor]) -> Scores:
     return Scores(torch.cat(argmax), torch.cat(nll))
 
 
-def int4_format(model: CausalLM, group: int | None = None) -> WeightFormat:
-    """INT4 in groups of ``group`` inputs; None: 128 (``--quantization int4``), or the widest group dividing every
-    quantized linear's inputs (SmolLM2's q/k/v and gate/up read 576 = 4.5 x 128 features)."""
-    widths = {linear.in_features for _, linear in quantizable_linears(model, INT4, QUANTIZABLE)}
-    for g in (group,) if group else (128, 64, 32, 16):  # 16: the INT4 kernel's smallest group
-        if g % 16 == 0 and all(w % g == 0 for w in widths):
-            return replace(INT4, group_size=g)
-    raise ValueError(f"no INT4 group of {group or '16 to 128'} (a multiple of 16) divides the quantized linears' "
-                     f"input widths {sorted(widths)}")
+def int4_format(hf_config: dict, group: int | None = None) -> WeightFormat:
+    """INT4 as ``--quantization int4`` takes it (``fitted_format``: groups of 128, or the widest of 64 and 32 that
+    divides every linear's inputs: SmolLM2's q/k/v and gate/up read 576 = 9 x 64), or in groups of ``group``."""
+    fmt = fitted_format(hf_config, "int4")
+    return fmt if group is None else replace(fmt, group_size=group)
 
 
 def variants(tensors: Tensors, own: WeightFormat, int4: WeightFormat) -> dict[str, tuple[WeightPlan, Tensors]]:
@@ -137,7 +133,7 @@ def measure(name: str, window: int, count: int, group: int | None = None) -> lis
     reference = built(ckpt.hf_config, tensors, WeightPlan(UNQUANTIZED, own, keep=False))
     ref = timed(f"{name} reference", reference, ckpt.hf_config, seqs)
     rows = [row(name, "none (reference)", ref, ref)]
-    for label, (plan, weights) in variants(tensors, own, int4_format(reference, group)).items():
+    for label, (plan, weights) in variants(tensors, own, int4_format(ckpt.hf_config, group)).items():
         got = timed(f"{name} {label}", built(ckpt.hf_config, weights, plan), ckpt.hf_config, seqs)
         rows.append(row(name, label, got, ref, plan.served))
     return rows
