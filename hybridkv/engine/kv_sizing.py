@@ -43,6 +43,8 @@ def kv_cache_bytes(config: EngineConfig, hidden_size: int, vocab_size: int) -> i
         return config.kv_cache_memory_bytes
     if not config.device.startswith("cuda"):
         return DEFAULT_CPU_KV_CACHE_BYTES
+    # blocks the loader freed (dummy weights drawn and quantized a chunk at a time) would count as in use
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(torch.device(config.device))
     reserve = step_reserve_bytes(config, hidden_size, vocab_size)
     budget = int(total * config.gpu_memory_utilization) - (total - free) - reserve
