@@ -18,6 +18,7 @@ may be shared: each number is the best of ``--repeats`` runs, and the load avera
     python benchmarks/cpu.py --quick             # 256- and 1K-token prompts, 32 decode tokens
     python benchmarks/cpu.py --prompts 8000      # decode and the 8K-token prompt only
     python benchmarks/cpu.py --error             # how far the 4-bit default moves logits and greedy tokens
+    python benchmarks/cpu.py --rss               # hybridkv's memory: LLM() idle, after a decode, serve idle
 """
 
 from __future__ import annotations
@@ -138,6 +139,8 @@ def make(engine: str, threads: int):
 
 
 def worker(engine: str, task: str, arg: int, threads: int, repeats: int, decode_tokens: int) -> dict:
+    if task == "rss":  # before anything is loaded
+        return rss_worker(threads, decode_tokens)
     start = time.monotonic()
     runner = make(engine, threads)
     result: dict = {"load_s": time.monotonic() - start}
@@ -162,6 +165,59 @@ def worker(engine: str, task: str, arg: int, threads: int, repeats: int, decode_
         result["peak_growth_mb"] = peak_mb() - before
     return result
 
+
+
+# ---- memory -----------------------------------------------------------------------------------------------------
+def rss_worker(threads: int, decode_tokens: int) -> dict:
+    """RSS and peak RSS (VmHWM: start-up's peak included) of ``LLM()`` built, then after one greedy decode."""
+    import resource
+
+    import torch  # noqa: F401
+
+    out = {"torch_mb": rss_mb()}
+    llm = HybridKV(threads, float32=False)
+    out["idle_mb"], out["idle_peak_mb"] = rss_mb(), peak_mb()
+    llm.decode(1, decode_tokens)
+    out["decode_mb"], out["decode_peak_mb"] = rss_mb(), peak_mb()
+    out["ru_maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return out
+
+
+def serve_idle_mb(port: int = 8377, timeout: float = 300) -> tuple[float, float]:
+    """(RSS, peak RSS) of ``hybridkv serve`` (the default model) once it answers ``/health``, idle."""
+    import urllib.request
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    server = subprocess.Popen([sys.executable, "-m", "hybridkv.cli", "serve", "--port", str(port)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        time.sleep(2)  # idle
+        status = Path(f"/proc/{server.pid}/status").read_text()
+        kb = lambda key: int(status.split(key + ":")[1].split()[0]) / 1024  # noqa: E731
+        return kb("VmRSS"), kb("VmHWM")
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def rss_table(args: argparse.Namespace) -> str:
+    from hybridkv.bench.tables import markdown_table
+
+    r = run_worker("hybridkv", "rss", 1, args)
+    serve = serve_idle_mb()
+    rows = [["`LLM()` built, idle", f"{r['idle_mb']:,.0f} MiB", f"{r['idle_peak_mb']:,.0f} MiB"],
+            [f"after greedy decode of {args.decode_tokens} tokens (64-word prompt)", f"{r['decode_mb']:,.0f} MiB",
+             f"{r['decode_peak_mb']:,.0f} MiB (ru_maxrss {r['ru_maxrss_mb']:,.0f})"],
+            ["`hybridkv serve`, idle after `/health`", f"{serve[0]:,.0f} MiB", f"{serve[1]:,.0f} MiB"]]
+    return markdown_table(["hybridkv default model", "RSS", "peak RSS"], rows) + (
+        f"\n\nimport torch alone: {r['torch_mb']:,.0f} MiB; {args.threads} thread(s)")
 
 
 # ---- the table -------------------------------------------------------------------------------------------------
@@ -269,6 +325,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--prompts", help="prompt lengths to time, comma-separated (default 1000,8000; '': none)")
     p.add_argument("--error", action="store_true")
+    p.add_argument("--rss", action="store_true", help="hybridkv's RSS: LLM() idle, after a decode, serve idle")
     p.add_argument("--worker", nargs=3, metavar=("ENGINE", "TASK", "ARG"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.threads == 0:
@@ -282,6 +339,8 @@ def main() -> None:
         print(json.dumps(worker(engine, task, int(arg), args.threads, args.repeats, args.decode_tokens)))
     elif args.error:
         print(logit_error())
+    elif args.rss:
+        print(rss_table(args))
     else:
         print(table(args))
 

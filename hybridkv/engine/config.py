@@ -51,7 +51,8 @@ class EngineConfig:
         0, "CPU: torch's intra-op threads (0: half the cores, at least 1, as llama-cpp-python; on 2 cores shared "
            "with other work, 2 threads decoded 3-7x slower than 1: a thread waiting on a busy core stalls each op)")
     kv_cache_memory_bytes: int | None = knob(
-        None, "KV cache budget in bytes (default: 2 GiB on CPU; on GPU what --gpu-memory-utilization leaves)")
+        None, "KV cache budget in bytes (default on CPU: room for 2 requests of max_model_len, 64 MiB to 2 GiB; "
+        "on GPU what --gpu-memory-utilization leaves)")
     gpu_memory_utilization: float = knob(0.9, "GPU only: the share of GPU memory the engine may use")
     attention_backend: str = knob("auto", "auto (triton on CUDA) | torch (reference) | triton (GPU kernels)")
     enforce_eager: bool = knob(False, "GPU: no CUDA graphs for decode steps")

@@ -12,7 +12,7 @@ import logging
 import torch
 
 from hybridkv.engine.config import EngineConfig, resolve_step_budget
-from hybridkv.kv.capacity import longest_fitting
+from hybridkv.kv.capacity import cpu_default_kv_bytes, longest_fitting
 from hybridkv.kv.capacity import step_reserve_bytes as _step_reserve_formula
 from hybridkv.kv.layer_specs import text_config
 from hybridkv.kv.layout import KVLayout
@@ -20,9 +20,6 @@ from hybridkv.model.architectures.collectives import CopyEngineSums
 from hybridkv.model.attention.factory import paged_attention_capabilities
 
 log = logging.getLogger("hybridkv")
-
-DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
-
 
 def step_reserve_bytes(config: EngineConfig, hidden_size: int, vocab_size: int) -> int:
     """GPU memory kept out of the KV cache for one step's working set: ``hybridkv.kv.capacity``'s formula (the
@@ -36,13 +33,15 @@ def step_reserve_bytes(config: EngineConfig, hidden_size: int, vocab_size: int) 
     return _step_reserve_formula(step, config.max_num_seqs, hidden_size, vocab_size, segments, sums)
 
 
-def kv_cache_bytes(config: EngineConfig, hidden_size: int, vocab_size: int) -> int:
-    """The KV cache's bytes per rank: ``kv_cache_memory_bytes``; unset, 2 GiB on the CPU, and on a GPU what
-    ``gpu_memory_utilization`` leaves after what is in use (the weights loaded) and the step reserve."""
+def kv_cache_bytes(config: EngineConfig, hf_config: dict, layout: KVLayout, hidden_size: int, vocab_size: int) -> int:
+    """The KV cache's bytes per rank: ``kv_cache_memory_bytes``; unset, on the CPU room for a few requests of
+    ``max_model_len`` (``capacity.cpu_default_kv_bytes``), and on a GPU what ``gpu_memory_utilization`` leaves
+    after what is in use (the weights loaded) and the step reserve."""
     if config.kv_cache_memory_bytes:
         return config.kv_cache_memory_bytes
     if not config.device.startswith("cuda"):
-        return DEFAULT_CPU_KV_CACHE_BYTES
+        step = resolve_step_budget(config, config.device).max_num_batched_tokens
+        return cpu_default_kv_bytes(layout, _wanted_len(config, hf_config), step)
     # blocks the loader freed (dummy weights drawn and quantized a chunk at a time) would count as in use
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(torch.device(config.device))
@@ -90,8 +89,7 @@ def resolve_max_model_len(config: EngineConfig, hf_config: dict, layout: KVLayou
 
     Too long for the model or the cache: raise naming the limit, or clamp and log it (``clamp_max_model_len``).
     """
-    cfg = text_config(hf_config)
-    model_len = int(cfg.get("max_position_embeddings") or 2048)
+    model_len = _model_len(hf_config)
     asked = config.max_model_len
     wanted = model_len if asked is None else asked
     limits = []
@@ -113,3 +111,14 @@ def resolve_max_model_len(config: EngineConfig, hf_config: dict, layout: KVLayou
         raise ValueError(f"max_model_len {asked} is too long: {why}; lower it or raise kv_cache_memory_bytes")
     log.warning("max_model_len %d clamped to %d: %s", wanted, length, why)
     return length, why
+
+
+def _model_len(hf_config: dict) -> int:
+    """The model's context: ``max_position_embeddings`` (2,048 where the config has none)."""
+    return int(text_config(hf_config).get("max_position_embeddings") or 2048)
+
+
+def _wanted_len(config: EngineConfig, hf_config: dict) -> int:
+    """The ``max_model_len`` to size a default CPU cache for: the asked one, at most the model's context."""
+    model_len = _model_len(hf_config)
+    return model_len if config.max_model_len is None else min(config.max_model_len, model_len)

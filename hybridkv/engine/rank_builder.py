@@ -22,7 +22,8 @@ import torch
 from hybridkv.engine.config import EngineConfig, resolve_step_budget
 from hybridkv.engine.kv_sizing import host_blocks, kv_cache_bytes, size_kv_cache
 from hybridkv.engine.model_runner import ModelRunner
-from hybridkv.engine.runtime import build_runtime, cpu_threads, keep_4bit_weights, rank_layout, resolve_device
+from hybridkv.engine.runtime import (build_runtime, cpu_threads, keep_4bit_weights, rank_layout, release_freed_memory,
+                                     resolve_device)
 from hybridkv.engine.tp_workers import TPDriverRunner, TPWorkers, WorkerSpec
 from hybridkv.kv.cache_manager import KVCacheManager
 from hybridkv.kv.dtypes import resolve_kv_dtype, resolve_model_dtype
@@ -70,11 +71,13 @@ def build_driver_rank(config: EngineConfig, loaded: LoadedModel | None = None) -
                                        load_format=config.load_format, device=config.device, seed=config.seed,
                                        quantization=config.quantization)
     model, int4_linears = keep_4bit_weights(loaded.model.place(config.device, dtype), config, tp)
+    if config.device == "cpu":
+        release_freed_memory()
     if config.fp8_attention_compute and not config.kv_cache_dtype.startswith("fp8"):
         raise ValueError(f"fp8_attention_compute needs kv_cache_dtype=fp8_e4m3, got {config.kv_cache_dtype!r}")
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype_name)
     layout = rank_layout(loaded.hf_config, tp.size, kv_dtype, config.block_size)
-    kv_bytes = kv_cache_bytes(config, model.cfg.hidden_size, model.cfg.vocab_size)
+    kv_bytes = kv_cache_bytes(config, loaded.hf_config, layout, model.cfg.hidden_size, model.cfg.vocab_size)
     num_blocks, max_model_len, bound = size_kv_cache(config, loaded.hf_config, layout, kv_bytes)
     host = host_blocks(config, layout)
     kv = KVCacheManager(layout, num_blocks, enable_prefix_caching=config.enable_prefix_caching,

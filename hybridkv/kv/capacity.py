@@ -17,6 +17,11 @@ GIB = 1 << 30
 _STEP_SLACK_BYTES = GIB  # allocator fragmentation, cuBLAS workspaces, temporaries the counts below miss
 _HIDDEN_BUFFERS = 16  # float32 hidden-size buffers per batched token (residual, norms, q/k/v/o, MLP, ...)
 _SAMPLER_COPIES = 3  # float32 logits per sequence: the logits, their softmax, the sampler's sorted copy
+# The CPU's default KV budget (``cpu_default_kv_bytes``): this many requests of max_model_len tokens at once, within
+# a floor (a model with a short context still batches a few) and a cap (a long one's max_model_len is clamped instead)
+CPU_DEFAULT_REQUESTS = 2
+CPU_KV_FLOOR_BYTES = 64 << 20
+CPU_KV_CAP_BYTES = 2 * GIB
 
 
 def peak_blocks(layout: KVLayout, num_tokens: int, max_step_tokens: int) -> int:
@@ -42,6 +47,18 @@ def longest_fitting(layout: KVLayout, usable_blocks: int, max_step_tokens: int, 
         else:
             hi = mid - 1
     return lo
+
+
+def cpu_default_kv_bytes(layout: KVLayout, max_model_len: int, max_step_tokens: int) -> int:
+    """The CPU's KV budget when none is given: the null block and ``CPU_DEFAULT_REQUESTS`` requests' peaks at
+    ``max_model_len``, within ``CPU_KV_FLOOR_BYTES`` .. ``CPU_KV_CAP_BYTES``. A page stays off the RSS until a
+    request first writes it, but a long-running server writes every page in turn, so the budget is what it ends up
+    holding.
+
+    E.g. SmolLM2-135M (float32 cache, 30 layers x 2 x 3 KV heads x 64 x 4 B, block 16: 737,280 B a page), 8,192
+    tokens, 512-token steps: (2 x 512 + 1) pages = 755,712,000 B (720.7 MiB)."""
+    pages = CPU_DEFAULT_REQUESTS * peak_blocks(layout, max_model_len, max_step_tokens) + 1
+    return min(max(layout.fixed_bytes + pages * layout.page_bytes, CPU_KV_FLOOR_BYTES), CPU_KV_CAP_BYTES)
 
 
 def step_reserve_bytes(

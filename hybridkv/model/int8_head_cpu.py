@@ -40,6 +40,7 @@ import torch.nn.functional as F
 _ZERO_POINT = 128  # oneDNN's GEMM takes unsigned activations: a digit d in -127..127 goes in as d + 128
 _FEWEST_ROWS = 4  # rows of oneDNN's GEMM: fewer are padded (``_sums``)
 _SPREAD_COLUMNS = 4  # zero columns fbgemm's copy of the weight has beyond the hidden size (``_sums``)
+_BUILD_ROWS = 4096  # vocabulary rows quantised at a time (``_int8_rows``)
 
 
 def int8_kernel_available() -> bool:
@@ -84,16 +85,10 @@ class Int8ArgmaxHead:
         kind = kind or int8_gemm()
         if kind is None:
             raise RuntimeError("no int8 GEMM of this torch sums exactly in int32 (int8_kernel_available)")
-        w = weight.detach().float()
-        amax = w.abs().amax(1)
-        scales = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-        q = (w / scales[:, None]).round().clamp(-127, 127)
-        e = q * scales[:, None]
-        k = w.shape[1]
-        per_l1 = 1.01 * (w - e).abs().amax(1) + (k * 2.0**-23 + 2.0**-19) * amax
+        rows = [_int8_rows(w) for w in weight.detach().split(_BUILD_ROWS)]
+        q, scales, row_error = (torch.cat(part) for part in zip(*rows))
         zeros = torch.zeros(scales.shape, dtype=torch.int64)
-        packed = _prepack(kind, q.to(torch.int8), scales)
-        return cls(kind, packed, scales, zeros, torch.stack((per_l1, 1.01 * e.norm(dim=1))))
+        return cls(kind, _prepack(kind, q, scales), scales, zeros, row_error.t().contiguous())
 
     @property
     def vocab_size(self) -> int:
@@ -120,6 +115,18 @@ class Int8ArgmaxHead:
         rows = h.shape[0]
         scores = both[:rows] * s1 + both[rows:] * s2
         return scores, torch.cat((h.abs().sum(1, keepdim=True), r.norm(dim=1, keepdim=True)), 1) @ self.row_error
+
+
+def _int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(int8 q [n, K], scales [n], row_error [n, 2]) of ``n`` rows of the float head: ``Int8ArgmaxHead``'s copy, a
+    slice of rows at a time (the float32 temporaries of a whole 49,152 x 576 head add ~120 MB to start-up's peak)."""
+    w = weight.float()
+    amax = w.abs().amax(1)
+    scales = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    q = (w / scales[:, None]).round().clamp(-127, 127)
+    e = q * scales[:, None]
+    per_l1 = 1.01 * (w - e).abs().amax(1) + (w.shape[1] * 2.0**-23 + 2.0**-19) * amax
+    return q.to(torch.int8), scales, torch.stack((per_l1, 1.01 * e.norm(dim=1)), 1)
 
 
 def _digit(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

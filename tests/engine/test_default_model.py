@@ -114,3 +114,9 @@ def test_generate_cli_refuses_a_bad_flag_value_in_one_line():
     )
     assert proc.returncode == 2
     assert "fp8_e5m2" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_default_cpu_kv_cache_holds_two_requests_of_the_models_context(llm):
+    """No kv_cache_memory_bytes on CPU: 2 x 512 blocks of 16 tokens (8,192-token context) and the null block."""
+    assert llm.engine.backend.cache.buffer.shape[0] == 2 * 512 + 1
+    assert llm.engine.max_model_len == 8192
