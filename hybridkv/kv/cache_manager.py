@@ -31,7 +31,7 @@ import numpy as np
 from hybridkv.kv.block_pool import BlockPool
 from hybridkv.kv.capacity import longest_fitting, peak_blocks
 from hybridkv.kv.coordinator import KVCacheCoordinator, make_coordinator
-from hybridkv.kv.events import KVEvent, KVEventLog
+from hybridkv.kv.events import KVEventLog
 from hybridkv.kv.host_tier import BlockCopy, HostTier
 from hybridkv.kv.layout import KVLayout
 from hybridkv.kv.managers import default_retention_interval
@@ -73,7 +73,7 @@ class KVCacheManager:
             retention_interval=default_retention_interval(layout) if retention_interval is None else retention_interval,
             host=self.host,
         )
-        # KV events (kv/events.py): what became findable and what stopped being, drained by ``take_events``
+        # KV events (kv/events.py): what became findable and what stopped being, drained by the engine each step
         self.events: KVEventLog | None = KVEventLog(layout.block_size) if kv_events else None
         self.pool.events = self.events
         if self.host is not None:
@@ -114,10 +114,6 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, device and host; False (nothing done) while any block is in use."""
         return self.coordinator.reset_prefix_cache()
-
-    def take_events(self) -> list[KVEvent]:
-        """The KV events recorded since the last call, oldest first (empty when events are off)."""
-        return [] if self.events is None else self.events.take()
 
     # ---- allocation --------------------------------------------------------------------------------
     def blocks_needed(self, req: KVRequest, num_new_tokens: int, hit: CacheHit | None = None) -> int:
