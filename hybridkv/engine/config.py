@@ -86,6 +86,12 @@ class EngineConfig:
               "work of a step overlaps the GPU's (decode steps without logprobs; others run as before). Default: "
               "on with CUDA, at any tensor-parallel size; off on the CPU, where nothing overlaps and a stop would "
               "be found a step late")
+    # vLLM's flag and JSON (engine/kv_events.py), so a deployment's router reads our events unchanged
+    kv_events_config: str | None = knob(
+        None, "KV cache events over ZMQ in vLLM's format, vLLM's JSON: '{\"enable_kv_cache_events\": true, "
+              "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv\"}' (keys: "
+              "enable_kv_cache_events, publisher zmq|null, endpoint, replay_endpoint, buffer_steps, hwm, "
+              "max_queue_size, topic); see docs/kv-events.md")
     # the CLI names it in GiB (--kv-offload-gib, see args.py), like vLLM's --kv-offloading-size
     kv_offload_bytes: int = knob(0, "host-memory tier of the prefix cache, bytes per rank (0: off); see kv/host_tier.py",
                                  cli=False)

@@ -33,6 +33,7 @@ import torch
 
 from hybridkv.engine.ahead import AheadSteps
 from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.kv_events import KVEventPublisher, parse_kv_events_config
 from hybridkv.engine.model_runner import StepOutput
 from hybridkv.engine.output_processing import Logprobs, PromptLogprobs, PromptScores, RequestOutputState
 from hybridkv.engine.rank_builder import build_driver_rank
@@ -95,6 +96,7 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         """``loaded``: a model already loaded (one rank); else ``config.model`` is loaded (``rank_builder.py``)."""
+        kv_events = parse_kv_events_config(config.kv_events_config)  # a bad config fails before the model loads
         rank = build_driver_rank(config, loaded)
         self.config, self.loaded, self.model = rank.config, rank.loaded, rank.model
         self.int4_linears = rank.int4_linears  # linear layers kept 4-bit on the CPU
@@ -113,6 +115,7 @@ class LLMEngine:
         self._by_seq: dict[str, _Request] = {}  # by ``Sequence.request_id``
         self.ahead = AheadSteps(self)  # async scheduling: the step scheduled ahead
         self._arrivals = itertools.count()
+        self.kv_events = KVEventPublisher(kv_events, self.layout)  # no socket unless events are on
 
     def collective_rpc(self, fn: Callable, *args) -> list:
         """``fn(runner, *args)`` on every tensor-parallel rank's ``ModelRunner`` (vLLM's name), e.g. to read each
@@ -126,6 +129,7 @@ class LLMEngine:
         """Stop the tensor-parallel worker processes (a no-op without them); the engine cannot step afterwards."""
         if self.workers is not None:
             self.workers.shutdown()
+        self.kv_events.shutdown()
 
     @property
     def block_size(self) -> int:
@@ -249,20 +253,24 @@ class LLMEngine:
         return self.scheduler.schedule()
 
     def execute(self, out: SchedulerOutput) -> list[RequestOutput]:
-        """The second half of ``step()``: the forward pass over ``out``, sampling, outputs."""
-        launched = self.ahead.take(out)  # a step launched ahead ran already (``ahead.py``)
-        if launched is not None:
-            return self._sample_step(out, *launched)
-        if not out.scheduled:
-            if self.scheduler.has_unfinished:
-                raise RuntimeError("the scheduler could not schedule any request: KV cache accounting is broken")
-            return []
-        result = self.runner.run(out)
-        if result.scores is not None:
-            _add_prompt_scores(out, result.scores)
-        # until the sampler reads the logits, a GPU is still computing them: the host's bookkeeping goes here
-        self.scheduler.on_step_done(out)
-        return self._sample_step(out, [s.seq for s in out.scheduled if s.samples], result)
+        """The second half of ``step()``: the forward pass over ``out``, sampling, outputs; then the step's KV
+        events (what the step, and any abort since the last one, made findable or not) go out as one batch."""
+        try:
+            launched = self.ahead.take(out)  # a step launched ahead ran already (``ahead.py``)
+            if launched is not None:
+                return self._sample_step(out, *launched)
+            if not out.scheduled:
+                if self.scheduler.has_unfinished:
+                    raise RuntimeError("the scheduler could not schedule any request: KV cache accounting is broken")
+                return []
+            result = self.runner.run(out)
+            if result.scores is not None:
+                _add_prompt_scores(out, result.scores)
+            # until the sampler reads the logits, a GPU is still computing them: the host's bookkeeping goes here
+            self.scheduler.on_step_done(out)
+            return self._sample_step(out, [s.seq for s in out.scheduled if s.samples], result)
+        finally:
+            self.kv_events.drain(self.kv.events)
 
     def _sample_step(self, out: SchedulerOutput, seqs: list[Sequence], result: StepOutput) -> list[RequestOutput]:
         """Sample a token for each of ``seqs`` from ``result`` (with async scheduling, launching the next step

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from hybridkv.engine.config import EngineConfig, resolve_step_budget
+from hybridkv.engine.kv_events import parse_kv_events_config
 from hybridkv.engine.kv_sizing import host_blocks, kv_cache_bytes, size_kv_cache
 from hybridkv.engine.model_runner import ModelRunner
 from hybridkv.engine.runtime import (build_runtime, cpu_threads, keep_4bit_weights, rank_layout, release_freed_memory,
@@ -82,7 +83,8 @@ def build_driver_rank(config: EngineConfig, loaded: LoadedModel | None = None) -
     host = host_blocks(config, layout)
     kv = KVCacheManager(layout, num_blocks, enable_prefix_caching=config.enable_prefix_caching,
                         hash_algorithm=config.prefix_caching_hash_algo,
-                        max_step_tokens=config.max_num_batched_tokens, host_blocks=host)
+                        max_step_tokens=config.max_num_batched_tokens, host_blocks=host,
+                        kv_events=parse_kv_events_config(config.kv_events_config).enabled)
     attention = AttentionChoice(config.attention_backend, config.device, kv_dtype, dtype, config.fp8_attention_compute)
     runtime = build_runtime(model, layout, num_blocks, attention, kv, host, config.prefill_overlap_tokens)
     rank = DriverRank(config, dtype, kv_dtype, loaded, model, int4_linears, layout, num_blocks, host,

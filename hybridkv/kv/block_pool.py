@@ -23,6 +23,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from hybridkv.kv.events import DEVICE_MEDIUM, KVEventLog
+
 BlockHashKey = tuple[bytes, int]  # (chained content hash, layer group id)
 
 NOT_FREE, UNCACHED, EVICT_FIRST, LRU = 0, 1, 2, 3
@@ -111,6 +113,8 @@ class BlockPool:
         # Host tier hook (kv/host_tier.py): sees each cached block about to be reused, while its queue and page
         # still say what it holds, so it can copy the page out first.
         self.evict_listener: Callable[[KVBlock], None] | None = None
+        # KV events (kv/events.py): None unless enabled, so the hooks below cost one test each
+        self.events: KVEventLog | None = None
 
     # ---- sizes -------------------------------------------------------------------------------------
     @property
@@ -151,8 +155,11 @@ class BlockPool:
     def _evict(self, block: KVBlock) -> None:
         if self.evict_listener is not None:
             self.evict_listener(block)
-        del self._cached[block.hash_key]
+        key = block.hash_key
+        del self._cached[key]
         block.hash_key = None
+        if self.events is not None:
+            self.events.removed(key[1], DEVICE_MEDIUM, key[0])
         self.num_evictions += 1
 
     def touch(self, blocks: Iterable[KVBlock], group_id: int = 0) -> None:
@@ -201,12 +208,14 @@ class BlockPool:
         raise RuntimeError(f"block {block.block_id} is not in a cached free queue")
 
     # ---- prefix cache ------------------------------------------------------------------------------
-    def cache_block(self, block: KVBlock, key: BlockHashKey) -> None:
-        """Publish a full, computed block under its hash. A second block with the same content stays private."""
+    def cache_block(self, block: KVBlock, key: BlockHashKey) -> bool:
+        """Publish a full, computed block under its hash; False if it was not (a second block with the same content
+        stays private), so callers report only what lookups can now find."""
         if block.hash_key is not None or key in self._cached:
-            return
+            return False
         block.hash_key = key
         self._cached[key] = block
+        return True
 
     def lookup(self, key: BlockHashKey) -> KVBlock | None:
         return self._cached.get(key)
@@ -222,4 +231,6 @@ class BlockPool:
                 block.free_list = UNCACHED
                 self._uncached.append(block)
         self._cached.clear()
+        if self.events is not None:
+            self.events.cleared()  # every tier: the coordinator resets the host tier with the pool
         return True

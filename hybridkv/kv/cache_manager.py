@@ -31,6 +31,7 @@ import numpy as np
 from hybridkv.kv.block_pool import BlockPool
 from hybridkv.kv.capacity import longest_fitting, peak_blocks
 from hybridkv.kv.coordinator import KVCacheCoordinator, make_coordinator
+from hybridkv.kv.events import KVEventLog
 from hybridkv.kv.host_tier import BlockCopy, HostTier
 from hybridkv.kv.layout import KVLayout
 from hybridkv.kv.managers import default_retention_interval
@@ -53,6 +54,7 @@ class KVCacheManager:
         max_step_tokens: int = 8192,
         retention_interval: int | None = None,
         host_blocks: int = 0,
+        kv_events: bool = False,
     ) -> None:
         self.layout = layout
         self.block_size = layout.block_size
@@ -71,6 +73,11 @@ class KVCacheManager:
             retention_interval=default_retention_interval(layout) if retention_interval is None else retention_interval,
             host=self.host,
         )
+        # KV events (kv/events.py): what became findable and what stopped being, drained by the engine each step
+        self.events: KVEventLog | None = KVEventLog(layout.block_size) if kv_events else None
+        self.pool.events = self.events
+        if self.host is not None:
+            self.host.events = self.events
         self.managers = self.coordinator.managers
         self.num_groups = len(self.managers)
         self.stats: PrefixCacheStats = self.coordinator.stats

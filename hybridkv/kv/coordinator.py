@@ -140,7 +140,7 @@ class KVCacheCoordinator(ABC):
         if full_sequence_must_fit and self.blocks_for_all_tokens(req, hit) > free:
             return False
         points = self.retention.points(req, hit)
-        held = self.tiers.fetch(hit)
+        held = self.tiers.fetch(req, hit)
         for m in self.managers:
             m.set_branch_points(rid, points)
             if hit.num_tokens:
@@ -269,7 +269,7 @@ class PrefixCacheCoordinator(KVCacheCoordinator):
         # what a group publishes depends on this count alone (hashes and tables cover the computed tokens)
         if self._published_at.get(rid) != full:
             for m in self.managers:
-                m.cache_full_blocks(rid, req.block_hashes, computed)
+                m.cache_full_blocks(rid, req.block_hashes, computed, req.all_token_ids, req.cache_salt)
             self._published_at[rid] = full
         if computed >= self._drop_due.get(rid, 0):
             self._drop_out_of_reach(rid, computed)
@@ -279,7 +279,7 @@ class PrefixCacheCoordinator(KVCacheCoordinator):
         if rid in self._first_tables:
             self._update_hashes(req)
             for m in self.managers:
-                m.cache_full_blocks(rid, req.block_hashes, req.num_computed_tokens)
+                m.cache_full_blocks(rid, req.block_hashes, req.num_computed_tokens, req.all_token_ids, req.cache_salt)
         self._published_at.pop(rid, None)
         self._release(req, req.block_hashes)
 

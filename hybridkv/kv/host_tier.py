@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridkv.kv.block_pool import LRU, NOT_FREE, BlockHashKey, KVBlock
+from hybridkv.kv.events import HOST_MEDIUM, BlockStored, KVEventLog
 
 
 @dataclass(slots=True, eq=False)
@@ -85,6 +86,7 @@ class HostTier:
         self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: slots come out 0, 1, 2 ...
         self._ops: list[tuple[bool, int, int]] = []  # (to_host, device block, host slot), in issue order
         self.stats = HostTierStats()
+        self.events: KVEventLog | None = None  # KV events (kv/events.py), when enabled
 
     @property
     def num_free_blocks(self) -> int:
@@ -120,11 +122,15 @@ class HostTier:
             if not self._slots:  # every page is being loaded by the admission in progress
                 self.stats.kept -= 1
                 return
-            _, slot = self._slots.popitem(last=False)
+            dropped, slot = self._slots.popitem(last=False)
             self._free.append(slot)
             self.stats.evictions += 1
+            if self.events is not None:
+                self.events.removed(dropped[1], HOST_MEDIUM, dropped[0])
         slot = self._free.pop()
         self._slots[key] = slot
+        if self.events is not None:  # the page's tokens and parent are not kept here: vLLM's CPU tier sends none
+            self.events.stored(BlockStored(key[1], HOST_MEDIUM, [key[0]], None, []))
         self._ops.append((True, block.block_id, slot))
         self.stats.bytes_written += self.page_bytes
 

@@ -194,17 +194,24 @@ class SingleTypeManager:
         if n > 0:
             table.extend([b.block_id for b in self.pool.get_new_blocks(n, self.group.group_id)])
 
-    def cache_full_blocks(self, req_id: str, block_hashes: Sequence[bytes], num_computed: int) -> None:
-        """Publish blocks that became full and computed since the last call."""
+    def cache_full_blocks(
+        self, req_id: str, block_hashes: Sequence[bytes], num_computed: int,
+        token_ids: Sequence[int] = (), cache_salt: str | None = None,
+    ) -> None:
+        """Publish blocks that became full and computed since the last call (``token_ids`` and ``cache_salt``: the
+        request's, for the KV events of the blocks published, when events are on)."""
         table = self.tables[req_id]
         start = self._num_cached[req_id]
         end = min(num_computed // self.block_size, len(block_hashes), len(table))
         gid = self.group.group_id
-        blocks = self.pool.blocks
+        blocks, events = self.pool.blocks, self.pool.events
+        published = []
         for i in range(start, end):
             block_id = table[i]
-            if block_id != NULL_BLOCK_ID:
-                self.pool.cache_block(blocks[block_id], (block_hashes[i], gid))
+            if block_id != NULL_BLOCK_ID and self.pool.cache_block(blocks[block_id], (block_hashes[i], gid)):
+                published.append(i)
+        if events is not None and published:
+            events.stored_blocks(gid, published, block_hashes, token_ids, cache_salt)
         self._num_cached[req_id] = max(start, end)
 
     def drop_out_of_reach(self, req_id: str, num_computed: int) -> None:

@@ -37,7 +37,7 @@ class DeviceOnly:
     def find(self, req: KVRequest, longest_hit: LongestHit) -> CacheHit:
         return longest_hit(req, self.pool.lookup)
 
-    def fetch(self, hit: CacheHit) -> list[KVBlock]:
+    def fetch(self, req: KVRequest, hit: CacheHit) -> list[KVBlock]:
         """Every block of a device-only hit is on the device already: nothing to take."""
         return []
 
@@ -71,8 +71,8 @@ class DeviceAndHost:
             hit.host_tokens = hit.num_tokens - longest_hit(req, self.pool.lookup).num_tokens
         return hit
 
-    def fetch(self, hit: CacheHit) -> list[KVBlock]:
-        """Turn the hit's host entries into fresh device blocks, published under their hashes, whose pages the
+    def fetch(self, req: KVRequest, hit: CacheHit) -> list[KVBlock]:
+        """Turn ``req``'s hit's host entries into fresh device blocks, published under their hashes, whose pages the
         next step loads. Returns every block of the hit with one temporary reference, which the caller drops
         once the managers hold theirs: the hit's device blocks are taken first, so that allocating the fresh
         ones (which may evict) cannot evict them."""
@@ -92,10 +92,15 @@ class DeviceAndHost:
         fresh: list[KVBlock] = []
         for gid in range(len(hit.blocks)):  # ``wanted`` is in group order
             fresh += self.pool.get_new_blocks(per_group[gid], gid)
+        published: dict[int, list[int]] = {}
         for (gid, i, host_block), block in zip(wanted, fresh):
-            self.pool.cache_block(block, host_block.key)
+            if self.pool.cache_block(block, host_block.key):
+                published.setdefault(gid, []).append(i)
             self.host.load(host_block, block.block_id)
             hit.blocks[gid][i] = block
+        if self.pool.events is not None:
+            for gid, indices in published.items():
+                self.pool.events.stored_blocks(gid, indices, req.block_hashes, req.all_token_ids, req.cache_salt)
         return held + fresh
 
     def count_hit(self, hit: CacheHit) -> None:
