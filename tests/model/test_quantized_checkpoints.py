@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 transformers = pytest.importorskip("transformers")
-ct = pytest.importorskip("compressed_tensors")
+import compressed_tensors  # noqa: E402,F401  (a test dependency: the format library itself)
 
 from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor  # noqa: E402
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor  # noqa: E402

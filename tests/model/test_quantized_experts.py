@@ -18,7 +18,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-pytest.importorskip("compressed_tensors")
+import compressed_tensors  # noqa: E402,F401  (a test dependency: the format library itself)
 
 from test_quantized_checkpoints import assert_same_hidden, kept, save_compressed  # noqa: E402
 
