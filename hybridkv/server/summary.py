@@ -1,5 +1,6 @@
 """What a server serves, in the log once it is ready: model, device and dtypes, the weights' format and bytes,
-``max_model_len`` and what bound it, the KV pool per attention type, prefix caching, the host tier, the tool parser and the URL.
+``max_model_len`` and what bound it, the KV pool per attention type, prefix caching, the host tier, the tool parser
+and the URL.
 
 Every number is one the engine or the planner already computed (``plan.type_usage``, ``capacity.pool_tokens``,
 ``planner.concurrency_at``, ``host_tier.host_tier_tokens``); nothing here recomputes a formula.

@@ -6,8 +6,8 @@ and its ``weight_scale``, maybe a static ``input_scale``). ``QuantizedReader`` h
 are all read, then yields the layer either
 
 - kept quantized, under the names the quantized linears hold (``quantized_layers.py``): ``weight`` (e4m3, or INT4
-  packed as ``kernels/quant_gemm.py`` says), ``weight_scale`` (FP8: float32 [N]; INT4: [N, K // G]), ``weight_zero_point``
-  (INT4, int8 [N, K // G]) and ``input_scale`` (static FP8 activations); or
+  packed as ``kernels/quant_gemm.py`` says), ``weight_scale`` (FP8: float32 [N]; INT4: [N, K // G]),
+  ``weight_zero_point`` (INT4, int8 [N, K // G]) and ``input_scale`` (static FP8 activations); or
 - dequantized, as one ``weight`` in the model dtype (the CPU, ``--quantization none``, and the experts of a MoE
   under a format that keeps them in the model dtype: FP8).
 

@@ -5,7 +5,8 @@ attention and the MLPs (``ColumnParallelLinear``, ``RowParallelLinear``) not in 
 ``weight`` for the format's tensors, so the model is allocated at its quantized size. For a [N, K] linear:
 
     FP8:  weight e4m3 [N, K], weight_scale float32 [N] (+ input_scale float32 [1], static activations)
-    INT4: weight int32 [N, K // 8] (``kernels/quant_gemm.py``), weight_scale [N, K // G] bf16 (fp16 models: fp16; a checkpoint's: as stored)
+    INT4: weight int32 [N, K // 8] (``kernels/quant_gemm.py``), weight_scale [N, K // G] bf16
+          (fp16 models: fp16; a checkpoint's: as stored)
           (+ weight_zero_point int8 [N, K // G], asymmetric)
 
 A MoE's routed experts (a module of ``kinds`` with ``stacked_weights``) are stacked INT4 tensors under an INT4
