@@ -12,7 +12,12 @@ B tokens is counted as touching E * (1 - (1 - 1/E)^B) experts per MoE layer.
 
     python benchmarks/gpu/decode.py [--contexts 16384,1048576,10000000] [--batches 1,8,32]
         [--batch-context 131072] [--kv-dtypes bfloat16,fp8_e4m3] [--profile] [--async-scheduling]
-        [--temperature 0.8]
+        [--temperature 0.8] [--quantization int4|fp8] [--full-model]
+
+``--quantization`` builds the weights in that format (``load_format="dummy"``: random quantized weights made on the
+GPU), so the bytes a step must read are the quantized ones (values, scales, zero points: the model's own tensors).
+``--full-model`` times full-size Scout on one GPU instead of a TP-8 rank, and prints the plan's ``max_model_len``
+beside the engine's.
 
 ``--async-scheduling`` times every row a second time with ``EngineConfig.async_scheduling`` on, in the same engine:
 each step returns with the next one already running, so those steps are timed back to back (their mean).
@@ -21,6 +26,7 @@ each step returns with the next one already running, so those steps are timed ba
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -28,14 +34,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scout_rank import (  # noqa: E402
-    SLOT_PIECE, async_steps_ms, engine_for, fill_random, median_step_ms, prompt, random_model, rank_config,
+    BLOCK_SIZE, CONFIG, SLOT_PIECE, ModelEngines, async_steps_ms, fill_random, median_step_ms, prompt, rank_config,
 )
 
 from hybridkv.bench.tables import markdown_table  # noqa: E402
 from hybridkv.engine.sampling_params import SamplingParams  # noqa: E402
 from hybridkv.engine.sequence import SequenceStatus  # noqa: E402
-from hybridkv.model.loading.checkpoint import LoadedModel  # noqa: E402
-from hybridkv.model.loading.tokenizer import word_tokenizer  # noqa: E402
+from hybridkv.kv.planner import PlanInputs, plan_capacity  # noqa: E402
 
 
 def copy_bandwidth() -> float:
@@ -211,6 +216,17 @@ def moe_tile_rows(model, batches=(1, 8, 32)) -> list[list[str]]:
     return rows
 
 
+def plan_row(engines: ModelEngines, engine) -> list[str]:
+    """The plan's max_model_len for this engine's KV memory beside the engine's own, and the weights' bytes."""
+    kv_bytes = engine.kv.pool.num_blocks * engine.layout.page_bytes
+    plan = plan_capacity(engines.cfg, PlanInputs(kv_cache_dtype=engine.config.kv_cache_dtype, block_size=BLOCK_SIZE,
+                                                 kv_memory_bytes=kv_bytes, quantization=engines.quantization,
+                                                 max_num_batched_tokens=engine.config.max_num_batched_tokens))
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    return [engine.config.kv_cache_dtype, f"{plan.max_model_len:,} / {engine.max_model_len:,}",
+            f"weights {weights / 2**30:.2f} GiB, KV {kv_bytes / 2**30:.2f} GiB"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="16384,1048576,10000000", help="batch-1 contexts")
@@ -227,13 +243,15 @@ def main() -> None:
                     help="also time each row with EngineConfig.async_scheduling (steps back to back, their mean)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample the tokens at this temperature (seeded) instead of taking the argmax")
+    ap.add_argument("--quantization", default="none", choices=("none", "fp8", "int4"),
+                    help="weights in this format (random, built by the engine: load_format=dummy)")
+    ap.add_argument("--full-model", action="store_true", help="full-size Scout on one GPU instead of a TP-8 rank")
     args = ap.parse_args()
 
     bandwidth = copy_bandwidth()
-    cfg = rank_config(8)
-    model = random_model(cfg)
-    loaded = LoadedModel("scout-rank (random weights)", model, word_tokenizer(cfg["vocab_size"]), cfg)
-    projections, tiles = [], []
+    cfg = json.loads(CONFIG.read_text()) if args.full_model else rank_config(8)
+    engines = ModelEngines(cfg, args.quantization, shared=not args.full_model)
+    projections, tiles, plans = [], [], []
     batches = [int(b) for b in args.batches.split(",") if b]
     cases = list(dict.fromkeys([(1, int(c)) for c in args.contexts.split(",") if c] +
                                [(b, args.batch_context) for b in batches]))
@@ -244,11 +262,13 @@ def main() -> None:
     timed: dict[tuple[str, int, int], float] = {}
     timed_async: dict[tuple[str, int, int], float] = {}
     for kv_dtype in dtypes:
-        engine = engine_for(loaded, kv_dtype, max_num_seqs=max(b for b, _ in cases))
+        engine = engines.build(kv_dtype, max_num_seqs=max(b for b, _ in cases))
+        plans.append(plan_row(engines, engine))
+        print(*plans[-1], flush=True)
         if args.projections and not projections:
-            projections = projection_rows(model)  # fused weights exist once the engine has been built
+            projections = projection_rows(engine.model)  # fused weights exist once the engine has been built
         if args.moe_tiles and not tiles:
-            tiles = moe_tile_rows(model)
+            tiles = moe_tile_rows(engine.model)
         fill_random(engine)
         for batch, context in cases:
             if context + args.steps + 8 <= engine.max_model_len and start_decoding(
@@ -264,7 +284,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     rows, top_rows = [], []
     for kv_dtype in dtypes:
-        engine = engine_for(loaded, kv_dtype, max_num_seqs=max(b for b, _ in cases))
+        engine = engines.build(kv_dtype, max_num_seqs=max(b for b, _ in cases))
         kv_value_bytes = 1 if kv_dtype.startswith("fp8") else 2
         for batch, context in cases:
             ms = timed.get((kv_dtype, batch, context))
@@ -277,7 +297,7 @@ def main() -> None:
             top_rows = top_rows or top
             while engine.has_unfinished_requests():
                 engine.step()
-            need = step_bytes(model, cfg, batch, context, kv_value_bytes)
+            need = step_bytes(engine.model, cfg, batch, context, kv_value_bytes)
             floor_ms = 1000 * need / bandwidth
             row = [kv_dtype, f"{batch}", f"{context:,}", f"{ms:.2f}", f"{need / 1e9:.2f}", f"{floor_ms:.2f}",
                    f"{100 * floor_ms / ms:.0f}%", f"{count}"]
@@ -288,8 +308,12 @@ def main() -> None:
         del engine
         torch.cuda.empty_cache()
     sampled = f", tokens sampled at temperature {args.temperature}" if args.temperature else ""
-    print(f"\n{torch.cuda.get_device_name()}: Llama-4-Scout TP-8 rank decode, CUDA graphs{sampled}, "
+    shape = "full-size Llama-4-Scout on one GPU" if args.full_model else "Llama-4-Scout TP-8 rank"
+    weights = f", {args.quantization} weights" if args.quantization != "none" else ""
+    print(f"\n{torch.cuda.get_device_name()}: {shape} decode{weights}, CUDA graphs{sampled}, "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (measured in this run)")
+    if engines.loaded is None:
+        print(markdown_table(["KV", "max_model_len plan / engine", "memory"], plans))
     extra = ["async scheduling: step ms", "of floor"] if args.async_scheduling else []
     print(markdown_table(["KV", "batch", "context", "step ms", "GB to read", "floor ms", "of floor",
                           "kernels/step", *extra], rows))

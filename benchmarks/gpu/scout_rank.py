@@ -357,14 +357,14 @@ def tp8_model_rows(size: int, measured: dict) -> list[list[str]]:
 
 
 def full_model_rows(size: int, n: int, contexts: list[int], kv_dtype: str = "bfloat16",
-                    step_tokens: int = STEP_TOKENS) -> list[list[str]]:
-    """Full-size Scout (dummy weights) over ``size`` GPUs with a ``kv_dtype`` cache: plan vs engine max_model_len,
-    the prefill of ``n`` tokens in steps of ``step_tokens``, decode steps at ``contexts`` with graphs, peak memory
-    per GPU; beside one TP-8 rank's decode steps on one GPU (the same build and cache), which each GPU here does
-    twice over at TP 4."""
+                    step_tokens: int = STEP_TOKENS, quantization: str = "none") -> list[list[str]]:
+    """Full-size Scout (dummy weights, in ``quantization``'s format) over ``size`` GPUs with a ``kv_dtype`` cache:
+    plan vs engine max_model_len, the prefill of ``n`` tokens in steps of ``step_tokens``, decode steps at
+    ``contexts`` with graphs, peak memory per GPU; under tensor parallelism beside one TP-8 rank's decode steps on
+    one GPU (the same build and cache), which each GPU does twice over at TP 4."""
     rows, rank = [], {}
     cfg = rank_config(8)
-    if contexts:  # without decode contexts (``--decode-contexts ''``) only the full model runs: its prefill
+    if contexts and size > 1:  # without decode contexts (``--decode-contexts ''``) only the full model runs
         rows += on_dummy_engine(cfg, 1, lambda engine: engine_rows(engine, "one TP-8 rank (Scout/8, 1 GPU)",
                                                                    cfg["vocab_size"], 0, contexts, rank), kv_dtype,
                                 max_num_batched_tokens=step_tokens)
@@ -374,8 +374,9 @@ def full_model_rows(size: int, n: int, contexts: list[int], kv_dtype: str = "bfl
         kv_bytes = engine.kv.pool.num_blocks * engine.layout.page_bytes
         plan = plan_capacity(full, PlanInputs(tensor_parallel_size=size, kv_cache_dtype=engine.config.kv_cache_dtype,
                                               block_size=BLOCK_SIZE, kv_memory_bytes=kv_bytes,
-                                              max_num_batched_tokens=engine.config.max_num_batched_tokens))
-        label = f"Scout, TP {size}"
+                                              max_num_batched_tokens=engine.config.max_num_batched_tokens,
+                                              quantization=quantization))
+        label = f"Scout, TP {size}" + (f", {quantization} weights" if quantization != "none" else "")
         out = [[kv_dtype, f"{label}: max_model_len plan / engine", f"{plan.max_model_len:,} / "
                 f"{engine.max_model_len:,}", f"KV {kv_bytes / 2**30:.2f} GiB per GPU"]]
         measured = {}
@@ -392,7 +393,8 @@ def full_model_rows(size: int, n: int, contexts: list[int], kv_dtype: str = "bfl
                         f"vLLM {vllm_s} s on {vllm_gpus} GPUs"])
         return out
 
-    return rows + on_dummy_engine(full, size, full_rows, kv_dtype, max_num_batched_tokens=step_tokens)
+    return rows + on_dummy_engine(full, size, full_rows, kv_dtype, max_num_batched_tokens=step_tokens,
+                                  quantization=quantization)
 
 
 # the user's vLLM run on 8xH200 the full-size rows compare with: prompt tokens, wall s, GPUs
@@ -593,6 +595,27 @@ def median_step_ms(engine: LLMEngine, steps: int, drain: bool = True, back_to_ba
     return 1000 * sorted(times)[len(times) // 2]
 
 
+class ModelEngines:
+    """Engines over the model of ``cfg`` (a config.json's contents): its seeded bf16 weights built once and shared
+    (``quantization`` "none" and ``shared``), or random weights in ``quantization``'s format that each engine builds
+    itself (``load_format="dummy"``)."""
+
+    def __init__(self, cfg: dict, quantization: str, block_size: int = BLOCK_SIZE, shared: bool = True) -> None:
+        self.cfg, self.quantization, self.block_size = cfg, quantization, block_size
+        self.loaded = None
+        if quantization == "none" and shared:
+            self.loaded = LoadedModel("scout-rank (random weights)", random_model(cfg), word_tokenizer(cfg["vocab_size"]),
+                                      cfg)
+        self.dir = tempfile.mkdtemp()
+        Path(self.dir, "config.json").write_text(json.dumps(cfg))
+
+    def build(self, kv_dtype: str, **overrides) -> LLMEngine:
+        if self.loaded is not None:
+            return engine_for(self.loaded, kv_dtype, self.block_size, **overrides)
+        return engine_for(None, kv_dtype, self.block_size, model=self.dir, load_format="dummy",
+                          quantization=self.quantization, **overrides)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -614,12 +637,14 @@ def main() -> None:
                     help="time one 16,384-token prefill step at each context (random KV), fit cost(context) and "
                          "predict vLLM's prompt lengths, e.g. 0,1048576,2097152,4194304,8388608,9800000")
     ap.add_argument("--plot", metavar="PATH", help="with --step-contexts: draw the step model of this run into a PNG")
+    ap.add_argument("--quantization", default="none", choices=("none", "fp8", "int4"),
+                    help="weights in this format: random ones the engine builds (load_format=dummy), on one rank too")
     args = ap.parse_args()
     contexts = [int(x) for x in args.decode_contexts.split(",") if x]
     if args.full_model:
         rows = [row for kv_dtype in (args.kv_dtypes or "bfloat16").split(",")
                 for row in full_model_rows(args.tensor_parallel_size, args.tp_prefill_length, contexts, kv_dtype,
-                                           args.step_tokens)]
+                                           args.step_tokens, args.quantization)]
         print_table(rows, f"full-size Llama-4-Scout over {args.tensor_parallel_size} GPUs, block {BLOCK_SIZE}",
                     args.step_tokens)
         return
@@ -629,19 +654,19 @@ def main() -> None:
                     args.step_tokens)
         return
     cfg = rank_config(8)
-    model = random_model(cfg)
-    weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
-    loaded = LoadedModel("scout-rank (random weights)", model, word_tokenizer(cfg["vocab_size"]), cfg)
+    rank = ModelEngines(cfg, args.quantization, args.block_size)
     rows = []
     steps: dict[str, tuple[list[int], list[float]]] = {}
     measured_by_dtype: dict[str, dict[int, float]] = {}
     for kv_dtype in (args.kv_dtypes or "bfloat16,fp8_e4m3").split(","):
-        engine = engine_for(loaded, kv_dtype, args.block_size)
+        engine = rank.build(kv_dtype)
         kv_bytes = engine.kv.pool.num_blocks * engine.layout.page_bytes
         full = json.loads(CONFIG.read_text())
         plan = plan_capacity(full, PlanInputs(tensor_parallel_size=8, kv_cache_dtype=engine.config.kv_cache_dtype,
                                               block_size=args.block_size, kv_memory_bytes=kv_bytes,
-                                              max_num_batched_tokens=engine.config.max_num_batched_tokens))
+                                              max_num_batched_tokens=engine.config.max_num_batched_tokens,
+                                              quantization=args.quantization))
+        weights_gib = sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 2**30
         rows.append([kv_dtype, "KV memory allocated", f"{kv_bytes / 2**30:.2f} GiB", f"weights {weights_gib:.2f} GiB"])
         rows.append([kv_dtype, "max_model_len plan / engine", f"{plan.max_model_len:,} / {engine.max_model_len:,}",
                      "engine capped by max_position_embeddings" if engine.max_model_len < plan.max_model_len else ""])
@@ -676,7 +701,8 @@ def main() -> None:
         del engine
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    print_table(rows, f"Llama-4-Scout rank shapes at TP 8, block {args.block_size}")
+    weights = f", {args.quantization} weights" if args.quantization != "none" else ""
+    print_table(rows, f"Llama-4-Scout rank shapes at TP 8{weights}, block {args.block_size}")
     if args.plot and not steps:
         print("--plot: nothing drawn, the step model needs --step-contexts")
     elif args.plot:
