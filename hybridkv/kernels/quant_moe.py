@@ -57,6 +57,25 @@ from hybridkv.kernels.quant_triton import MAGIC
 SPLIT_PROGRAMS = 256
 
 
+@dataclass(frozen=True, slots=True)
+class Tile:
+    """A launch's tile: BLOCK_M (0: the decode's, the pairs rounded up to a power of two, at least 16), BLOCK_N,
+    the largest BLOCK_K (a power of two within one group), warps and pipeline stages. ``split_programs``: decode's
+    K-splits aim at about this many programs."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int = 4
+    stages: int = 3
+    split_programs: int = SPLIT_PROGRAMS
+
+
+DECODE_TILE = Tile(0, 64, 128)
+PREFILL_TILE = Tile(64, 128, 64)
+FLOAT32_PREFILL_TILE = Tile(32, 64, 32)  # float32 tiles (the interpreter's checks) take less shared memory
+
+
 @triton.jit
 def _int4_tile(p_ptr, s_ptr, z_ptr, cols, col_ok, k0, group, stride_pn, stride_sn, stride_zn,
                BLOCK_K: tl.constexpr, ZERO: tl.constexpr, dtype: tl.constexpr):
@@ -286,7 +305,7 @@ def _precision(x: torch.Tensor) -> str:
 
 
 def _launch_gemm(x: torch.Tensor, gates: torch.Tensor | None, ids: torch.Tensor, stack: QuantStack,
-                 top_k: int) -> torch.Tensor:
+                 top_k: int, tile: Tile) -> torch.Tensor:
     """float32 partials [splits, pairs, N] of the pairs' rows (gated tokens' inputs, or ``x``'s own rows) times
     their experts' weights: ``quant_moe_gemm_kernel``."""
     weight, scale, zero = stack
@@ -294,10 +313,10 @@ def _launch_gemm(x: torch.Tensor, gates: torch.Tensor | None, ids: torch.Tensor,
     shape = check_stack(stack, x.shape[1], "quant_moe_decode")
     n, k = shape.n, x.shape[1]
     block_m = max(16, triton.next_power_of_2(num_pairs))
-    block_n, block_k = 64, _block_k(shape.group, 128)
+    block_n, block_k = tile.block_n, _block_k(shape.group, tile.block_k)
     slots = min(shape.experts, num_pairs)
     col_tiles = triton.cdiv(n, block_n)
-    splits = max(1, min(16, SPLIT_PROGRAMS // (slots * col_tiles), k // block_k))
+    splits = max(1, min(16, tile.split_programs // (slots * col_tiles), k // block_k))
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
     part = torch.empty((splits, num_pairs, n), dtype=torch.float32, device=x.device)
@@ -309,13 +328,13 @@ def _launch_gemm(x: torch.Tensor, gates: torch.Tensor | None, ids: torch.Tensor,
         part.stride(0), part.stride(1),
         TOP_K=top_k, GATED=gates is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         FP8=shape.fp8, ZERO=zero is not None, E_PAD=triton.next_power_of_2(shape.experts), PRECISION=_precision(x),
-        num_warps=4, num_stages=3,
+        num_warps=tile.warps, num_stages=tile.stages,
     )
     return part
 
 
 def quant_moe_decode(x: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor, gate_up: QuantStack,
-                     down: QuantStack) -> torch.Tensor:
+                     down: QuantStack, tile: Tile = DECODE_TILE) -> torch.Tensor:
     """The routed experts' output [T, H] for ``x`` [T, H], top-k ``gates`` (x's dtype) and expert ``ids`` (int64)
     [T, top_k]: each pair's expert MLP on its gated input, summed over the token's choices. ``gate_up`` [E, 2I, H]
     (gate rows first) and ``down`` [E, H, I] are INT4 or FP8 stacks (the module docstring; INT4 scales of any float
@@ -330,13 +349,13 @@ def quant_moe_decode(x: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor, ga
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids, gates = ids.reshape(-1), gates.reshape(-1)
-    part = _launch_gemm(x, gates, ids, gate_up, top_k)
+    part = _launch_gemm(x, gates, ids, gate_up, top_k, tile)
     inter = part.shape[2] // 2
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(inter))
     silu_splits_kernel[(num_pairs, triton.cdiv(inter, block))](
         part, h, inter, part.shape[0], part.stride(0), part.stride(1), h.stride(0), BLOCK=block)
-    part = _launch_gemm(h, None, ids, down, top_k)
+    part = _launch_gemm(h, None, ids, down, top_k, tile)
     block = min(1024, triton.next_power_of_2(hidden))
     sum_choices_kernel[(tokens, triton.cdiv(hidden, block))](
         part, out, hidden, part.shape[0], part.stride(0), part.stride(1), out.stride(0), TOP_K=top_k, BLOCK=block)
@@ -344,11 +363,11 @@ def quant_moe_decode(x: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor, ga
 
 
 def quant_grouped_gemm(a: torch.Tensor, ends: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                       zero: torch.Tensor | None = None) -> torch.Tensor:
+                       zero: torch.Tensor | None = None, tile: Tile | None = None) -> torch.Tensor:
     """``F.grouped_mm(a, W^T, offs=ends)`` over INT4 or FP8 experts without a bf16 copy of any: ``a`` [M, K] rows
     sorted by expert (expert e's rows ``ends[e - 1]:ends[e]``, int32 ``ends`` [E]), the stack ``weight`` (INT4
     [E, N, K // 8], FP8 [E, N, K]) with its ``scale`` and ``zero``; returns [M, N] in a's dtype. Float32
-    accumulation."""
+    accumulation. ``tile``: None, ``PREFILL_TILE`` (``FLOAT32_PREFILL_TILE`` for float32 rows)."""
     if a.stride(-1) != 1:
         a = a.contiguous()
     rows, k = a.shape
@@ -359,9 +378,8 @@ def quant_grouped_gemm(a: torch.Tensor, ends: torch.Tensor, weight: torch.Tensor
     out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
     if not rows:
         return out
-    small = a.dtype == torch.float32  # float32 tiles (the interpreter's checks) take less shared memory
-    block_m, block_n = (32, 64) if small else (64, 128)
-    block_k = _block_k(shape.group, 32 if small else 64)
+    tile = tile or (FLOAT32_PREFILL_TILE if a.dtype == torch.float32 else PREFILL_TILE)
+    block_m, block_n, block_k = tile.block_m, tile.block_n, _block_k(shape.group, tile.block_k)
     z = zero if zero is not None else scale
     grid = (triton.cdiv(rows, block_m) + experts, triton.cdiv(n, block_n))
     quant_grouped_gemm_kernel[grid](
@@ -369,6 +387,7 @@ def quant_grouped_gemm(a: torch.Tensor, ends: torch.Tensor, weight: torch.Tensor
         a.stride(0), weight.stride(0), weight.stride(1), scale.stride(0), scale.stride(1), z.stride(0), z.stride(1),
         out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, E_PAD=triton.next_power_of_2(experts),
-        FP8=shape.fp8, ZERO=zero is not None, PRECISION=_precision(a), num_warps=4, num_stages=3,
+        FP8=shape.fp8, ZERO=zero is not None, PRECISION=_precision(a), num_warps=tile.warps,
+        num_stages=tile.stages,
     )
     return out
