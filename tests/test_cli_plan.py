@@ -135,13 +135,14 @@ def test_weights_that_do_not_fit_are_named_with_the_smallest_tp_that_fits(capsys
     reason = next(line for line in proc.stdout.splitlines() if line.startswith("does not fit: "))
     assert "the weights alone (200.7" in reason and "tensor-parallel size 1, bfloat16) exceed the 125.82 GiB" in reason
     assert "; the smallest tensor-parallel size that fits is 2 (bfloat16); " in reason
-    assert reason.endswith("; with --quantization int4 it fits at tensor-parallel size 1")
+    assert reason.endswith("; with --quantization fp8 it fits at tensor-parallel size 1"
+                           "; with --quantization int4 it fits at tensor-parallel size 1")
 
     assert main([*one_gpu, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] is False and plan["kv_memory_bytes"] == 0 and plan["memory"]["weights_bytes"] > 200 * GIB
     for reason in (plan["reason"], plan["comparison"]["reason"]):
-        assert "is 2 (bfloat16); with --quantization int4 it fits at tensor-parallel size 1" in reason
+        assert "is 2 (bfloat16); with --quantization fp8 it fits at tensor-parallel size 1" in reason
     assert main([*one_gpu, "--tensor-parallel-size", "2", "--json"]) == 0  # and 2 does fit
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] is True and plan["reason"] == "" and plan["max_model_len"] > 0
@@ -180,6 +181,18 @@ def test_quantization_flag_counts_the_weights_in_that_format(capsys):
     assert lengths[0] > 2_500_000 and lengths[1] > 8_000_000
     assert main([*one_gpu[:-1], "none", "--json"]) == 0  # none: every weight bf16, which one GPU cannot hold
     assert json.loads(capsys.readouterr().out)["memory"]["weights_format"] == "bfloat16"
+
+
+def test_fp8_counts_the_routed_experts_in_fp8(capsys):
+    """Scout with --quantization fp8: every linear, the routed experts included, at 1 byte a weight and a float32
+    scale per output row: 102.37 GiB at TP 1, so one 139.8 GiB GPU holds over 700,000 tokens of FP8 cache."""
+    one_gpu = ["plan", "--model", str(SCOUT), "--gpu-memory-gib", "139.8", "--kv-cache-dtype", "fp8_e4m3",
+               "--quantization", "fp8"]
+    assert main(one_gpu) == 0
+    assert "dynamic activation scales, quantized at load) 102.37 GiB per rank" in capsys.readouterr().out
+    assert main([*one_gpu, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] and plan["max_model_len"] == 720_864
 
 
 def test_quantization_flag_has_serves_name():

@@ -15,7 +15,7 @@ Given GPU memory instead of KV memory, the KV budget is
 The step reserve is the engine's own (``capacity.step_reserve_bytes``); weights and the runtime (CUDA context,
 NCCL buffers), which the engine measures as memory in use, are estimated (``estimate_weights``, ``RUNTIME_BYTES``).
 The weights are counted byte for byte in the format ``--quantization`` gives (``kv/weight_formats.py``): Scout on
-one rank is 200.74 GiB in bf16, 192.31 GiB with FP8 (routed experts stay bf16), 54.62 GiB with INT4 (group 128).
+one rank is 200.74 GiB in bf16, 102.37 GiB with FP8, 54.62 GiB with INT4 (group 128), routed experts included.
 Given the same KV memory, ``plan_capacity`` and the engine size the same number of blocks and the same
 ``max_model_len`` (``tests/engine/test_plan_matches_engine.py``).
 
@@ -330,8 +330,8 @@ def _no_kv_memory(memory: MemoryEstimate, tensor_parallel_size: int) -> str:
 def _what_fits(hf_config: dict[str, Any], inputs: PlanInputs, hybrid: bool, asked: str) -> str:
     """The smallest tensor-parallel size that fits in the asked format; for an unquantized checkpoint, each format
     it can be quantized to at load that fits on fewer ranks, e.g. Scout on one 139.8 GiB GPU: "the smallest
-    tensor-parallel size that fits is 2 (bfloat16); with --quantization int4 it fits at tensor-parallel size 1"
-    (FP8 keeps Scout's routed experts bf16: 192.31 GiB, TP 2 as well). ``asked``: the asked format's ``format_name``."""
+    tensor-parallel size that fits is 2 (bfloat16); with --quantization fp8 it fits at tensor-parallel size 1; with
+    --quantization int4 it fits at tensor-parallel size 1". ``asked``: the asked format's ``format_name``."""
     tp = _smallest_fitting_tp(hf_config, inputs, hybrid, inputs.tensor_parallel_size + 1)
     parts = [f"the smallest tensor-parallel size that fits is {tp} ({asked})" if tp is not None
              else f"no tensor-parallel size up to {TP_CANDIDATES[-1]} fits ({asked})"]
@@ -443,8 +443,8 @@ def estimate_weights(
     The linear layers of attention, dense MLPs, experts and shared experts are counted in ``fmt``
     (``WeightFormat.linear_bytes``, scales and zero points included) on the rank's slice of each
     (``rank_linears``); those the format's ignore list names, and the embeddings, LM head (vocab-parallel),
-    routers and norms (replicated) in the model dtype. E.g. Scout, one rank: 200.74 GiB in bfloat16, 54.62 GiB in
-    int4 (group 128), of which 3.85 GiB are embeddings and LM head.
+    routers and norms (replicated) in the model dtype. E.g. Scout, one rank: 200.74 GiB in bfloat16, 102.37 GiB in
+    fp8, 54.62 GiB in int4 (group 128), of each 3.85 GiB are embeddings and LM head.
     """
     cfg = text_config(hf_config)
     tp = tensor_parallel_size

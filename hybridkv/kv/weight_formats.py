@@ -10,7 +10,7 @@ checkpoint quantized at load), as vLLM decides it::
     weight_format(<compressed-tensors W4A16>)  -> INT4, its group size and zero points
     weight_format(<AWQ>, "awq")                -> INT4 with 4-bit zero points (AWQ's GEMM packing)
 
-Only the linear layers of attention, MLPs and (INT4) experts are quantized; embeddings, the LM head, routers and norms
+Only the linear layers of attention, MLPs and experts are quantized; embeddings, the LM head, routers and norms
 stay in the model dtype (as vLLM's ``fp8`` and the RedHatAI Scout checkpoints keep them). Bytes of one [rows, cols]
 weight::
 
@@ -38,8 +38,9 @@ class WeightFormat:
     """``bits`` 16: unquantized. 8: float8 e4m3 weights. 4: signed 4-bit integers (``zero_points``: asymmetric).
 
     ``group_size``: input columns per scale (0: one scale per output row, the "channel" strategy; -1: one scale for
-    the whole tensor). ``dynamic_activations``: FP8 activations get a scale per token at run time (else
-    ``static``: one scale per layer from the checkpoint). ``source``: where the format came from, for messages.
+    the whole tensor in the checkpoint, held as one per row). ``dynamic_activations``: FP8 activations get a scale
+    per token at run time (else ``static``: one scale per layer from the checkpoint). ``source``: where the format
+    came from, for messages.
     ``ignore``: compressed-tensors' names (or ``re:`` patterns) of linear layers left unquantized."""
 
     name: str
@@ -57,18 +58,19 @@ class WeightFormat:
 
     @property
     def quantizes_experts(self) -> bool:
-        """A MoE's routed experts are kept in this format too: INT4 (``kernels/quant_moe.py`` runs them); FP8 keeps
-        them in the model dtype (no FP8 expert kernels), dequantizing an FP8 checkpoint's."""
-        return self.bits == 4
+        """A MoE's routed experts are kept in this format too (``kernels/quant_moe.py`` runs them): INT4 as W4A16,
+        FP8 as W8A16 (e4m3 weights with a float32 scale per output channel; the activations stay in the model
+        dtype, a static ``input_scale`` of a checkpoint's expert is not read)."""
+        return self.quantized
 
     def linear_bytes(self, rows: int, cols: int, unquantized_bytes: int = 2) -> int:
         """Bytes of a [rows, cols] weight in this format (its scales and zero points included)."""
         if not self.quantized:
             return rows * cols * unquantized_bytes
         groups = self.groups_per_row(cols)
-        scale_rows = 1 if self.group_size < 0 else rows
-        zeros = scale_rows * groups if self.zero_points else 0  # held as int8 (a byte each), as the kernels read them
-        return rows * cols * self.bits // 8 + scale_rows * groups * self.scale_bytes + zeros
+        # a per-tensor FP8 scale is held as one per row (exact), so linears and experts fused together keep theirs
+        zeros = rows * groups if self.zero_points else 0  # held as int8 (a byte each), as the kernels read them
+        return rows * cols * self.bits // 8 + rows * groups * self.scale_bytes + zeros
 
     def groups_per_row(self, cols: int) -> int:
         if self.group_size <= 0:

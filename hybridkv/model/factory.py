@@ -56,7 +56,7 @@ def build_model(
     """This rank's model, placed on ``device`` (``CausalLM.place``). ``auto``: uninitialised (no random init:
     every parameter must be loaded before use); ``dummy``: norms neutral, every other weight N(0, 0.02) drawn on
     ``device`` from ``seed + rank``. ``weights``: a quantized format keeps the linears of attention and the MLPs (and
-    INT4 a MoE's experts) in it (``quantization/quantized_layers.py``)."""
+    a MoE's routed experts) in it (``quantization/quantized_layers.py``)."""
     if dtype not in MODEL_TORCH_DTYPES:
         raise ValueError(f"dtype {dtype} is not supported; choose {', '.join(MODEL_DTYPES)}")
     if load_format not in LOAD_FORMATS:

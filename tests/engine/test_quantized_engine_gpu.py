@@ -1,7 +1,7 @@
 """Quantized weights through the engine on an NVIDIA GPU: a bf16 checkpoint quantized at load (``--quantization
-fp8 | int4``) keeps its linears quantized there, runs them through the INT4/FP8 kernels inside CUDA graphs, and
-generates what the CPU engine generates from the same quantized values (float32, weights dequantized). Dummy
-quantized weights (``load_format=dummy``) serve too. Skips cleanly without CUDA."""
+fp8 | int4``) keeps its linears and routed experts quantized there, runs them through the INT4/FP8 kernels inside
+CUDA graphs, and generates what the CPU engine generates from the same quantized values (float32, weights
+dequantized). Dummy quantized weights (``load_format=dummy``) serve too. Skips cleanly without CUDA."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def test_quantized_at_load_runs_its_kernels_in_graphs_and_agrees_with_the_cpu(ti
     q_proj = gpu.engine.model.layers[0].self_attn.q_proj
     assert is_quantized(q_proj)
     assert q_proj.weight.dtype == (torch.int32 if quantization == "int4" else torch.float8_e4m3fn)
-    assert gpu.engine.model.layers[1].mlp.experts.quantized == (quantization == "int4")  # FP8 experts stay bf16
+    experts = gpu.engine.model.layers[1].mlp.experts
+    assert experts.quantized and experts.gate_up_proj.dtype == q_proj.weight.dtype  # the routed experts too
     eager = LLM(device="cuda", dtype="bfloat16", kv_cache_memory_bytes=64 << 20, enforce_eager=True, **common)
     cpu = LLM(device="cpu", **common)
     got = gpu.generate(prompts, PARAMS, use_tqdm=False)

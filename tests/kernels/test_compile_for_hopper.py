@@ -257,16 +257,20 @@ def test_fp8_quantize(one_tile, static):
     assert not re.search(r"div\.(full|approx)", ptx)
 
 
-@pytest.mark.parametrize("gated,zero", [(True, False), (False, True)])
-def test_int4_moe(gated, zero):
-    """The INT4 experts' decode GEMM (gate_up: gated token rows; down: the pairs' rows, zero points), its SiLU over
-    the K-splits and the sum over choices, and the prefill grouped GEMM: Scout's group 128 tiles."""
-    int4 = {"ids_ptr": I64, "p_ptr": I32, "z_ptr": "*i8", "part_ptr": F32}
-    compile_for_hopper(quant_moe.int4_moe_gemm_kernel,
-                       dict(TOP_K=2, GATED=gated, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, ZERO=zero, E_PAD=16,
-                            PRECISION="tf32"), int4)
+@pytest.mark.parametrize("gated,zero,fp8", [(True, False, False), (False, True, False), (True, False, True),
+                                            (False, False, True)])
+def test_quant_moe(gated, zero, fp8):
+    """The INT4 and FP8 experts' decode GEMM (gate_up: gated token rows; down: the pairs' rows; INT4 with zero
+    points), its SiLU over the K-splits and the sum over choices, and the prefill grouped GEMM: Scout's tiles. FP8
+    tiles convert e4m3 to bf16 in registers for bf16 dots."""
+    weights = {"p_ptr": "*fp8e4nv", "s_ptr": F32, "z_ptr": F32} if fp8 else {"p_ptr": I32, "z_ptr": "*i8"}
+    types = {"ids_ptr": I64, "part_ptr": F32, **weights}
+    ptx = compile_for_hopper(quant_moe.quant_moe_gemm_kernel,
+                             dict(TOP_K=2, GATED=gated, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, FP8=fp8, ZERO=zero,
+                                  E_PAD=16, PRECISION="tf32"), types)
+    assert ("cvt.rn.bf16x2.e4m3x2" in ptx or "cvt.rn.f16x2.e4m3x2" in ptx) == fp8
     compile_for_hopper(quant_moe.silu_splits_kernel, dict(BLOCK=1024), {"part_ptr": F32})
     compile_for_hopper(quant_moe.sum_choices_kernel, dict(TOP_K=2, BLOCK=1024), {"part_ptr": F32})
-    compile_for_hopper(quant_moe.int4_grouped_gemm_kernel,
-                       dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, E_PAD=16, ZERO=zero, PRECISION="tf32"),
-                       {**int4, "ends_ptr": I32})
+    compile_for_hopper(quant_moe.quant_grouped_gemm_kernel,
+                       dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, E_PAD=16, FP8=fp8, ZERO=zero, PRECISION="tf32"),
+                       {**types, "ends_ptr": I32})

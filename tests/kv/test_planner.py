@@ -286,12 +286,15 @@ def test_weights_beyond_the_gpu_name_the_smallest_tensor_parallel_size_that_fits
     assert plan.reason.startswith(f"the weights alone ({plan.memory.weights_bytes / GIB:.2f} GiB per rank")
     assert "tensor-parallel size 1, bfloat16) exceed" in plan.reason
     # the asked format's smallest size, then the formats a bf16 checkpoint is quantized to at load that need fewer
-    # (fp8 keeps the routed experts bf16: 192.31 GiB, so it needs TP 2 too and is not named)
+    # (fp8, its routed experts included: 102.37 GiB; int4: 54.62 GiB)
     assert plan.reason.endswith(
         "; the smallest tensor-parallel size that fits is 2 (bfloat16)"
+        "; with --quantization fp8 it fits at tensor-parallel size 1"
         "; with --quantization int4 it fits at tensor-parallel size 1")
     assert make_plan(scout, tensor_parallel_size=2, **inputs).fits
-    assert not make_plan(scout, quantization="fp8", **inputs).fits and make_plan(scout, quantization="int4", **inputs).fits
+    fp8 = make_plan(scout, quantization="fp8", **inputs)
+    assert fp8.fits and f"{fp8.memory.weights_bytes / GIB:.2f}" == "102.37"
+    assert make_plan(scout, quantization="int4", **inputs).fits
     # a length no size up to 64 holds (Scout's 40 heads split over 2, 4, 8 only), in no format
     assert make_plan(scout, max_model_len=10**9, **inputs).reason.endswith(
         "no tensor-parallel size up to 64 fits (bfloat16)")

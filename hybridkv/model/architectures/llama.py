@@ -59,7 +59,7 @@ from hybridkv.model.architectures.position_encoding import (
     temperature_scales,
 )
 from hybridkv.model.causal_lm import CausalLM
-from hybridkv.model.quantization.quantized_experts import float_stack, stacked_int4
+from hybridkv.model.quantization.quantized_experts import float_stack, quantized_stack
 from hybridkv.model.quantization.quantized_layers import is_quantized, move_model
 
 
@@ -214,8 +214,9 @@ class MLP(DeviceOps, nn.Module):
 
 class Experts(nn.Module):
     """Expert weights fused as transformers stores them: gate_up [E, H, 2I] (gate first), down [E, I, H]. Under an
-    INT4 format each is stacked output-major instead, a quantized linear's layout per expert: gate_up int32
-    [E, 2I, H // 8], down int32 [E, H, I // 8], with their scales (``quantization/quantized_experts.py``).
+    INT4 or FP8 format each is stacked output-major instead, a quantized linear's layout per expert: gate_up
+    [E, 2I, H] (INT4: int32 [E, 2I, H // 8]), down [E, H, I], with their scales
+    (``quantization/quantized_experts.py``).
 
     Under TP every rank holds every expert, sliced along I (gate and up alike): any expert's partial output is
     summed like a dense MLP's, and the load stays even however tokens route."""
@@ -239,16 +240,20 @@ class Experts(nn.Module):
     def load_shard(self, name: str, source) -> torch.Tensor:
         """This rank's slice of I: a float checkpoint stack in transformers' layout (its last dim for gate_up, its
         middle one for down), or the quantized stacks the reader gathers (gate_up's rows, down's input columns:
-        packed words, group scales and zero points alike)."""
+        packed words, e4m3 values, group scales and zero points alike; FP8's down scales, one per output channel,
+        whole)."""
         lo, hi, full = self.start, self.start + self.local, self.intermediate
         float_stack = name in self.stacked_weights and (
-            not isinstance(source, torch.Tensor) or source.is_floating_point())
+            not isinstance(source, torch.Tensor)
+            or (source.is_floating_point() and source.dtype != torch.float8_e4m3fn))
         if float_stack:
             if name == "down_proj":
                 return source[:, lo:hi]
             return torch.cat((source[:, :, lo:hi], source[:, :, full + lo : full + hi]), dim=-1)
         if name.startswith("gate_up_proj"):
             return torch.cat((source[:, lo:hi], source[:, full + lo : full + hi]), dim=1)
+        if len(source_shape(source)) == 2:  # FP8's down_proj_scale [E, H]: per output channel, on every rank
+            return source
         cols = source_shape(source)[2]
         if cols % self.ranks:
             raise ValueError(f"experts.{name}: {cols} columns do not split over {self.ranks} ranks (the "
@@ -259,7 +264,7 @@ class Experts(nn.Module):
 
     def stacks(self, dtype: torch.dtype, experts: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [e, H, 2I], down [e, I, H]) of ``experts`` in transformers' float layout: the parameters, or
-        INT4 experts' weights dequantized to ``dtype`` (the reference the quantized kernels are tested against)."""
+        quantized experts' weights dequantized to ``dtype`` (the reference the quantized kernels are tested against)."""
         return (float_stack(self, "gate_up_proj", dtype, experts), float_stack(self, "down_proj", dtype, experts))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -321,7 +326,7 @@ class MoE(DeviceOps, nn.Module):
     def routed_cuda(self, x: torch.Tensor) -> RoutedRows:
         top_ids, gates = self._route(x)
         if self.experts.quantized and self._sorts(top_ids):
-            return self._routed_by_int4_kernels(x, top_ids, gates)
+            return self._routed_by_quantized_kernels(x, top_ids, gates)
         if self._grouped_mm_ok and not self.experts.quantized and self._sorts(top_ids):
             return self._routed_by_kernels(x, top_ids, gates)
         return RoutedRows(self._routed(x, top_ids, gates), None, self.top_k)
@@ -339,8 +344,8 @@ class MoE(DeviceOps, nn.Module):
 
     def _fused_decode(self, x: torch.Tensor) -> torch.Tensor:
         """Decode sizes: the router in one launch, then the selected experts (with the shared expert, for few
-        tokens once its gate/up is one weight) in three more; no host sync, so a CUDA graph holds it. INT4 experts
-        run ``kernels/quant_moe.py``'s decode kernels, the shared expert its own GEMMs."""
+        tokens once its gate/up is one weight) in three more; no host sync, so a CUDA graph holds it. Quantized (INT4,
+        FP8) experts run ``kernels/quant_moe.py``'s decode kernels, the shared expert its own GEMMs."""
         from hybridkv.kernels.fused_moe import fused_moe, fused_moe_counters, route
 
         experts = self.experts
@@ -349,10 +354,10 @@ class MoE(DeviceOps, nn.Module):
         top_ids, gates = route(x, self.router.weight, self.top_k, self._arrived)
         shared = self.shared_expert
         if experts.quantized:
-            from hybridkv.kernels.quant_moe import int4_moe_decode
+            from hybridkv.kernels.quant_moe import quant_moe_decode
 
-            routed = int4_moe_decode(x, gates, top_ids, stacked_int4(experts, "gate_up_proj").parts(),
-                                     stacked_int4(experts, "down_proj").parts())
+            routed = quant_moe_decode(x, gates, top_ids, quantized_stack(experts, "gate_up_proj").parts(),
+                                      quantized_stack(experts, "down_proj").parts())
             return shared(x) + routed
         # the fused kernels read bf16 weights: a quantized shared expert runs its own GEMMs
         if (shared.gate_up.weight is None or is_quantized(shared.gate_up)
@@ -419,18 +424,19 @@ class MoE(DeviceOps, nn.Module):
         hidden = silu_mul(F.grouped_mm(gated_in, experts.gate_up_proj, offs=ends))
         return RoutedRows(F.grouped_mm(hidden, experts.down_proj, offs=ends), place, self.top_k)
 
-    def _routed_by_int4_kernels(self, x: torch.Tensor, top_ids: torch.Tensor, gates: torch.Tensor) -> RoutedRows:
-        """``_routed_by_kernels`` over INT4 experts: the same sort and gathers, each grouped GEMM a Triton kernel
-        that dequantizes the expert's weight tiles as it multiplies (``kernels/quant_moe.py``): no bf16 copy of
-        any expert, so the step needs no scratch beyond the rows' own activations."""
+    def _routed_by_quantized_kernels(self, x: torch.Tensor, top_ids: torch.Tensor, gates: torch.Tensor
+                                     ) -> RoutedRows:
+        """``_routed_by_kernels`` over INT4 or FP8 experts: the same sort and gathers, each grouped GEMM a Triton
+        kernel that dequantizes the expert's weight tiles as it multiplies (``kernels/quant_moe.py``): no bf16 copy
+        of any expert, so the step needs no scratch beyond the rows' own activations."""
         from hybridkv.kernels.moe_prefill import gather_gated, silu_mul, sort_by_expert
-        from hybridkv.kernels.quant_moe import int4_grouped_gemm
+        from hybridkv.kernels.quant_moe import quant_grouped_gemm
 
         experts = self.experts
         ends, order, place = sort_by_expert(top_ids, experts.num_experts)
         gated_in = gather_gated(x, gates, order, self.top_k)
-        hidden = silu_mul(int4_grouped_gemm(gated_in, ends, *stacked_int4(experts, "gate_up_proj").parts()))
-        out = int4_grouped_gemm(hidden, ends, *stacked_int4(experts, "down_proj").parts())
+        hidden = silu_mul(quant_grouped_gemm(gated_in, ends, *quantized_stack(experts, "gate_up_proj").parts()))
+        out = quant_grouped_gemm(hidden, ends, *quantized_stack(experts, "down_proj").parts())
         return RoutedRows(out, place, self.top_k)
 
 

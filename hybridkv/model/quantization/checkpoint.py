@@ -8,17 +8,17 @@ are all read, then yields the layer either
 - kept quantized, under the names the quantized linears hold (``quantized_layers.py``): ``weight`` (e4m3, or INT4
   packed as ``kernels/quant_gemm.py`` says), ``weight_scale`` (FP8: float32 [N]; INT4: [N, K // G]),
   ``weight_zero_point`` (INT4, int8 [N, K // G]) and ``input_scale`` (static FP8 activations); or
-- dequantized, as one ``weight`` in the model dtype (the CPU, ``--quantization none``, and the experts of a MoE
-  under a format that keeps them in the model dtype: FP8).
+- dequantized, as one ``weight`` in the model dtype (the CPU, ``--quantization none``).
 
 E.g. an AWQ layer ``q_proj`` with ``qweight`` [4096, 512], ``qzeros`` [32, 512], ``scales`` [32, 4096] comes out
 as ``q_proj.weight`` int32 [4096, 512], ``q_proj.weight_scale`` [4096, 32], ``q_proj.weight_zero_point`` [4096, 32].
 
 Llama-4 checkpoints quantized by llm-compressor store experts one by one (``experts.3.gate_proj``); they are
 gathered into the fused ``experts.gate_up_proj`` [E, H, 2I] and ``experts.down_proj`` [E, I, H] transformers uses
-or, kept quantized (INT4), into the stacks ``quantized_experts.py`` describes: ``experts.gate_up_proj`` int32
+or, kept quantized, into the stacks ``quantized_experts.py`` describes: INT4 ``experts.gate_up_proj`` int32
 [E, 2I, H // 8] with ``experts.gate_up_proj_scale`` (and ``_zero_point``), ``experts.down_proj`` [E, H, I // 8] with
-``experts.down_proj_scale``.
+``experts.down_proj_scale``; FP8 ``experts.gate_up_proj`` e4m3 [E, 2I, H] with float32 scales [E, 2I],
+``experts.down_proj`` [E, H, I] with [E, H] (an expert's static ``input_scale`` is dropped: experts run W8A16).
 """
 
 from __future__ import annotations
@@ -196,8 +196,9 @@ class QuantizedReader:
 
     def _stacked_experts(self, prefix: str, experts: dict[tuple[int, str], QuantizedLinear]
                          ) -> Iterator[tuple[str, Any]]:
-        """The quantized stacks (``quantized_experts.py``): gate_up [E, 2I, H // 8] (each expert's gate rows, then
-        its up rows), down [E, H, I // 8]; their scales and zero points stacked alike."""
+        """The quantized stacks (``quantized_experts.py``): gate_up [E, 2I, H // 8] (INT4; FP8 [E, 2I, H]: each
+        expert's gate rows, then its up rows), down [E, H, I // 8] (FP8 [E, H, I]); their scales and zero points
+        stacked alike."""
         for stack, projs in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
             for suffix, part in (("", "weight"), ("_scale", "scale"), ("_zero_point", "zero")):
                 per_expert = [[getattr(experts[e, p], part) for p in projs] for e in range(self.num_experts)]

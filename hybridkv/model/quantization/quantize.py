@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from hybridkv.kernels.quant_gemm import FP8_MAX, pack_int4, quantize_fp8_per_token_reference
-
+from hybridkv.kv.weight_formats import WeightFormat
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,6 +37,15 @@ def quantize_int4(weight: torch.Tensor, group_size: int, scale_dtype: torch.dtyp
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(groups / scale.float()[:, :, None]).clamp(-8, 7).to(torch.int8)
     return pack_int4(q.view(rows, cols)), scale
+
+
+def quantize_weight(weight: torch.Tensor, fmt: WeightFormat, int4_scale: torch.dtype = torch.bfloat16
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (weight, scales) in ``fmt``: FP8's ``quantize_fp8``, else INT4's ``quantize_int4`` in groups of
+    ``fmt.group_size`` with ``int4_scale`` scales (symmetric: no zero point)."""
+    if fmt.bits == 8:
+        return quantize_fp8(weight)
+    return quantize_int4(weight, fmt.group_size, int4_scale)
 
 
 def int4_scale_dtype(model_dtype: torch.dtype) -> torch.dtype:

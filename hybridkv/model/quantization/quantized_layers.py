@@ -9,8 +9,8 @@ attention and the MLPs (``ColumnParallelLinear``, ``RowParallelLinear``) not in 
           (fp16 models: fp16; a checkpoint's: as stored)
           (+ weight_zero_point int8 [N, K // G], asymmetric)
 
-A MoE's routed experts (a module of ``kinds`` with ``stacked_weights``) are stacked INT4 tensors under an INT4
-format (``quantized_experts.py``) and stay in the model dtype under FP8. The router, embeddings, LM head and norms
+A MoE's routed experts (a module of ``kinds`` with ``stacked_weights``) are stacked INT4 or FP8 tensors
+(``quantized_experts.py``). The router, embeddings, LM head and norms
 are left in the model dtype. A quantized linear then loads a quantized checkpoint's tensors as they come
 (``checkpoint.QuantizedReader``), or quantizes a float weight as it loads (``load_quantizing``).
 
@@ -26,7 +26,7 @@ from torch import nn
 
 from hybridkv.kv.weight_formats import WeightFormat
 from hybridkv.model.quantization.checkpoint import QuantizedLinear
-from hybridkv.model.quantization.quantize import fake_quantize_fp8, int4_scale_dtype, quantize_fp8, quantize_int4
+from hybridkv.model.quantization.quantize import fake_quantize_fp8, int4_scale_dtype, quantize_weight
 from hybridkv.model.quantization.quantized_experts import (
     is_stacked, load_experts_quantizing, quantize_experts_layout, random_quantized_experts, round_trip_experts,
 )
@@ -100,12 +100,9 @@ def load_quantizing(linear: nn.Module, weight: torch.Tensor, name: str = "weight
     if is_stacked(linear):
         return load_experts_quantizing(linear, name, weight)
     fmt: WeightFormat = linear.weight_format
-    if fmt.bits == 8:
-        if not fmt.dynamic_activations:
-            raise ValueError("FP8 with static activation scales needs a checkpoint that holds them (input_scale)")
-        q, scale = quantize_fp8(weight.to(linear.weight.device))
-    else:
-        q, scale = quantize_int4(weight.to(linear.weight.device), fmt.group_size, linear.weight_scale.dtype)
+    if fmt.bits == 8 and not fmt.dynamic_activations:
+        raise ValueError("FP8 with static activation scales needs a checkpoint that holds them (input_scale)")
+    q, scale = quantize_weight(weight.to(linear.weight.device), fmt, linear.weight_scale.dtype)
     linear.weight.copy_(q)
     linear.weight_scale.copy_(scale)
     return ("weight", "weight_scale")
@@ -125,8 +122,7 @@ def random_quantized(linear: nn.Module, gen: torch.Generator, std: float = 0.02)
     for start in range(0, rows, step):
         part = torch.empty(min(step, rows - start), cols, dtype=dtype, device=linear.weight.device)
         part.normal_(0.0, std, generator=gen)
-        q, scale = (quantize_fp8(part) if linear.weight_format.bits == 8
-                    else quantize_int4(part, linear.weight_format.group_size, linear.weight_scale.dtype))
+        q, scale = quantize_weight(part, linear.weight_format, linear.weight_scale.dtype)
         linear.weight[start : start + len(part)] = q
         linear.weight_scale[start : start + len(part)] = scale
     if getattr(linear, "weight_zero_point", None) is not None:
@@ -176,18 +172,19 @@ def round_trip_linears(model: nn.Module, fmt: WeightFormat, kinds: tuple[type, .
             round_trip_experts(linear, fmt)
             continue
         w = linear.weight
-        q, scale = quantize_fp8(w) if fmt.bits == 8 else quantize_int4(w, fmt.group_size, int4_scale_dtype(w.dtype))
+        q, scale = quantize_weight(w, fmt, int4_scale_dtype(w.dtype))
         w.copy_(QuantizedLinear(q, scale).dequantized(w.dtype))
     return len(linears)
 
 
 def move_model(model: nn.Module, device: torch.device | str, dtype: torch.dtype | None) -> None:
-    """``model`` to ``device``, its float tensors cast to ``dtype`` (None: kept) but a quantized linear's own: e4m3
-    weights and float32 FP8 scales stay as they are (``Module.to`` would cast e4m3 too: it is a float dtype); INT4
-    scales take ``dtype``, the activations' dtype the INT4 kernel reads them in."""
+    """``model`` to ``device``, its float tensors cast to ``dtype`` (None: kept) but a quantized linear's (or
+    experts') own: e4m3 weights and float32 FP8 scales stay as they are (``Module.to`` would cast e4m3 too: it is a
+    float dtype); INT4 scales take ``dtype``, the activations' dtype the INT4 kernel reads them in."""
     if dtype is not None:  # cast where the tensors are, then move: no tensor is on the device twice
         kept = {id(p) for m in model.modules() if is_quantized(m) for n, p in m.named_parameters(recurse=False)
-                if n in ("weight", "input_scale") or (n == "weight_scale" and m.weight_format.bits == 8)}
+                if p.dtype == torch.float8_e4m3fn or n == "input_scale"
+                or (n.endswith("_scale") and m.weight_format.bits == 8)}
         for tensor in (*model.parameters(), *model.buffers()):
             if tensor.is_floating_point() and id(tensor) not in kept and tensor.dtype != dtype:
                 tensor.data = tensor.data.to(dtype)
