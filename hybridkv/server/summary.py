@@ -21,22 +21,28 @@ GIB = 1 << 30
 
 
 def startup_summary(state: ServerState, url: str) -> str:
-    engine = state.engine.engine
     return "\n".join([
         f"hybridkv serve ready at {url}",
-        _model_line(state),
-        _weights_line(engine),
-        f"  max_model_len: {engine.max_model_len:,} tokens (why: {engine.max_model_len_bound})",
-        *_pool_lines(engine),
-        _cache_line(engine),
+        *state.engine.summary_lines(state.model_name),
         f"  tools: {_tools(state)}",
     ])
 
 
-def _model_line(state: ServerState) -> str:
-    engine = state.engine.engine
+def engine_lines(engine, model_name: str) -> list[str]:
+    """What one engine serves: model, weights, ``max_model_len``, KV pool, caches (a replica's, under data
+    parallelism)."""
+    return [
+        _model_line(engine, model_name),
+        _weights_line(engine),
+        f"  max_model_len: {engine.max_model_len:,} tokens (why: {engine.max_model_len_bound})",
+        *_pool_lines(engine),
+        _cache_line(engine),
+    ]
+
+
+def _model_line(engine, model_name: str) -> str:
     name = engine.loaded.name
-    served = "" if state.model_name == name else f", served as {state.model_name!r}"
+    served = "" if model_name == name else f", served as {model_name!r}"
     from hybridkv.model.dtypes import dtype_name  # torch: loaded with the engine already
 
     dtype = dtype_name(next(engine.model.parameters()).dtype)
