@@ -167,7 +167,7 @@ class AsyncEngine:
             self._stopping = True
             self._cond.notify()
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._fail_live, EngineDeadError("the server is shutting down"))
+            self._loop.call_soon_threadsafe(_fail_queues, self.live, EngineDeadError("the server is shutting down"))
 
     def shutdown(self, timeout: float = SHUTDOWN_GRACE_S) -> None:
         """Stop the engine thread; a step still running after ``timeout`` is abandoned (the thread is a daemon)."""
@@ -194,11 +194,6 @@ class AsyncEngine:
         workers = self.engine.workers
         return (self._thread is not None and self._thread.is_alive() and self.failure is None
                 and not self._stopping and (workers is None or workers.alive))
-
-    def _fail_live(self, error: Exception) -> None:
-        for queue in self.live.values():
-            queue.put_nowait(error)
-        self.live.clear()
 
     # ---- requests (event loop) ----------------------------------------------------------------------------
     async def add_request(
@@ -354,3 +349,10 @@ class AsyncEngine:
             pending, self._new = self._new, []
         for sub in pending:
             sub.channel.put(error)
+
+
+def _fail_queues(live: dict[str, asyncio.Queue], error: Exception) -> None:
+    """Every request in flight gets ``error`` (on the event loop: the queues are its)."""
+    for queue in live.values():
+        queue.put_nowait(error)
+    live.clear()

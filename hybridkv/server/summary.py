@@ -8,19 +8,15 @@ Every number is one the engine or the planner already computed (``plan.type_usag
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from hybridkv.kv.capacity import pool_tokens
 from hybridkv.kv.host_tier import host_tier_tokens
 from hybridkv.kv.planner import concurrency_at, fitted_format, format_detail, type_usage
 
-if TYPE_CHECKING:
-    from hybridkv.server.app import ServerState
-
 GIB = 1 << 30
 
 
-def startup_summary(state: ServerState, url: str) -> str:
+def startup_summary(state, url: str) -> str:
+    """``state``: the app's ``ServerState`` (not imported: the engines import this module, and the app them)."""
     return "\n".join([
         f"hybridkv serve ready at {url}",
         *state.engine.summary_lines(state.model_name),
@@ -93,7 +89,7 @@ def _cache_line(engine) -> str:
     return f"  prefix caching: {prefix}; host tier: {host}"
 
 
-def _tools(state: ServerState) -> str:
+def _tools(state) -> str:
     tools = state.tools
     if tools.tool_call_parser is None:
         return 'no tool call parser (tool_choice "required" and named functions work; "auto" is refused)'

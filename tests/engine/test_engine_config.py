@@ -64,9 +64,11 @@ def test_every_flag_reaches_its_config_field():
         expected[f.name] = value
     config = engine_config_from_args(parser().parse_args(argv))
     assert {name: getattr(config, name) for name in expected} == expected
-    # every field is a flag but the one a command sets itself and the one whose flag counts GiB (--kv-offload-gib)
+    # every field is a flag but the one a command sets itself, the one whose flag counts GiB (--kv-offload-gib) and
+    # a replica's rank (the data-parallel front end sets it)
     assert {f.name for f in dataclasses.fields(EngineConfig)} - set(expected) == {"clamp_max_model_len",
-                                                                                 "kv_offload_bytes"}
+                                                                                 "kv_offload_bytes",
+                                                                                 "data_parallel_rank"}
     gib = engine_config_from_args(parser().parse_args(["--kv-offload-gib", "1.5"]))
     assert gib.kv_offload_bytes == 3 << 29
     assert all(f.metadata["help"] for f in dataclasses.fields(EngineConfig))
