@@ -324,6 +324,8 @@ class DataParallelEngine:
         if not rep.alive:
             return
         rep.failure = why
+        if self._stopping:  # told to stop: not a failure
+            return
         log.error("replica %d (pid %s) is dead: %s; %d requests in flight fail", rep.index, rep.process.pid, why,
                   len(rep.requests))
         with contextlib.suppress(ValueError, OSError, RuntimeError):  # a closed pipe, or no loop (shutting down)

@@ -7,27 +7,32 @@ empties it) and asks the KV cache manager's own lookup how much of the prompt th
 are all cached but whose sliding window before the end was evicted resumes only where the window is still there,
 on the router's view as on the replica.
 
-The replica with the least work before this request's first token wins::
+Prompts routed to a replica and not finished count as cached there too (their blocks are on their way: a second
+question sent while the first is still prefilling the document goes where that prefill is).
 
-    cost = (prompt tokens - resumable tokens)     # what this request prefills there
-         + pending prefill tokens                  # sent there and not started yet (no first output)
-         + RUNNING_COST_TOKENS * running requests  # each decoding request shares every step
+The replica with the least work wins::
+
+    cost = (prompt tokens - resumable tokens)                 # what this request prefills there
+         + LOAD_WEIGHT * (pending prefill tokens               # sent there and not started yet (no first output)
+                          + RUNNING_COST_TOKENS * running)     # each decoding request shares every step
          + prompt tokens, if the free KV cache cannot hold the new blocks (it waits, or evicts others' prefixes)
 
 Block 4, replica 0 holds a 24-token document (6 blocks), replica 1 nothing, both idle: a 30-token question about
-the document costs 30 - 24 = 6 tokens on replica 0 and 30 on replica 1, so it goes to replica 0; with 40 prompt
-tokens pending there it costs 46 and goes to replica 1. Equal costs go to the replica with fewer requests in
+the document costs 30 - 24 = 6 tokens on replica 0 and 30 on replica 1, so it goes to replica 0; with 60 prompt
+tokens pending there it costs 6 + 30 = 36 and goes to replica 1. Equal costs go to the replica with fewer requests in
 flight, then to the one with fewer blocks cached (an unrelated prompt evicts least there), then in turn.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from itertools import count
-from typing import Iterable
+from typing import Iterable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import Counter as PromCounter
 
 from hybridkv.kv.cache_manager import KVCacheManager
 from hybridkv.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -40,6 +45,9 @@ log = logging.getLogger("hybridkv.server")
 POLICIES = ("round-robin", "least-loaded", "cache-aware")
 # a decoding request adds a token to every step: about what a short prompt chunk costs the requests behind it
 RUNNING_COST_TOKENS = 16
+# load counts half as much as this prompt's own prefill: a prefix hit saves the whole cluster work, a queue only
+# delays (a replica twice as loaded still wins when its cache saves more than half its queue)
+LOAD_WEIGHT = 0.5
 _HASH_BYTES = 8  # blocks are keyed by the hash as the events carry it (its last 8 bytes)
 
 
@@ -60,6 +68,9 @@ class ResidentBlocks:
     """
 
     by_medium: dict[str, set[tuple[bytes, int]]] = field(default_factory=dict)
+    # prompts routed here and not finished: their blocks will be cached in every group once computed (a question
+    # sent while the document's first question is still being prefilled goes where that prefill is)
+    in_flight: Counter[bytes] = field(default_factory=Counter)
 
     def apply(self, events: Iterable[KVEvent]) -> None:
         for e in events:
@@ -72,11 +83,19 @@ class ResidentBlocks:
             elif type(e) is AllBlocksCleared:
                 self.by_medium.clear()
 
+    def expect(self, block_hashes: Sequence[bytes], sign: int = 1) -> None:
+        """Count (``sign`` 1) or stop counting (-1) a routed prompt's blocks as on their way."""
+        for h in block_hashes:
+            self.in_flight[h[-_HASH_BYTES:]] += sign
+        if sign < 0:
+            self.in_flight = +self.in_flight  # drop the zeros
+
     def lookup(self, key: tuple[bytes, int]) -> bool | None:
         """The KV cache's ``Lookup`` over these blocks: True where a medium holds ``(hash, group)`` (the host tier's
-        blocks count: the replica's lookup loads them), else None."""
-        k = (key[0][-_HASH_BYTES:], key[1])
-        return True if any(k in blocks for blocks in self.by_medium.values()) else None
+        blocks count: the replica's lookup loads them) or a prompt in flight will, else None."""
+        h = key[0][-_HASH_BYTES:]
+        k = (h, key[1])
+        return True if h in self.in_flight or any(k in blocks for blocks in self.by_medium.values()) else None
 
     def __len__(self) -> int:
         return sum(len(b) for b in self.by_medium.values())
@@ -98,20 +117,21 @@ class Decision:
     replica: int
     resumable_tokens: int  # of the prompt, on the chosen replica (cache-aware only; else 0)
     new_tokens: int  # the prompt tokens it prefills there
+    block_hashes: list[bytes] = field(default_factory=list)  # the prompt's full blocks (cache-aware only)
 
 
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry, policy: str) -> None:
-        self.routed = Counter("hybridkv:router_requests", "Requests routed, by replica", ["engine", "policy"],
+        self.routed = PromCounter("hybridkv:router_requests", "Requests routed, by replica", ["engine", "policy"],
                               registry=registry)
-        self.prompt_tokens = Counter("hybridkv:router_prompt_tokens", "Prompt tokens routed, by replica",
+        self.prompt_tokens = PromCounter("hybridkv:router_prompt_tokens", "Prompt tokens routed, by replica",
                                      ["engine"], registry=registry)
-        self.resumable = Counter("hybridkv:router_resumable_tokens",
+        self.resumable = PromCounter("hybridkv:router_resumable_tokens",
                                  "Prompt tokens the chosen replica's cache held as the router saw it", ["engine"],
                                  registry=registry)
-        self.event_batches = Counter("hybridkv:router_kv_event_batches", "KV event batches read, by replica",
+        self.event_batches = PromCounter("hybridkv:router_kv_event_batches", "KV event batches read, by replica",
                                      ["engine"], registry=registry)
-        self.event_gaps = Counter("hybridkv:router_kv_event_gaps",
+        self.event_gaps = PromCounter("hybridkv:router_kv_event_gaps",
                                   "Sequence gaps in a replica's KV events (batches lost)", ["engine"],
                                   registry=registry)
         self.resident = Gauge("hybridkv:router_resident_blocks", "Blocks the router sees cached, by replica",
@@ -160,11 +180,14 @@ class Router:
 
     def resumable_tokens(self, prompt: list[int], cache_salt: str | None = None) -> list[int]:
         """Per replica, the prompt tokens its cache would resume from, as its own lookup would find them."""
+        return self._lookup(prompt, cache_salt)[0]
+
+    def _lookup(self, prompt: list[int], cache_salt: str | None) -> tuple[list[int], list[bytes]]:
         req = CacheRequest(f"route-{next(self._ids)}", prompt, cache_salt=cache_salt)
-        return [self._kv.resumable_tokens(req, blocks.lookup) for blocks in self.resident]
+        return [self._kv.resumable_tokens(req, blocks.lookup) for blocks in self.resident], req.block_hashes
 
     def _cache_aware(self, prompt: list[int], cache_salt: str | None, alive: list[int], turn: int) -> Decision:
-        hits = self.resumable_tokens(prompt, cache_salt)
+        hits, block_hashes = self._lookup(prompt, cache_salt)
         n = len(self.loads)
 
         def key(r: int) -> tuple[int, int, int, int]:
@@ -172,13 +195,13 @@ class Router:
             return self.cost(r, len(prompt), hits[r]), self.loads[r].in_flight, len(self.resident[r]), (r - turn) % n
 
         r = min(alive, key=key)
-        return Decision(r, hits[r], len(prompt) - hits[r])
+        return Decision(r, hits[r], len(prompt) - hits[r], block_hashes)
 
-    def cost(self, replica: int, prompt_tokens: int, resumable: int) -> int:
-        """Tokens of work on ``replica`` before this prompt's first token (see the module docstring)."""
+    def cost(self, replica: int, prompt_tokens: int, resumable: int) -> float:
+        """Work on ``replica``, in prompt tokens, if it serves this prompt (see the module docstring)."""
         load = self.loads[replica]
         new = prompt_tokens - resumable
-        cost = new + load.pending_prefill + RUNNING_COST_TOKENS * load.started
+        cost = new + LOAD_WEIGHT * (load.pending_prefill + RUNNING_COST_TOKENS * load.started)
         if load.free_blocks is not None and cdiv(new, self.block_size) > load.free_blocks:
             cost += prompt_tokens
         return cost
@@ -194,6 +217,7 @@ class Router:
         load = self.loads[d.replica]
         load.in_flight += 1
         load.pending_prefill += d.new_tokens
+        self.resident[d.replica].expect(d.block_hashes)
 
     def started(self, d: Decision) -> None:
         """The request's first output came back: its prefill is done."""
@@ -202,8 +226,10 @@ class Router:
         load.pending_prefill -= d.new_tokens
 
     def finished(self, d: Decision, started: bool) -> None:
+        """The request finished, failed or was aborted: its blocks are in the replica's events from now on."""
         load = self.loads[d.replica]
         load.in_flight -= 1
+        self.resident[d.replica].expect(d.block_hashes, -1)
         if started:
             load.started -= 1
         else:

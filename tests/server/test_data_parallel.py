@@ -60,9 +60,11 @@ def test_cache_aware_goes_where_the_prefix_is_and_load_sends_it_elsewhere():
     assert r.resumable_tokens(PROMPT) == [0, 20]
     d = r.choose(PROMPT)
     assert (d.replica, d.resumable_tokens, d.new_tokens) == (1, 20, 5)
-    # 40 prompt tokens sent to replica 1 and not started: 5 + 40 there against 25 on replica 0
-    r.loads[1].pending_prefill = 40
+    # 60 prompt tokens sent to replica 1 and not started: 5 + 60 / 2 there against 25 on replica 0
+    r.loads[1].pending_prefill = 60
     assert r.choose(PROMPT).replica == 0
+    r.loads[1].pending_prefill = 30  # 5 + 15 against 25
+    assert r.choose(PROMPT).replica == 1
     # a removal is seen: the hit falls back to the blocks before it
     r.loads[1].pending_prefill = 0
     r.events(1, [BlockRemoved(g.group_id, "GPU", [h[2]]) for g in FULL.groups])
@@ -102,6 +104,16 @@ def test_the_view_built_from_the_wire_finds_what_the_engine_finds():
             expected = kv.find_cache_hit(CacheRequest("probe", probe)).num_tokens
             assert r.resumable_tokens(probe)[0] == expected
     assert kv.pool.num_cached_blocks < 2 * 4 * len(prompts)  # the small pool did evict
+
+
+def test_a_prompt_in_flight_counts_where_it_was_sent():
+    r = router("cache-aware")
+    doc = PROMPT[:20]
+    first = r.choose(doc + [1, 2, 3])
+    r.sent(first)
+    assert r.resumable_tokens(doc + [7, 8, 9, 10, 11])[first.replica] == 20  # on its way there
+    r.finished(first, started=True)
+    assert r.resumable_tokens(doc + [7, 8, 9, 10, 11]) == [0, 0]  # no event said it stayed
 
 
 def test_round_robin_and_least_loaded():
