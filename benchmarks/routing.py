@@ -2,10 +2,10 @@
 trace served over HTTP.
 
 The trace is ``prefix_trace.py``'s (conversations sharing system prompts, each turn repeating the history before it;
-documents asked several questions, one after another; all interleaved), small enough for a CPU. It is sent as token ids to
-``hybridkv serve --data-parallel-size N`` under each ``--routing-policy``, and to one replica with N times the KV
-cache (the bound: nothing is split, so every prefix is where the next request looks), by ``--concurrency`` clients;
-a turn waits for the turn before it. Hit rate and tokens saved are the replicas' own prefix-cache counters
+documents asked several questions, one after another; all interleaved), small enough for a CPU. It is sent as token
+ids to ``hybridkv serve --data-parallel-size N`` under each ``--routing-policy``, and to one replica with N times the
+KV cache (the bound: nothing is split, so every prefix is where the next request looks), by ``--concurrency``
+clients; a turn waits for the turn before it. Hit rate and tokens saved are the replicas' own prefix-cache counters
 (``/metrics``, summed over replicas); TTFT is the client's, to the first streamed token.
 
     python benchmarks/routing.py                       # Gemma-3-270M, 2 replicas on the CPU: a few minutes on 2 cores

@@ -177,7 +177,8 @@ class DataParallelEngine:
                 spec = ReplicaSpec(placement, replica_config(config, placement.index, events.configs[placement.index]),
                                    served_model_name, log_level)
                 parent, child = ctx.Pipe()
-                process = ctx.Process(target=run_replica, args=(spec, child), name=f"hybridkv-replica-{placement.index}")
+                process = ctx.Process(target=run_replica, args=(spec, child),
+                                      name=f"hybridkv-replica-{placement.index}")
                 process.start()
                 child.close()  # the replica holds the only other end: its death closes the pipe
                 replicas.append(Replica(placement.index, placement, process, parent))

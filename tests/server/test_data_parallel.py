@@ -14,13 +14,17 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from test_lifecycle import ServerProcess, long_context_copy, wait_for
 
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.kv_events import KVEventEncoder, decode_batch
+from hybridkv.engine.llm_engine import LLMEngine
 from hybridkv.kv.block_hash import BlockHasher
 from hybridkv.kv.cache_manager import KVCacheManager
 from hybridkv.kv.events import BlockRemoved, BlockStored
 from hybridkv.kv.layout import plan_layout
 from hybridkv.kv.request import CacheRequest
 from hybridkv.kv.specs import FullAttentionSpec, SlidingWindowSpec
+from hybridkv.server.app import build_app
+from hybridkv.server.data_parallel import DataParallelEngine, plan_events
 from hybridkv.server.replica import place_replicas
 from hybridkv.server.router import Router
 
@@ -140,6 +144,22 @@ def test_replica_placement():
         place_replicas(2, 2, "cuda", ["0", "1"], [])
     assert [p.cpu_cores for p in place_replicas(2, 1, "cpu", [], [0, 1])] == [(0,), (1,)]
     assert [p.cpu_cores for p in place_replicas(3, 1, "cpu", [], [0, 1])] == [None, None, None]
+
+
+def test_bad_setups_are_refused_naming_the_flag():
+    with pytest.raises(ValueError, match="one engine is one replica"):
+        LLMEngine(EngineConfig(data_parallel_size=2))
+    with pytest.raises(ValueError, match="--routing-policy .* needs --data-parallel-size > 1"):
+        build_app(EngineConfig(), routing_policy="round-robin")
+    with pytest.raises(ValueError, match="no port to offset"):
+        plan_events(EngineConfig(kv_events_config='{"enable_kv_cache_events": true, "endpoint": "tcp://*"}'), 2,
+                    "cache-aware")
+
+
+def test_a_replica_that_cannot_start_stops_the_others(tmp_path):
+    config = EngineConfig(model=str(tmp_path / "missing"), data_parallel_size=2, device="cpu")
+    with pytest.raises(ValueError, match="replica [01] could not start: .*missing"):
+        DataParallelEngine.launch(config, "round-robin")
 
 
 # ---- two replica processes behind the HTTP front end ----------------------------------------------------------
