@@ -76,6 +76,11 @@ class EngineConfig:
     data_parallel_size: int = knob(
         1, "hybridkv serve: engine replicas, each its own process with its own devices, behind one front end "
            "(see docs/data-parallel.md)")
+    # vLLM's name and choices: Ray places each replica (a placement group bundle: its GPUs, or CPUs) on any host of
+    # the cluster ``ray.init()`` finds, or a local one it starts
+    data_parallel_backend: str = knob(
+        "mp", "hybridkv serve --data-parallel-size N: mp (processes on this host) | ray (Ray actors, placement "
+              "groups; replicas on other hosts of the Ray cluster)")
     # which replica this engine is (its KV events carry it, as vLLM's ``data_parallel_rank``)
     data_parallel_rank: int = knob(0, "this replica's index under data parallelism", cli=False)
     distributed_timeout_s: float = knob(300.0, "a collective that waits this long raises: a rank has hung")

@@ -8,7 +8,7 @@ request's queue, so streaming, aborts on disconnect and errors work as with one 
 Cache-aware routing reads each replica's KV events, published over ZMQ in vLLM's wire format
 (``engine/kv_events.py``): at ``--kv-events-config``'s endpoint offset by the replica's rank (vLLM's rule: a TCP
 port plus the rank, an ipc path with ``_dp<rank>``), or, without that flag, on an ipc socket of the front end's
-own. An external router subscribes to the same endpoints.
+own (a TCP port under Ray: ``ray_replicas.py``). An external router subscribes to the same endpoints.
 
 A replica that dies (its pipe closes, or its process is found gone within ``WATCH_S``) is taken out of rotation:
 its requests in flight fail with ``EngineDeadError`` naming it (the server answers 503), the others keep serving.
@@ -25,6 +25,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -97,7 +98,9 @@ class _Events:
 
 def plan_events(config: EngineConfig, n: int, policy: str) -> _Events:
     """Each replica's events config, and where the router subscribes: the user's endpoint offset by rank, or (routing
-    cache-aware without one) an ipc socket per replica in a directory of our own."""
+    cache-aware without one) a socket per replica of our own: ipc in a directory of ours, or, under Ray (replicas
+    maybe on other hosts), TCP on ports free here. Subscriptions name 127.0.0.1; ``start`` puts each replica's host
+    there."""
     user = parse_kv_events_config(config.kv_events_config)
     wants = policy == "cache-aware"
     if user.enabled:
@@ -114,13 +117,30 @@ def plan_events(config: EngineConfig, n: int, policy: str) -> _Events:
         return _Events(configs, subscribe)
     if not wants:
         return _Events([config.kv_events_config] * n, [])
-    own_dir = tempfile.mkdtemp(prefix="hkv-", dir="/tmp")  # ipc paths must be short
-    endpoints = [f"ipc://{own_dir}/kv_dp{r}" for r in range(n)]
+    own_dir = None
+    if config.data_parallel_backend == "ray":
+        endpoints = [f"tcp://*:{port}" for port in _free_ports(n)]
+    else:
+        own_dir = tempfile.mkdtemp(prefix="hkv-", dir="/tmp")  # ipc paths must be short
+        endpoints = [f"ipc://{own_dir}/kv_dp{r}" for r in range(n)]
     configs = [json.dumps({"enable_kv_cache_events": True, "endpoint": e}) for e in endpoints]
-    return _Events(configs, endpoints, own_dir)
+    return _Events(configs, [subscriber_address(e) for e in endpoints], own_dir)
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def _placements(config: EngineConfig) -> list[Placement]:
+    if config.data_parallel_backend == "ray":  # Ray places them (and sets each one's CUDA_VISIBLE_DEVICES)
+        return [Placement(r, on_ray=True) for r in range(config.data_parallel_size)]
     device = resolve_device(config.device)
     gpus: list[str] = []
     if device.startswith("cuda"):
@@ -170,18 +190,19 @@ class DataParallelEngine:
         n = config.data_parallel_size
         policy = check_policy(policy or "cache-aware")
         events = plan_events(config, n, policy)
-        ctx = mp.get_context("spawn")
+        specs = [ReplicaSpec(p, replica_config(config, p.index, events.configs[p.index]), served_model_name, log_level)
+                 for p in _placements(config)]
         replicas: list[Replica] = []
         try:
-            for placement in _placements(config):
-                spec = ReplicaSpec(placement, replica_config(config, placement.index, events.configs[placement.index]),
-                                   served_model_name, log_level)
-                parent, child = ctx.Pipe()
-                process = ctx.Process(target=run_replica, args=(spec, child),
-                                      name=f"hybridkv-replica-{placement.index}")
-                process.start()
-                child.close()  # the replica holds the only other end: its death closes the pipe
-                replicas.append(Replica(placement.index, placement, process, parent))
+            if config.data_parallel_backend == "ray":
+                from hybridkv.server.ray_replicas import start_ray_replicas
+
+                on_gpu = resolve_device(config.device).startswith("cuda")
+                started = start_ray_replicas(specs, config.tensor_parallel_size, on_gpu)
+                replicas = [Replica(spec.placement.index, spec.placement, process, conn)
+                            for spec, (process, conn) in zip(specs, started)]
+            else:
+                replicas = _start_processes(specs, replicas)
             for rep in replicas:
                 rep.info = _wait_ready(rep)
         except BaseException:
@@ -202,8 +223,9 @@ class DataParallelEngine:
         self._tasks.append(asyncio.ensure_future(self._watch()))
         if self.events.subscribe:
             self._zmq = zmq.asyncio.Context()
-            for r, address in enumerate(self.events.subscribe):
-                self._tasks.append(asyncio.ensure_future(self._subscribe(r, address)))
+            for rep, address in zip(self.replicas, self.events.subscribe):
+                address = address.replace("//127.0.0.1:", f"//{rep.info.host}:")  # a Ray replica's host
+                self._tasks.append(asyncio.ensure_future(self._subscribe(rep.index, address)))
 
     def begin_shutdown(self) -> None:
         """Stop taking requests and fail those in flight (503); safe to call from a signal handler."""
@@ -224,6 +246,10 @@ class DataParallelEngine:
             self._zmq = None
         if self.events.own_dir is not None:
             shutil.rmtree(self.events.own_dir, ignore_errors=True)
+        if any(rep.placement.on_ray for rep in self.replicas):
+            from hybridkv.server.ray_replicas import stop_ray
+
+            stop_ray()
 
     @property
     def is_alive(self) -> bool:
@@ -405,6 +431,19 @@ def merged_metrics(texts: list[tuple[int, bytes]], own: CollectorRegistry) -> by
     return generate_latest(registry) + generate_latest(own)
 
 
+def _start_processes(specs: list[ReplicaSpec], started: list[Replica]) -> list[Replica]:
+    """One spawned process per spec, each with a pipe to the front end (appended to ``started`` as they start)."""
+    ctx = mp.get_context("spawn")
+    for spec in specs:
+        parent, child = ctx.Pipe()
+        index = spec.placement.index
+        process = ctx.Process(target=run_replica, args=(spec, child), name=f"hybridkv-replica-{index}")
+        process.start()
+        child.close()  # the replica holds the only other end: its death closes the pipe
+        started.append(Replica(index, spec.placement, process, parent))
+    return started
+
+
 def _wait_ready(rep: Replica) -> ReplicaInfo:
     deadline = time.monotonic() + START_TIMEOUT_S
     while not rep.conn.poll(0.5):
@@ -433,11 +472,13 @@ def _exit_reason(process: mp.process.BaseProcess) -> str:
     process.join(0.5)  # its exit code, once the pipe says it is gone
     code = process.exitcode
     if code is None:
-        return "its pipe closed"
+        return "its connection to the front end closed"
     return f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
 
 
 def _where(p: Placement) -> str:
+    if p.on_ray:
+        return f"Ray actor in placement group bundle {p.index}"
     if p.cuda_devices is not None:
         return f"GPUs {p.cuda_devices}"
     return "every core" if p.cpu_cores is None else f"cores {','.join(map(str, p.cpu_cores))}"

@@ -22,6 +22,7 @@ import asyncio
 import logging
 import os
 import signal
+import threading
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 
@@ -39,6 +40,7 @@ class Placement:
     index: int
     cuda_devices: str | None = None
     cpu_cores: tuple[int, ...] | None = None  # None: every core the front end may use
+    on_ray: bool = False  # a Ray actor: Ray chose its host and devices (``ray_replicas.py``)
 
 
 @dataclass(slots=True)
@@ -64,6 +66,7 @@ class ReplicaInfo:
     hash_algorithm: str
     num_usable_blocks: int
     summary: list[str]  # its lines of the startup summary
+    host: str = "127.0.0.1"  # where its KV events are (a Ray replica's node)
 
 
 def place_replicas(n: int, tp: int, device: str, visible_gpus: list[str], cores: list[int]) -> list[Placement]:
@@ -86,13 +89,14 @@ def place_replicas(n: int, tp: int, device: str, visible_gpus: list[str], cores:
     return [Placement(r, cpu_cores=tuple(cores[r * share:(r + 1) * share])) for r in range(n)]
 
 
-def run_replica(spec: ReplicaSpec, conn: Connection) -> None:
+def run_replica(spec: ReplicaSpec, conn: Connection, host: str = "127.0.0.1") -> None:
     """The replica process: build the engine, report, then serve the pipe until told to stop or the front end
     goes."""
     index = spec.placement.index
     logging.basicConfig(level=spec.log_level.upper(),
                         format=f"%(levelname)s %(asctime)s replica {index} %(name)s: %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front end stops us
+    if threading.current_thread() is threading.main_thread():  # (a Ray actor may run us on another thread)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front end stops us
     _place(spec.placement)
     from hybridkv.engine.llm_engine import LLMEngine  # torch: after the devices are chosen
 
@@ -102,7 +106,7 @@ def run_replica(spec: ReplicaSpec, conn: Connection) -> None:
         conn.send(("failed", f"{type(error).__name__}: {error}"))
         return
     name = spec.served_model_name or engine.loaded.name
-    conn.send(("ready", _info(engine, name)))
+    conn.send(("ready", replace(_info(engine, name), host=host)))
     asyncio.run(_serve(engine, conn, name))
 
 

@@ -44,7 +44,7 @@ def _other_value(f: dataclasses.Field):
     samples = {"model": "m", "dtype": "bfloat16", "prefix_caching_hash_algo": "sha256", "max_model_len": 77,
                "kv_cache_memory_bytes": 12345, "attention_backend": "torch", "load_format": "dummy",
                "kv_cache_dtype": "fp8_e4m3", "device": "cpu", "async_scheduling": False,
-               "kv_events_config": '{"enable_kv_cache_events": true}'}
+               "kv_events_config": '{"enable_kv_cache_events": true}', "data_parallel_backend": "ray"}
     if f.name in samples:
         return samples[f.name]
     if isinstance(f.default, bool):

@@ -175,8 +175,11 @@ def by_engine(srv: ServerProcess, name: str) -> dict[str, float]:
     return {s.labels["engine"]: s.value for s in samples(srv) if s.name == name}
 
 
-def test_two_replicas_serve_stream_and_route_by_prefix(tiny_model):
-    with ServerProcess(str(tiny_model("gemma3").path), *DP_ARGS) as srv:
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_two_replicas_serve_stream_and_route_by_prefix(tiny_model, backend):
+    if backend == "ray":
+        pytest.importorskip("ray")  # the optional extra: a local Ray cluster, events over TCP
+    with ServerProcess(str(tiny_model("gemma3").path), *DP_ARGS, "--data-parallel-backend", backend) as srv:
         doc = [5 + i % 80 for i in range(40)]
         body = {"prompt": doc + [3], "max_tokens": 4, "ignore_eos": True}
         first = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
@@ -202,11 +205,17 @@ def test_two_replicas_serve_stream_and_route_by_prefix(tiny_model):
         other = httpx.post(f"{srv.url}/v1/completions", json={**body, "prompt": [7] * 30}, timeout=60)
         assert other.status_code == 200
         assert by_engine(srv, "hybridkv:router_requests_total") == {home: 2.0, str(1 - int(home)): 1.0}
+        srv.proc.terminate()
+        assert srv.proc.wait(60) == 0
 
 
-def test_a_killed_replica_fails_its_requests_within_10s_and_the_other_serves(tiny_model, tmp_path):
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_a_killed_replica_fails_its_requests_within_10s_and_the_other_serves(tiny_model, tmp_path, backend):
+    if backend == "ray":
+        pytest.importorskip("ray")  # the optional extra: a local Ray cluster on this host
     model = long_context_copy(tiny_model("llama3").path, tmp_path / "llama3")
-    with ServerProcess(str(model), *DP_ARGS, "--routing-policy", "round-robin") as srv:
+    args = (*DP_ARGS, "--routing-policy", "round-robin", "--data-parallel-backend", backend)
+    with ServerProcess(str(model), *args) as srv:
         pids = {e: int(v) for e, v in by_engine(srv, "hybridkv:replica_pid").items()}
         long = {"prompt": [5, 6, 7, 8], "max_tokens": 16000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{srv.url}/v1/completions", json=long, timeout=10) as response:
@@ -223,3 +232,5 @@ def test_a_killed_replica_fails_its_requests_within_10s_and_the_other_serves(tin
             ok = httpx.post(f"{srv.url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=30)
             assert ok.status_code == 200, ok.text
         assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 200
+        srv.proc.terminate()  # a clean stop: the replicas (and a local Ray cluster) stop with the front end
+        assert srv.proc.wait(60) == 0
