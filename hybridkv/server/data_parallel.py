@@ -69,8 +69,8 @@ class Replica:
 
     index: int
     placement: Placement
-    process: mp.process.BaseProcess
-    conn: object  # multiprocessing Connection
+    process: mp.process.BaseProcess  # or, under Ray, a ``ray_replicas.RayProcess``
+    conn: object  # a multiprocessing Connection: a pipe, or TCP under Ray
     info: ReplicaInfo | None = None
     failure: str | None = None  # why it is out of rotation; final
     requests: set[str] = field(default_factory=set)
@@ -197,8 +197,7 @@ class DataParallelEngine:
             if config.data_parallel_backend == "ray":
                 from hybridkv.server.ray_replicas import start_ray_replicas
 
-                on_gpu = resolve_device(config.device).startswith("cuda")
-                started = start_ray_replicas(specs, config.tensor_parallel_size, on_gpu)
+                started = start_ray_replicas(specs, config.tensor_parallel_size, config.device)
                 replicas = [Replica(spec.placement.index, spec.placement, process, conn)
                             for spec, (process, conn) in zip(specs, started)]
             else:
@@ -208,6 +207,10 @@ class DataParallelEngine:
         except BaseException:
             for rep in replicas:
                 _stop_process(rep, 0.0)
+            if config.data_parallel_backend == "ray":
+                from hybridkv.server.ray_replicas import stop_ray
+
+                stop_ray()
             if events.own_dir is not None:
                 shutil.rmtree(events.own_dir, ignore_errors=True)
             raise

@@ -65,8 +65,9 @@ class RayProcess:
         ray.kill(self.actor)
 
 
-def start_ray_replicas(specs: list[ReplicaSpec], tp: int, on_gpu: bool) -> list[tuple[RayProcess, Connection]]:
-    """One actor per spec, each in its own bundle of one placement group; their connections, in spec order."""
+def start_ray_replicas(specs: list[ReplicaSpec], tp: int, device: str) -> list[tuple[RayProcess, Connection]]:
+    """One actor per spec, each in its own bundle of one placement group; their connections, in spec order.
+    ``device`` auto: GPUs when the cluster has any (this host may have none)."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -74,7 +75,9 @@ def start_ray_replicas(specs: list[ReplicaSpec], tp: int, on_gpu: bool) -> list[
     package = str(Path(__file__).resolve().parents[1])
     ray.init(ignore_reinit_error=True, runtime_env={"py_modules": [package]}, include_dashboard=False)
     n = len(specs)
-    cpus = max(1, int(ray.cluster_resources().get("CPU", n)) // n)
+    resources = ray.cluster_resources()
+    on_gpu = device.startswith("cuda") or (device == "auto" and resources.get("GPU", 0) > 0)
+    cpus = max(1, int(resources.get("CPU", n)) // n)
     bundle = {"GPU": tp, "CPU": 1} if on_gpu else {"CPU": cpus}
     group = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
     ray.get(group.ready(), timeout=CONNECT_TIMEOUT_S)
