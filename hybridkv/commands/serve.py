@@ -3,6 +3,7 @@
     hybridkv serve                       # SmolLM2-135M-Instruct on 0.0.0.0:8000
     hybridkv serve MODEL --port 8001 --served-model-name my-model --max-model-len 4096
     hybridkv serve --api-key SECRET      # /v1 routes need "Authorization: Bearer SECRET" (or HYBRIDKV_API_KEY)
+    hybridkv serve gemma-3-270m --data-parallel-size 2   # 2 replicas behind a cache-aware router
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--request-body-timeout-s", type=float, default=None,
                    help="a request body not all received within this many seconds gets 408 and its connection is "
                         "closed (default: 30)")
+    p.add_argument("--routing-policy", default=None, choices=["round-robin", "least-loaded", "cache-aware"],
+                   help="with --data-parallel-size > 1: which replica serves each request; cache-aware: the one "
+                        "whose KV cache (read from its KV events) resumes the longest prefix, weighed against its "
+                        "load (default: cache-aware)")
     p.set_defaults(run=_run)
 
 
@@ -98,7 +103,7 @@ def _run(args: argparse.Namespace) -> int:
 
         template = None if args.chat_template is None else load_chat_template(args.chat_template)
         app = build_app(config, served_model_name=args.served_model_name, options=options, tools=tools,
-                        chat_template=template)
+                        chat_template=template, routing_policy=args.routing_policy, log_level=args.log_level)
     except (ValueError, FileNotFoundError) as e:
         print(f"hybridkv serve: error: {e}", file=sys.stderr)
         return 2

@@ -56,5 +56,9 @@ def kv_offload_bytes(gib: float) -> int:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if args.tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}")
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+    if args.data_parallel_backend not in ("mp", "ray"):
+        raise ValueError(f"--data-parallel-backend must be mp or ray, got {args.data_parallel_backend!r}")
     config = EngineConfig(**{f.name: getattr(args, f.name) for f in engine_flags()})
     return replace(config, kv_offload_bytes=kv_offload_bytes(args.kv_offload_gib))

@@ -71,6 +71,18 @@ class EngineConfig:
         10.0, "structured outputs: a grammar (JSON schema, regex, EBNF) not compiled within this many seconds is "
               "refused; its compile goes on in the background and is cached (0: no bound)")
     tensor_parallel_size: int = knob(1, "ranks (processes) to split the model over; this one is rank 0")
+    # vLLM's name. Replica r runs on GPUs [r*tp, (r+1)*tp) or, on the CPU, its share of the cores
+    # (``server/replica.py``); the front end routes each request to one of them (``server/router.py``)
+    data_parallel_size: int = knob(
+        1, "hybridkv serve: engine replicas, each its own process with its own devices, behind one front end "
+           "(see docs/data-parallel.md)")
+    # vLLM's name and choices: Ray places each replica (a placement group bundle: its GPUs, or CPUs) on any host of
+    # the cluster ``ray.init()`` finds, or a local one it starts
+    data_parallel_backend: str = knob(
+        "mp", "hybridkv serve --data-parallel-size N: mp (processes on this host) | ray (Ray actors, placement "
+              "groups; replicas on other hosts of the Ray cluster)")
+    # which replica this engine is (its KV events carry it, as vLLM's ``data_parallel_rank``)
+    data_parallel_rank: int = knob(0, "this replica's index under data parallelism", cli=False)
     distributed_timeout_s: float = knob(300.0, "a collective that waits this long raises: a rank has hung")
     # vLLM's name: its own custom all-reduce is on by default too
     disable_custom_all_reduce: bool = knob(

@@ -255,6 +255,69 @@ class ZmqEventPublisher:
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
 
+def replica_endpoint(endpoint: str, data_parallel_rank: int) -> str:
+    """Replica ``data_parallel_rank``'s endpoint for a configured one, as vLLM offsets it: a TCP port plus the
+    rank, an ipc/inproc path with ``_dp<rank>`` appended.
+
+    >>> replica_endpoint("tcp://*:5557", 1), replica_endpoint("ipc:///tmp/kv", 1)
+    ('tcp://*:5558', 'ipc:///tmp/kv_dp1')
+    """
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.rpartition(":")
+        if not port.isdigit():
+            raise ValueError(f"--kv-events-config: endpoint {endpoint!r} has no port to offset per replica")
+        return f"{host}:{int(port) + data_parallel_rank}"
+    return f"{endpoint}_dp{data_parallel_rank}"
+
+
+def subscriber_address(endpoint: str) -> str:
+    """Where a subscriber on this host connects to a publisher bound at ``endpoint`` (a wildcard host becomes the
+    loopback); ValueError for an endpoint the publisher connects to rather than binds (no one here can subscribe).
+
+    >>> subscriber_address("tcp://*:5557")
+    'tcp://127.0.0.1:5557'
+    """
+    if not _binds(endpoint):
+        raise ValueError(f"--kv-events-config: endpoint {endpoint!r} is one the engine connects to, so the "
+                         "data-parallel router cannot subscribe to it; bind one (tcp://*:PORT or ipc://PATH)")
+    return endpoint.replace("://*:", "://127.0.0.1:").replace("://[::]:", "://127.0.0.1:")
+
+
+class WireBatch(msgspec.Struct, array_like=True, gc=False):
+    """A ``KVEventBatch`` as a subscriber reads it, its events typed."""
+
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+_BATCH_DECODER = msgspec.msgpack.Decoder(WireBatch)
+
+
+def decode_batch(payload: bytes) -> tuple[int | None, list[kv.KVEvent]]:
+    """A published payload back into our events (hashes as the wire's 8 bytes, big-endian), with the batch's
+    data-parallel rank: what a router in this package reads.
+
+    >>> enc = msgspec.msgpack.Encoder()
+    >>> decode_batch(enc.encode(EventBatch(0.0, [BlockRemoved([7], "GPU", 1)], 2)))
+    (2, [BlockRemoved(group_id=1, medium='GPU', block_hashes=[b'\\x00\\x00\\x00\\x00\\x00\\x00\\x00\\x07'])])
+    """
+    batch = _BATCH_DECODER.decode(payload)
+    out: list[kv.KVEvent] = []
+    for e in batch.events:
+        if type(e) is AllBlocksCleared:
+            out.append(kv.AllBlocksCleared())
+            continue
+        hashes = [h.to_bytes(8, "big") for h in e.block_hashes]
+        group, medium = e.group_idx or 0, e.medium or kv.DEVICE_MEDIUM
+        if type(e) is BlockRemoved:
+            out.append(kv.BlockRemoved(group, medium, hashes))
+        else:
+            parent = None if e.parent_block_hash is None else e.parent_block_hash.to_bytes(8, "big")
+            out.append(kv.BlockStored(group, medium, hashes, parent, e.token_ids))
+    return batch.data_parallel_rank, out
+
+
 def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
@@ -263,9 +326,10 @@ class KVEventPublisher:
     """The engine's side: drains the cache manager's events once per step and hands non-empty batches to the ZMQ
     publisher (the "null" publisher drops them, as vLLM's)."""
 
-    def __init__(self, config: KVEventsConfig, layout: KVLayout) -> None:
+    def __init__(self, config: KVEventsConfig, layout: KVLayout, data_parallel_rank: int = 0) -> None:
         self.config = config
-        self._zmq = ZmqEventPublisher(config, KVEventEncoder(layout)) if config.publishes else None
+        encoder = KVEventEncoder(layout, data_parallel_rank)
+        self._zmq = ZmqEventPublisher(config, encoder) if config.publishes else None
 
     def drain(self, log: kv.KVEventLog | None) -> None:
         """Take the step's events from ``log`` (None: events off) and send them, if any, as one batch."""

@@ -96,6 +96,9 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         """``loaded``: a model already loaded (one rank); else ``config.model`` is loaded (``rank_builder.py``)."""
+        if config.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size {config.data_parallel_size}: one engine is one replica; replicas "
+                             "are served by `hybridkv serve --data-parallel-size N` (server/data_parallel.py)")
         kv_events = parse_kv_events_config(config.kv_events_config)  # a bad config fails before the model loads
         rank = build_driver_rank(config, loaded)
         self.config, self.loaded, self.model = rank.config, rank.loaded, rank.model
@@ -115,7 +118,8 @@ class LLMEngine:
         self._by_seq: dict[str, _Request] = {}  # by ``Sequence.request_id``
         self.ahead = AheadSteps(self)  # async scheduling: the step scheduled ahead
         self._arrivals = itertools.count()
-        self.kv_events = KVEventPublisher(kv_events, self.layout)  # no socket unless events are on
+        # no socket unless events are on
+        self.kv_events = KVEventPublisher(kv_events, self.layout, config.data_parallel_rank)
 
     def collective_rpc(self, fn: Callable, *args) -> list:
         """``fn(runner, *args)`` on every tensor-parallel rank's ``ModelRunner`` (vLLM's name), e.g. to read each
@@ -193,35 +197,14 @@ class LLMEngine:
         tools: list[dict[str, Any]] | None = None, tokenizer: Tokenizer | None = None,
         add_special_tokens: bool = False, template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Token ids of a conversation rendered by the chat template, tokenized like a text prompt (with its length
-        check) but without special tokens (unless ``add_special_tokens``): the template writes any BOS itself.
-        ``tools`` (OpenAI's tool definitions) go to the template. ``tokenizer``: this engine's with another chat
-        template. ``template_kwargs``: more variables for the template (vLLM's ``chat_template_kwargs``, e.g.
-        ``{"enable_thinking": False}``); the ones set here (``messages``, ``tools`` ...) are refused."""
-        tok = tokenizer or self.tokenizer
-        if tok is None:
-            raise ValueError("chat needs a tokenizer, and this engine has none (skip_tokenizer_init)")
-        extra = {"tools": tools} if tools else {}
-        for name, value in (template_kwargs or {}).items():
-            if name in _TEMPLATE_VARIABLES:
-                raise ValueError(f"chat_template_kwargs: {name!r} is set from the request itself, so it cannot be "
-                                 f"passed here (reserved: {', '.join(_TEMPLATE_VARIABLES)})")
-            extra[name] = value
-        text = tok.apply_chat_template(messages, add_generation_prompt, **extra)
-        return self.tokenize(text, add_special_tokens=add_special_tokens)
+        """``chat_token_ids`` below, with this engine's tokenizer (or ``tokenizer``: this one's with another chat
+        template) and ``max_model_len``."""
+        return chat_token_ids(tokenizer or self.tokenizer, self.max_model_len, messages, add_generation_prompt,
+                              tools, add_special_tokens, template_kwargs)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a text prompt. Text too long for ``max_model_len`` however it tokenizes is refused before
-        tokenizing it (a 20 MB prompt would take seconds to find that out)."""
-        if self.tokenizer is None:
-            raise ValueError("this engine has no tokenizer (skip_tokenizer_init): send the prompt as token ids")
-        limit = self.max_model_len * self.tokenizer.max_token_chars
-        if len(text) > limit:
-            raise ValueError(
-                f"the prompt is {len(text):,} characters long, more than max_model_len {self.max_model_len} tokens "
-                f"can hold (at most {limit:,} characters with this tokenizer)"
-            )
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        """``tokenize`` below, with this engine's tokenizer and ``max_model_len``."""
+        return tokenize(self.tokenizer, self.max_model_len, text, add_special_tokens)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is; every block it held goes back. False if unknown or finished."""
@@ -423,3 +406,40 @@ def _eos_token_ids(tokenizer, hf_config: dict) -> list[int]:
         return list(tokenizer.eos_token_ids)
     eos = text_config(hf_config).get("eos_token_id", hf_config.get("eos_token_id"))
     return [int(t) for t in (eos if isinstance(eos, list) else [eos]) if t is not None]
+
+
+# ---- prompts: what the engine and a data-parallel front end (which holds no model) both do ---------------------
+def chat_token_ids(
+    tokenizer: Tokenizer | None, max_model_len: int, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None, add_special_tokens: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of a conversation rendered by the chat template, tokenized like a text prompt (with its length
+    check) but without special tokens (unless ``add_special_tokens``): the template writes any BOS itself.
+    ``tools`` (OpenAI's tool definitions) go to the template. ``template_kwargs``: more variables for the template
+    (vLLM's ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``); the ones set here (``messages``,
+    ``tools`` ...) are refused."""
+    if tokenizer is None:
+        raise ValueError("chat needs a tokenizer, and this engine has none (skip_tokenizer_init)")
+    extra = {"tools": tools} if tools else {}
+    for name, value in (template_kwargs or {}).items():
+        if name in _TEMPLATE_VARIABLES:
+            raise ValueError(f"chat_template_kwargs: {name!r} is set from the request itself, so it cannot be "
+                             f"passed here (reserved: {', '.join(_TEMPLATE_VARIABLES)})")
+        extra[name] = value
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt, **extra)
+    return tokenize(tokenizer, max_model_len, text, add_special_tokens=add_special_tokens)
+
+
+def tokenize(tokenizer: Tokenizer | None, max_model_len: int, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of a text prompt. Text too long for ``max_model_len`` however it tokenizes is refused before
+    tokenizing it (a 20 MB prompt would take seconds to find that out)."""
+    if tokenizer is None:
+        raise ValueError("this engine has no tokenizer (skip_tokenizer_init): send the prompt as token ids")
+    limit = max_model_len * tokenizer.max_token_chars
+    if len(text) > limit:
+        raise ValueError(
+            f"the prompt is {len(text):,} characters long, more than max_model_len {max_model_len} tokens "
+            f"can hold (at most {limit:,} characters with this tokenizer)"
+        )
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -34,7 +34,7 @@ from hybridkv.kv.coordinator import KVCacheCoordinator, make_coordinator
 from hybridkv.kv.events import KVEventLog
 from hybridkv.kv.host_tier import BlockCopy, HostTier
 from hybridkv.kv.layout import KVLayout
-from hybridkv.kv.managers import default_retention_interval
+from hybridkv.kv.managers import Lookup, default_retention_interval
 from hybridkv.kv.request import CacheHit, CacheRequest, KVRequest, PrefixCacheStats
 
 __all__ = ["CacheHit", "CacheRequest", "KVCacheManager", "KVRequest", "PrefixCacheStats"]
@@ -102,6 +102,13 @@ class KVCacheManager:
         At least one token is always left to compute, so the model produces logits for the next token.
         """
         return self.coordinator.find_cache_hit(req)
+
+    def resumable_tokens(self, req: KVRequest, lookup: Lookup) -> int:
+        """Tokens of ``req``'s prefix that this cache's lookup (``find_cache_hit``: every group, windows included)
+        would resume from if the blocks cached were those ``lookup`` finds, by ``(block hash, group id)``: how a
+        data-parallel router scores a replica from its KV events (``server/router.py``). A sliding group whose
+        window before the full group's hit was evicted lowers the answer exactly as it lowers a real hit."""
+        return self.coordinator.resumable_tokens(req, lookup)
 
     def record_hit(self, req: KVRequest, hit: CacheHit) -> None:
         """Count a lookup in the metrics once the request is admitted (a request that waits is looked up again)."""

@@ -80,6 +80,11 @@ class KVCacheCoordinator(ABC):
         """Count an admitted request's lookup in the metrics."""
 
     @abstractmethod
+    def resumable_tokens(self, req: KVRequest, lookup: Lookup) -> int:
+        """Tokens of ``req``'s prefix this lookup would resume from, over the blocks ``lookup`` says are cached (not
+        this pool's: another engine's, as its KV events describe them). Nothing is taken or counted."""
+
+    @abstractmethod
     def on_tokens_computed(self, req: KVRequest) -> None:
         """After a step: publish what became cacheable, then drop what fell out of reach."""
 
@@ -216,6 +221,9 @@ class NoPrefixCacheCoordinator(KVCacheCoordinator):
     def record_hit(self, req: KVRequest, hit: CacheHit) -> None:
         """No lookups, nothing to count."""
 
+    def resumable_tokens(self, req: KVRequest, lookup: Lookup) -> int:
+        return 0
+
     def on_tokens_computed(self, req: KVRequest) -> None:
         rid, computed = req.request_id, req.num_computed_tokens
         if computed >= self._drop_due.get(rid, 0):
@@ -254,6 +262,10 @@ class PrefixCacheCoordinator(KVCacheCoordinator):
             return CacheHit.none(len(self.managers))
         self._update_hashes(req)
         return self.tiers.find(req, self._longest_hit)
+
+    def resumable_tokens(self, req: KVRequest, lookup: Lookup) -> int:
+        self._update_hashes(req)
+        return self._longest_hit(req, lookup).num_tokens
 
     def record_hit(self, req: KVRequest, hit: CacheHit) -> None:
         self.stats.queries += 1

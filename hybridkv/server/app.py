@@ -28,6 +28,7 @@ from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.model.loading.tokenizer import Tokenizer
 from hybridkv.server.async_engine import AsyncEngine, EngineDeadError, RequestPrep, RequestStream
 from hybridkv.server.auth import add_access_middleware
+from hybridkv.server.data_parallel import DataParallelEngine
 from hybridkv.server.errors import APIError, error_body, error_response, unserved_route
 from hybridkv.server.json_body import decode_json
 from hybridkv.server.limits import check_max_tokens, read_body, refuse_unsupported
@@ -79,9 +80,8 @@ _UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|[A-Z]\w*|[\
 
 @dataclass(slots=True)
 class ServerState:
-    engine: AsyncEngine
+    engine: AsyncEngine | DataParallelEngine
     model_name: str
-    metrics: ServerMetrics
     tokenizer: Tokenizer | None = field(repr=False)  # None: skip_tokenizer_init
     options: ServerOptions = field(default_factory=ServerOptions)
     tools: ToolConfig = field(default_factory=ToolConfig)
@@ -100,17 +100,27 @@ class ServerState:
 
 def build_app(engine: LLMEngine | EngineConfig, served_model_name: str | None = None,
               options: ServerOptions | None = None, tools: ToolConfig | None = None,
-              chat_template: str | None = None) -> FastAPI:
+              chat_template: str | None = None, routing_policy: str | None = None,
+              log_level: str = "info") -> FastAPI:
     """The app around an engine (built here from a config); the engine thread runs while the app is up.
-    ``tools``: ``--enable-auto-tool-choice`` / ``--tool-call-parser``; ``chat_template``: replaces the model's."""
+    ``tools``: ``--enable-auto-tool-choice`` / ``--tool-call-parser``; ``chat_template``: replaces the model's.
+    A config with ``data_parallel_size`` > 1 starts that many replica processes behind a router
+    (``data_parallel.py``; ``routing_policy``, default cache-aware; ``log_level``: the replicas')."""
     options = options or ServerOptions()
-    if isinstance(engine, EngineConfig):
-        engine = LLMEngine(engine)
-    name = served_model_name or engine.loaded.name
-    metrics = ServerMetrics(name)
-    # every gauge, KV usage per attention type included, exists from the first scrape (before any request)
-    metrics.update_engine_state(engine)
-    async_engine = AsyncEngine(engine, metrics)
+    if isinstance(engine, EngineConfig) and engine.data_parallel_size > 1:
+        async_engine = DataParallelEngine.launch(engine, routing_policy, served_model_name, log_level)
+        name, tokenizer = async_engine.model_name, async_engine.prep.tokenizer
+    else:
+        if routing_policy is not None:
+            raise ValueError("--routing-policy picks a replica per request: it needs --data-parallel-size > 1")
+        if isinstance(engine, EngineConfig):
+            engine = LLMEngine(engine)
+        name = served_model_name or engine.loaded.name
+        metrics = ServerMetrics(name)
+        # every gauge, KV usage per attention type included, exists from the first scrape (before any request)
+        metrics.update_engine_state(engine)
+        async_engine = AsyncEngine(engine, metrics)
+        tokenizer = engine.tokenizer
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -122,11 +132,10 @@ def build_app(engine: LLMEngine | EngineConfig, served_model_name: str | None = 
 
     docs = {} if options.fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="hybridkv", lifespan=lifespan, **docs)
-    tokenizer = engine.tokenizer
     if tokenizer is not None and chat_template is not None:
         tokenizer = replace(tokenizer, chat_template=chat_template)
     renders_tools = tokenizer is not None and template_renders_tools(tokenizer.chat_template)
-    app.state.server = ServerState(async_engine, name, metrics, tokenizer, options, tools or ToolConfig(),
+    app.state.server = ServerState(async_engine, name, tokenizer, options, tools or ToolConfig(),
                                    renders_tools)
     _add_error_handlers(app)
     add_access_middleware(app, options)
@@ -247,7 +256,7 @@ async def list_models(request: Request) -> ModelList:
 
 
 async def render_metrics(request: Request) -> Response:
-    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(await _state(request).engine.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
 
 # ---- completions -------------------------------------------------------------------------------------------

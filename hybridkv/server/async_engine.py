@@ -27,10 +27,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hybridkv.engine.llm_engine import LLMEngine, RequestOutput
+from hybridkv.engine.llm_engine import LLMEngine, RequestOutput, chat_token_ids, tokenize
 from hybridkv.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from hybridkv.engine.structured_output import StructuredOutputs
 from hybridkv.model.loading.tokenizer import Tokenizer
 from hybridkv.server.metrics import ServerMetrics
+from hybridkv.server.summary import engine_lines
 
 log = logging.getLogger("hybridkv.server")
 
@@ -105,34 +107,42 @@ class RequestStream:
 class RequestPrep:
     """What routes may call of the engine from the event loop: the limits fixed when it was built, and the work on
     a request before it is submitted, run in a worker thread (other requests keep streaming). Each reads only the
-    tokenizer, ``max_model_len`` and xgrammar's compiler (which locks itself), none of which a step changes."""
+    tokenizer, ``max_model_len`` and xgrammar's compiler (which locks itself), none of which a step changes.
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self._engine = engine
-        self.max_model_len = engine.max_model_len
-        self.checkpoint = engine.loaded.name  # what was loaded (``/v1/models``' ``root``)
+    Built from an engine (``of``), or from what a data-parallel replica reported (the front end holds no model)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, max_model_len: int, checkpoint: str,
+                 structured_outputs: StructuredOutputs) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.checkpoint = checkpoint  # what was loaded (``/v1/models``' ``root``)
+        self._structured_outputs = structured_outputs
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> RequestPrep:
+        return cls(engine.tokenizer, engine.max_model_len, engine.loaded.name, engine.structured_outputs)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """``LLMEngine.tokenize``: refused (ValueError) when too long for ``max_model_len``."""
-        return await asyncio.to_thread(self._engine.tokenize, text, add_special_tokens)
+        """``llm_engine.tokenize``: refused (ValueError) when too long for ``max_model_len``."""
+        return await asyncio.to_thread(tokenize, self.tokenizer, self.max_model_len, text, add_special_tokens)
 
     async def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True,
                              tools: list[dict] | None = None, tokenizer: Tokenizer | None = None,
                              add_special_tokens: bool = False, template_kwargs: dict | None = None) -> list[int]:
-        """``LLMEngine.chat_token_ids``: the conversation rendered by the chat template and tokenized."""
-        return await asyncio.to_thread(self._engine.chat_token_ids, messages, add_generation_prompt, tools,
-                                       tokenizer, add_special_tokens, template_kwargs)
+        """``llm_engine.chat_token_ids``: the conversation rendered by the chat template and tokenized."""
+        return await asyncio.to_thread(chat_token_ids, tokenizer or self.tokenizer, self.max_model_len, messages,
+                                       add_generation_prompt, tools, add_special_tokens, template_kwargs)
 
     async def compile_grammar(self, constraint: StructuredOutputsParams) -> None:
         """Compile a request's grammar, so that the engine thread finds it cached; ValueError if it is invalid."""
-        await asyncio.to_thread(self._engine.structured_outputs.compile, constraint)
+        await asyncio.to_thread(self._structured_outputs.compile, constraint)
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics,
                  on_dead: Callable[[], None] | None = None) -> None:
         self.engine = engine  # the engine thread's: routes use ``prep``, ``add_request`` and ``abort``
-        self.prep = RequestPrep(engine)
+        self.prep = RequestPrep.of(engine)
         self.metrics = metrics
         self.on_dead = on_dead  # called on the engine thread once a step has failed
         self.failure: str | None = None  # why the engine died; final
@@ -157,7 +167,7 @@ class AsyncEngine:
             self._stopping = True
             self._cond.notify()
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._fail_live, EngineDeadError("the server is shutting down"))
+            self._loop.call_soon_threadsafe(_fail_queues, self.live, EngineDeadError("the server is shutting down"))
 
     def shutdown(self, timeout: float = SHUTDOWN_GRACE_S) -> None:
         """Stop the engine thread; a step still running after ``timeout`` is abandoned (the thread is a daemon)."""
@@ -171,16 +181,19 @@ class AsyncEngine:
                 return
         self.engine.shutdown()  # tensor-parallel workers, if any
 
+    def summary_lines(self, model_name: str) -> list[str]:
+        """The startup summary's lines about the engine (``summary.py``)."""
+        return engine_lines(self.engine, model_name)
+
+    async def metrics_text(self) -> bytes:
+        """``/metrics``: Prometheus' text format."""
+        return self.metrics.render()
+
     @property
     def is_alive(self) -> bool:
         workers = self.engine.workers
         return (self._thread is not None and self._thread.is_alive() and self.failure is None
                 and not self._stopping and (workers is None or workers.alive))
-
-    def _fail_live(self, error: Exception) -> None:
-        for queue in self.live.values():
-            queue.put_nowait(error)
-        self.live.clear()
 
     # ---- requests (event loop) ----------------------------------------------------------------------------
     async def add_request(
@@ -336,3 +349,10 @@ class AsyncEngine:
             pending, self._new = self._new, []
         for sub in pending:
             sub.channel.put(error)
+
+
+def _fail_queues(live: dict[str, asyncio.Queue], error: Exception) -> None:
+    """Every request in flight gets ``error`` (on the event loop: the queues are its)."""
+    for queue in live.values():
+        queue.put_nowait(error)
+    live.clear()

@@ -93,6 +93,11 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def kv_free_share(self) -> float:
+        """The share of the KV pool free after the last step (read from any thread: the engine thread replaces the
+        dict it reads whole)."""
+        return max(0.0, 1.0 - sum(self._last_usage.values()))
+
     # ---- per request (engine thread) ----------------------------------------------------------------------
     def on_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
         self.ttft.observe(ttft_s)

@@ -8,35 +8,37 @@ Every number is one the engine or the planner already computed (``plan.type_usag
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from hybridkv.kv.capacity import pool_tokens
 from hybridkv.kv.host_tier import host_tier_tokens
 from hybridkv.kv.planner import concurrency_at, fitted_format, format_detail, type_usage
 
-if TYPE_CHECKING:
-    from hybridkv.server.app import ServerState
-
 GIB = 1 << 30
 
 
-def startup_summary(state: ServerState, url: str) -> str:
-    engine = state.engine.engine
+def startup_summary(state, url: str) -> str:
+    """``state``: the app's ``ServerState`` (not imported: the engines import this module, and the app them)."""
     return "\n".join([
         f"hybridkv serve ready at {url}",
-        _model_line(state),
-        _weights_line(engine),
-        f"  max_model_len: {engine.max_model_len:,} tokens (why: {engine.max_model_len_bound})",
-        *_pool_lines(engine),
-        _cache_line(engine),
+        *state.engine.summary_lines(state.model_name),
         f"  tools: {_tools(state)}",
     ])
 
 
-def _model_line(state: ServerState) -> str:
-    engine = state.engine.engine
+def engine_lines(engine, model_name: str) -> list[str]:
+    """What one engine serves: model, weights, ``max_model_len``, KV pool, caches (a replica's, under data
+    parallelism)."""
+    return [
+        _model_line(engine, model_name),
+        _weights_line(engine),
+        f"  max_model_len: {engine.max_model_len:,} tokens (why: {engine.max_model_len_bound})",
+        *_pool_lines(engine),
+        _cache_line(engine),
+    ]
+
+
+def _model_line(engine, model_name: str) -> str:
     name = engine.loaded.name
-    served = "" if state.model_name == name else f", served as {state.model_name!r}"
+    served = "" if model_name == name else f", served as {model_name!r}"
     from hybridkv.model.dtypes import dtype_name  # torch: loaded with the engine already
 
     dtype = dtype_name(next(engine.model.parameters()).dtype)
@@ -87,7 +89,7 @@ def _cache_line(engine) -> str:
     return f"  prefix caching: {prefix}; host tier: {host}"
 
 
-def _tools(state: ServerState) -> str:
+def _tools(state) -> str:
     tools = state.tools
     if tools.tool_call_parser is None:
         return 'no tool call parser (tool_choice "required" and named functions work; "auto" is refused)'

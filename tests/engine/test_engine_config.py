@@ -44,7 +44,7 @@ def _other_value(f: dataclasses.Field):
     samples = {"model": "m", "dtype": "bfloat16", "prefix_caching_hash_algo": "sha256", "max_model_len": 77,
                "kv_cache_memory_bytes": 12345, "attention_backend": "torch", "load_format": "dummy",
                "kv_cache_dtype": "fp8_e4m3", "device": "cpu", "async_scheduling": False,
-               "kv_events_config": '{"enable_kv_cache_events": true}'}
+               "kv_events_config": '{"enable_kv_cache_events": true}', "data_parallel_backend": "ray"}
     if f.name in samples:
         return samples[f.name]
     if isinstance(f.default, bool):
@@ -64,9 +64,11 @@ def test_every_flag_reaches_its_config_field():
         expected[f.name] = value
     config = engine_config_from_args(parser().parse_args(argv))
     assert {name: getattr(config, name) for name in expected} == expected
-    # every field is a flag but the one a command sets itself and the one whose flag counts GiB (--kv-offload-gib)
+    # every field is a flag but the one a command sets itself, the one whose flag counts GiB (--kv-offload-gib) and
+    # a replica's rank (the data-parallel front end sets it)
     assert {f.name for f in dataclasses.fields(EngineConfig)} - set(expected) == {"clamp_max_model_len",
-                                                                                 "kv_offload_bytes"}
+                                                                                 "kv_offload_bytes",
+                                                                                 "data_parallel_rank"}
     gib = engine_config_from_args(parser().parse_args(["--kv-offload-gib", "1.5"]))
     assert gib.kv_offload_bytes == 3 << 29
     assert all(f.metadata["help"] for f in dataclasses.fields(EngineConfig))
