@@ -47,6 +47,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         f"(default: ${API_KEY_ENV} if set, else no authentication)")
     p.add_argument("--disable-fastapi-docs", action="store_true",
                    help="no /docs, /redoc or /openapi.json (they need the API key when one is set)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens in every response: the prompt tokens the prefix "
+                        "cache served")
     p.add_argument("--allowed-origins", type=_json_list, default=["*"], help='CORS origins, a JSON list')
     p.add_argument("--allowed-methods", type=_json_list, default=["*"], help='CORS methods, a JSON list')
     p.add_argument("--allowed-headers", type=_json_list, default=["*"], help='CORS headers, a JSON list')
@@ -89,7 +92,8 @@ def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
         limits.body_read_timeout_s = args.request_body_timeout_s
     return ServerOptions(api_keys=keys, allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                          allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-                         limits=limits, fastapi_docs=not args.disable_fastapi_docs)
+                         limits=limits, fastapi_docs=not args.disable_fastapi_docs,
+                         prompt_tokens_details=args.enable_prompt_tokens_details)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -52,6 +52,7 @@ from hybridkv.server.protocol import (
     ModelCard,
     ModelList,
     PromptLogprob,
+    PromptTokensDetails,
     ResponseMessage,
     TokenizeRequest,
     TokenizeResponse,
@@ -290,7 +291,7 @@ async def create_completion(request: Request) -> Response:
             if echo is not None:
                 echo.apply(choice, final, o.logprobs)
             response.choices.append(choice)
-    response.usage = _summed_usage(finals, echoes)
+    response.usage = _summed_usage(state, finals, echoes)
     return JSONResponse(response.model_dump())
 
 
@@ -311,13 +312,15 @@ async def _submit_all(state: ServerState, request_id: str, prompts: list[list[in
     return streams
 
 
-def _summed_usage(finals: list[RequestOutput], echoes: list[_Echo | None]) -> UsageInfo:
-    total = UsageInfo()
+def _summed_usage(state: ServerState, finals: list[RequestOutput], echoes: list[_Echo | None]) -> UsageInfo:
+    total = _usage(state, None)
     for final, echo in zip(finals, echoes):
-        usage = _usage(final) if echo is None else echo.usage(_usage(final))
+        usage = _usage(state, final) if echo is None else echo.usage(_usage(state, final))
         total.prompt_tokens += usage.prompt_tokens
         total.completion_tokens += usage.completion_tokens
         total.total_tokens += usage.total_tokens
+        if total.prompt_tokens_details is not None:
+            total.prompt_tokens_details.cached_tokens += usage.prompt_tokens_details.cached_tokens
     return total
 
 
@@ -428,7 +431,7 @@ async def _completion_chunks(
                 echoed.add((i, o.index))
             yield _event(template.model_copy(update={"choices": [choice]}))
     if include_usage:
-        yield _event(template.model_copy(update={"choices": [], "usage": _summed_usage(finals, echoes)}))
+        yield _event(template.model_copy(update={"choices": [], "usage": _summed_usage(state, finals, echoes)}))
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -476,7 +479,7 @@ async def create_chat_completion(request: Request) -> Response:
         return _sse(_chat_chunks(state, stream, template, params.n, body.include_usage, plan), stream)
     final = await _final_output(stream, request)
     choices = [_chat_choice(state, o, plan) for o in final.outputs]
-    response = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=_usage(final),
+    response = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=_usage(state, final),
                                       prompt_logprobs=await _prompt_logprobs_off_loop(state, final))
     return JSONResponse(response.model_dump())
 
@@ -545,7 +548,7 @@ async def _chat_chunks(
                                      finish_reason=reason, stop_reason=o.stop_reason)
             yield _event(template.model_copy(update={"choices": [choice]}))
     if include_usage:
-        yield _event(template.model_copy(update={"choices": [], "usage": _usage(out)}))
+        yield _event(template.model_copy(update={"choices": [], "usage": _usage(state, out)}))
 
 
 # ---- OpenAI's Responses API: a chat request underneath (responses.py translates) ----------------------------
@@ -714,8 +717,14 @@ async def _last(stream: RequestStream) -> RequestOutput:
     return last
 
 
-def _usage(out: RequestOutput) -> UsageInfo:
-    prompt = len(out.prompt_token_ids)
-    completion = sum(len(o.token_ids) for o in out.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+def _usage(state: ServerState, out: RequestOutput | None) -> UsageInfo:
+    """A request's token counts (None: zeros, to sum several into); the cached prompt tokens too where the server
+    reports them (``--enable-prompt-tokens-details``)."""
+    prompt = 0 if out is None else len(out.prompt_token_ids)
+    completion = 0 if out is None else sum(len(o.token_ids) for o in out.outputs)
+    details = None
+    if state.options.prompt_tokens_details:
+        details = PromptTokensDetails(cached_tokens=0 if out is None else out.num_cached_tokens)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=details)
 

@@ -17,3 +17,4 @@ class ServerOptions:
     allow_credentials: bool = False
     limits: RequestLimits = field(default_factory=RequestLimits)
     fastapi_docs: bool = True  # /docs, /redoc, /openapi.json (vLLM's --disable-fastapi-docs turns them off)
+    prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details)

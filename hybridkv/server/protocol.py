@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_serializer, model_validator
 
 from hybridkv.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -377,10 +377,23 @@ class DeltaToolCall(_Model):
 
 
 # ---- responses ---------------------------------------------------------------------------------------------
+class PromptTokensDetails(_Model):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(_Model):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # --enable-prompt-tokens-details (vLLM's flag); left out of the JSON when off
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_details(self, handler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("prompt_tokens_details") is None:
+            data.pop("prompt_tokens_details", None)
+        return data
 
 
 class ErrorInfo(_Model):
