@@ -8,7 +8,6 @@ block tables address them all.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 from dataclasses import dataclass
@@ -26,8 +25,9 @@ from hybridkv.model.architectures.parallel import TPGroup
 from hybridkv.model.attention.base import PagedAttentionBackend
 from hybridkv.model.attention.factory import AttentionChoice, make_paged_attention
 from hybridkv.model.causal_lm import CausalLM
-from hybridkv.model.int4_cpu import int4_kernel_available, pack_int4_linears
+from hybridkv.model.int4_cpu import int4_linear_count, pack_int4_linears, packs_4bit
 from hybridkv.model.int8_head_cpu import Int8ArgmaxHead, int8_kernel_available
+from hybridkv.model.loading.weights import release_freed_memory
 
 log = logging.getLogger("hybridkv")
 
@@ -62,27 +62,20 @@ def keep_4bit_weights(model: CausalLM, config: EngineConfig, tp: TPGroup) -> tup
     output head given an int8 copy for greedy rows (``model/int8_head_cpu.py``); returns the model to run (placed
     again once packed: a 4-bit Llama's small steps run in one loop, ``CpuDecodeLlama``) and how many linears were
     packed (0: the model runs in its dtype, its head float32 for every row)."""
-    if config.quantization != "auto" or config.device != "cpu" or tp.size > 1 or not int4_kernel_available():
+    if not packs_4bit(config.quantization, config.device, tp.size):
         return model, 0
-    packed = pack_int4_linears(model, model.residual_branch_ends)
+    pack_int4_linears(model, model.residual_branch_ends)  # those the load left float (a model loaded elsewhere)
+    packed = int4_linear_count(model)
     if packed:
         head = model.embed_tokens if model.lm_head is None else model.lm_head
         if int8_kernel_available():
+            release_freed_memory()  # the load's freed heap, before the int8 copy's temporaries come on top
             head.argmax_head = Int8ArgmaxHead.of(head.weight)
         screen = ("the float32 head for every row (no int8 GEMM of this torch sums exactly)" if head.argmax_head is None
                   else f"greedy tokens screened by an int8 head ({head.argmax_head.kind}'s GEMM)")
         log.info("%d linear layers kept 4-bit (Q4_1 weights, bf16 activations), %s; quantization=none: float32",
                  packed, screen)
     return (model.place(config.device) if packed else model), packed
-
-
-def release_freed_memory() -> None:
-    """Hand back to the OS the heap pages the load freed (the float32 weights packed 4-bit, the loader's
-    temporaries): glibc keeps freed pages of its heap resident until asked, ~130 MB after the default model's load.
-    A no-op where the C library has no ``malloc_trim`` (not glibc)."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
 
 
 def rank_layout(hf_config: dict[str, Any], tensor_parallel_size: int, kv_dtype: str, block_size: int) -> KVLayout:
