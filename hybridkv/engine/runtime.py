@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,10 +52,39 @@ def resolve_device(device: str) -> str:
 
 
 def cpu_threads(asked: int) -> int:
-    """Intra-op threads on CPU: ``asked``, or (0) half the cores this process may use, at least 1."""
+    """Intra-op threads on CPU: ``asked``, or (0) ``default_cpu_threads`` of this process's physical cores and the
+    1-minute load average at start-up, logged with both."""
     if asked < 0:
-        raise ValueError(f"cpu_threads must be >= 0 (0: half the cores), got {asked}")
-    return asked or max(1, len(os.sched_getaffinity(0)) // 2)
+        raise ValueError(f"cpu_threads must be >= 0 (0: the physical cores not busy at start-up), got {asked}")
+    if asked:
+        return asked
+    cores, load = physical_cores(), os.getloadavg()[0]
+    threads = default_cpu_threads(cores, load)
+    log.info("cpu_threads %d: %d physical cores less 1 per whole unit of the 1-minute load average at start-up "
+             "(%.2f), at least 1; --cpu-threads sets it", threads, cores, load)
+    return threads
+
+
+def default_cpu_threads(cores: int, load: float) -> int:
+    """Every physical core on an idle machine (as llama.cpp's CLI), less one for each whole unit of the load average
+    (other work's runnable threads), at least 1: a thread waiting on a busy core stalls every small op of a step (on 2
+    busy cores, 2 threads decoded 3-7x slower than 1). E.g. 2 cores: load 0.6 -> 2, 1.3 -> 1, 3.0 -> 1; 8 cores,
+    load 2.5 -> 6."""
+    return max(1, cores - int(load))
+
+
+def physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on (a core's hyper-threads count once), from sysfs; the
+    CPU count where sysfs does not say."""
+    cpus = os.sched_getaffinity(0)
+    cores = set()
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((topology / "physical_package_id").read_text(), (topology / "core_id").read_text()))
+        except OSError:
+            return len(cpus)
+    return len(cores) or len(cpus)
 
 
 def keep_4bit_weights(model: CausalLM, config: EngineConfig, tp: TPGroup) -> tuple[CausalLM, int]:
