@@ -19,11 +19,11 @@ weight in bf16 (each value rounded once more, to bf16) through oneDNN's bf16 GEM
 4.9 ms there, 13.1 ms in the int4 kernel, two threads). That bf16 weight is expanded from the packed bytes for the
 call (``Int4Linear.bf16_weight``: ~0.8 ms for SmolLM2's gate/up on one core, beside 4.5 ms of GEMM over 256 rows),
 not kept: a kept copy is 2 bytes a weight, ~200 MB for SmolLM2, more than the 4-bit weights and the head together. The two give different numbers, so which one a row takes is
-a property of the row alone (``RowPaths``): a prompt token's row takes the bf16 copy and a generated token's the
+a property of the row alone (``RowPaths``): a prompt token's row takes the bf16 weight and a generated token's the
 4-bit kernel, in any step and beside any other rows. Each kernel's row is the same whatever the other rows of
 its call (checked for 1 to 300 rows), so a prompt prefilled cold, its tail after a cache hit, and the same prompt
 in a batch compute the same K/V and logits. (Outside an engine step, without ``RowPaths`` set, a call of
-``DENSE_ROWS`` rows or more takes the bf16 copy.)
+``DENSE_ROWS`` rows or more takes the bf16 weight.)
 
 Example, one group of 4 (not 32) for brevity: weights [0.5, 0.1, 0.3, 0.1] -> m = 0.1, d = (0.5 - 0.1) / 15,
 q = [15, 0, 7.5 -> not on the grid] -> left dense; [0.5, 0.1, 0.1 + 7 d, 0.1] -> q = [15, 0, 7, 0] -> packed.
@@ -41,7 +41,7 @@ from torch import nn
 from hybridkv.model.architectures.parallel import FusedColumns
 
 GROUP = 32  # Q4_1's block of weights sharing a scale and a minimum
-# From this many rows on (a prefill chunk), a layer runs its bf16 copy through oneDNN's bf16 GEMM: 256 rows of a
+# From this many rows on (a prefill chunk), a layer runs its bf16 weight through oneDNN's bf16 GEMM: 256 rows of a
 # SmolLM2 layer take 8.8 ms there and 22.7 ms in the int4 kernel, whose speed is in reading fewer bytes (decode).
 DENSE_ROWS = 64
 # A value is on its group's grid when it is within this fraction of the group's step of a grid point (the step
@@ -78,7 +78,7 @@ def grid_of(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 @dataclass(slots=True)
 class RowPaths:
-    """Which rows of the current step take the bf16 copy (a prompt token's) and which the 4-bit kernel (a generated
+    """Which rows of the current step take the bf16 weight (a prompt token's) and which the 4-bit kernel (a generated
     token's), for every ``Int4Linear`` of a model (they share one). The runner sets it before each forward: for the
     step's rows, and for its sampled rows alone (a forward's last layer may compute only those: ``OutputRows``).
 
@@ -111,7 +111,7 @@ class RowPaths:
 
 @dataclass(slots=True)
 class _Split:
-    """One call's rows: ``dense`` True (every row the bf16 copy), False (every row the 4-bit kernel) or None (some
+    """One call's rows: ``dense`` True (every row the bf16 weight), False (every row the 4-bit kernel) or None (some
     each: ``dense_rows`` and ``packed_rows`` say which)."""
 
     rows: int
