@@ -93,10 +93,15 @@ def _fill(param: torch.Tensor, tensor: torch.Tensor, names: tuple[str, str], ado
     with torch.no_grad():
         if name.endswith("_scale") and param.dtype != tensor.dtype:
             param.data = tensor.to(param.device)  # a checkpoint's scales as stored (AWQ's fp16): exact values
-        elif adopt and tensor.dtype == param.dtype and tensor.device == param.device and tensor.is_contiguous():
+        elif adopt and _whole(tensor) and tensor.dtype == param.dtype and tensor.device == param.device:
             param.data = tensor
         else:
             param.copy_(tensor)
+
+
+def _whole(tensor: torch.Tensor) -> bool:
+    """``tensor`` is all of its storage, in order (not a slice of a bigger one, which adopting would keep alive)."""
+    return tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
 
 
 def _layer_params(model: nn.Module, params: dict[str, torch.Tensor]) -> dict[int, set[str]]:
