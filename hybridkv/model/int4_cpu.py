@@ -196,9 +196,10 @@ class Int4Linear(nn.Module):
             return self.dense
         n, k = self.out_features, self.in_features
         q = torch.empty(k, n, dtype=torch.float32)
-        q.view(k, n // _BLOCK_N, 2, _BLOCK_N // 2).permute(1, 2, 0, 3).copy_(_nibbles(self.packed, n, k))
+        centred = _nibbles(self.packed, n, k).view(torch.int8).sub_(8)  # q - 8 in int8: a quarter of the bytes
+        q.view(k, n // _BLOCK_N, 2, _BLOCK_N // 2).permute(1, 2, 0, 3).copy_(centred)
         scale, zero = (self.scales_zeros[..., i].float()[:, None] for i in (0, 1))  # [K/GROUP, 1, N]
-        groups = q.view(k // GROUP, GROUP, n).sub_(8)
+        groups = q.view(k // GROUP, GROUP, n)
         return torch.addcmul(zero, groups, scale, out=groups).view(k, n).bfloat16().t()
 
     def _out_dtype(self, x: torch.Tensor) -> torch.dtype:
