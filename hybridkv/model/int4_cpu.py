@@ -17,8 +17,8 @@ turned near-ties into ties and changed greedy tokens (greedy rows get an exact i
 A prefill is compute-bound, not bandwidth-bound, and the int4 kernel is slow there: a prompt's rows run the
 weight in bf16 (each value rounded once more, to bf16) through oneDNN's bf16 GEMM (256 rows of a SmolLM2 layer:
 4.9 ms there, 13.1 ms in the int4 kernel, two threads). That bf16 weight is expanded from the packed bytes for the
-call (``Int4Linear.bf16_weight``: ~0.8 ms for SmolLM2's gate/up on one core, beside 4.5 ms of GEMM over 256 rows),
-not kept: a kept copy is 2 bytes a weight, ~200 MB for SmolLM2, more than the 4-bit weights and the head together. The two give different numbers, so which one a row takes is
+call (``Int4Linear.bf16_weight``: ~0.8 ms for SmolLM2's gate/up on one core with its bytes in cache, beside 4.5 ms
+of GEMM over 256 rows; within a prefill about a quarter of the GEMMs' time), not kept: a kept copy is 2 bytes a weight, ~200 MB for SmolLM2, more than the 4-bit weights and the head together. The two give different numbers, so which one a row takes is
 a property of the row alone (``RowPaths``): a prompt token's row takes the bf16 weight and a generated token's the
 4-bit kernel, in any step and beside any other rows. Each kernel's row is the same whatever the other rows of
 its call (checked for 1 to 300 rows), so a prompt prefilled cold, its tail after a cache hit, and the same prompt
