@@ -18,7 +18,7 @@ may be shared: each number is the best of ``--repeats`` runs, and the load avera
     python benchmarks/cpu.py --quick             # 256- and 1K-token prompts, 32 decode tokens
     python benchmarks/cpu.py --prompts 8000      # decode and the 8K-token prompt only
     python benchmarks/cpu.py --error             # how far the 4-bit default moves logits and greedy tokens
-    python benchmarks/cpu.py --rss               # hybridkv's memory: LLM() idle, after a decode, serve idle
+    python benchmarks/cpu.py --rss               # hybridkv's memory: LLM() and serve, idle and after a decode
 """
 
 from __future__ import annotations
@@ -183,13 +183,20 @@ def rss_worker(threads: int, decode_tokens: int) -> dict:
     return out
 
 
-def serve_idle_mb(port: int = 8377, timeout: float = 300) -> tuple[float, float]:
-    """(RSS, peak RSS) of ``hybridkv serve`` (the default model) once it answers ``/health``, idle."""
+def serve_rss_mb(decode_tokens: int, port: int = 8377, timeout: float = 300) -> dict:
+    """RSS and peak RSS of ``hybridkv serve`` (the default model): idle once it answers ``/health``, then after one
+    greedy completion of ``decode_tokens`` tokens after the 64-word prompt."""
     import urllib.request
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     server = subprocess.Popen([sys.executable, "-m", "hybridkv.cli", "serve", "--port", str(port)], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def status() -> tuple[float, float]:
+        text = Path(f"/proc/{server.pid}/status").read_text()
+        kb = lambda key: int(text.split(key + ":")[1].split()[0]) / 1024  # noqa: E731
+        return kb("VmRSS"), kb("VmHWM")
+
     try:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -199,9 +206,13 @@ def serve_idle_mb(port: int = 8377, timeout: float = 300) -> tuple[float, float]
             except OSError:
                 time.sleep(0.5)
         time.sleep(2)  # idle
-        status = Path(f"/proc/{server.pid}/status").read_text()
-        kb = lambda key: int(status.split(key + ":")[1].split()[0]) / 1024  # noqa: E731
-        return kb("VmRSS"), kb("VmHWM")
+        out = {"idle": status()}
+        body = json.dumps({"prompt": PROMPT, "max_tokens": decode_tokens, "temperature": 0, "ignore_eos": True})
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body.encode(),
+                                         {"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=timeout).read()
+        out["decode"] = status()
+        return out
     finally:
         server.terminate()
         server.wait(30)
@@ -211,11 +222,13 @@ def rss_table(args: argparse.Namespace) -> str:
     from hybridkv.bench.tables import markdown_table
 
     r = run_worker("hybridkv", "rss", 1, args)
-    serve = serve_idle_mb()
+    serve = serve_rss_mb(args.decode_tokens)
     rows = [["`LLM()` built, idle", f"{r['idle_mb']:,.0f} MiB", f"{r['idle_peak_mb']:,.0f} MiB"],
             [f"after greedy decode of {args.decode_tokens} tokens (64-word prompt)", f"{r['decode_mb']:,.0f} MiB",
              f"{r['decode_peak_mb']:,.0f} MiB (ru_maxrss {r['ru_maxrss_mb']:,.0f})"],
-            ["`hybridkv serve`, idle after `/health`", f"{serve[0]:,.0f} MiB", f"{serve[1]:,.0f} MiB"]]
+            ["`hybridkv serve`, idle after `/health`", f"{serve['idle'][0]:,.0f} MiB", f"{serve['idle'][1]:,.0f} MiB"],
+            [f"`hybridkv serve`, after a greedy completion of {args.decode_tokens} tokens",
+             f"{serve['decode'][0]:,.0f} MiB", f"{serve['decode'][1]:,.0f} MiB"]]
     return markdown_table(["hybridkv default model", "RSS", "peak RSS"], rows) + (
         f"\n\nimport torch alone: {r['torch_mb']:,.0f} MiB; {args.threads} thread(s)")
 
@@ -325,7 +338,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--prompts", help="prompt lengths to time, comma-separated (default 1000,8000; '': none)")
     p.add_argument("--error", action="store_true")
-    p.add_argument("--rss", action="store_true", help="hybridkv's RSS: LLM() idle, after a decode, serve idle")
+    p.add_argument("--rss", action="store_true", help="hybridkv's RSS: LLM() and serve, idle and after a decode")
     p.add_argument("--worker", nargs=3, metavar=("ENGINE", "TASK", "ARG"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.threads == 0:

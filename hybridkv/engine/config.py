@@ -48,8 +48,9 @@ class EngineConfig:
                 "(W4A16, group 128) | awq | compressed-tensors. On GPU quantized weights stay quantized; on CPU they "
                 "are dequantized at load (the same values)")
     cpu_threads: int = knob(
-        0, "CPU: torch's intra-op threads (0: half the cores, at least 1, as llama-cpp-python; on 2 cores shared "
-           "with other work, 2 threads decoded 3-7x slower than 1: a thread waiting on a busy core stalls each op)")
+        0, "CPU: torch's intra-op threads (0: every physical core, less one per whole unit of the 1-minute load "
+           "average at start-up, at least 1; logged. A thread waiting on a busy core stalls each op: on 2 busy cores "
+           "2 threads decoded 3-7x slower than 1)")
     kv_cache_memory_bytes: int | None = knob(
         None, "KV cache budget in bytes (default on CPU: room for 2 requests of max_model_len, 64 MiB to 2 GiB; "
         "on GPU what --gpu-memory-utilization leaves)")

@@ -23,8 +23,7 @@ from hybridkv.engine.config import EngineConfig, resolve_step_budget
 from hybridkv.engine.kv_events import parse_kv_events_config
 from hybridkv.engine.kv_sizing import host_blocks, kv_cache_bytes, size_kv_cache
 from hybridkv.engine.model_runner import ModelRunner
-from hybridkv.engine.runtime import (build_runtime, cpu_threads, keep_4bit_weights, rank_layout, release_freed_memory,
-                                     resolve_device)
+from hybridkv.engine.runtime import build_runtime, cpu_threads, keep_4bit_weights, rank_layout, resolve_device
 from hybridkv.engine.tp_workers import TPDriverRunner, TPWorkers, WorkerSpec
 from hybridkv.kv.cache_manager import KVCacheManager
 from hybridkv.kv.dtypes import resolve_kv_dtype, resolve_model_dtype
@@ -35,7 +34,9 @@ from hybridkv.model.attention.base import PagedAttentionBackend
 from hybridkv.model.attention.factory import AttentionChoice
 from hybridkv.model.causal_lm import CausalLM
 from hybridkv.model.dtypes import torch_dtype
+from hybridkv.model.int4_cpu import packs_4bit
 from hybridkv.model.loading.checkpoint import LoadedModel, load_checkpoint
+from hybridkv.model.loading.weights import release_freed_memory
 
 log = logging.getLogger("hybridkv")
 
@@ -70,7 +71,8 @@ def build_driver_rank(config: EngineConfig, loaded: LoadedModel | None = None) -
         raise ValueError("tensor_parallel_size > 1 loads each rank's shard itself: pass model, not loaded")
     loaded = loaded or load_checkpoint(config.model, dtype, tokenizer=not config.skip_tokenizer_init, tp=tp,
                                        load_format=config.load_format, device=config.device, seed=config.seed,
-                                       quantization=config.quantization)
+                                       quantization=config.quantization,
+                                       pack_4bit=packs_4bit(config.quantization, config.device, tp.size))
     model, int4_linears = keep_4bit_weights(loaded.model.place(config.device, dtype), config, tp)
     if config.device == "cpu":
         release_freed_memory()

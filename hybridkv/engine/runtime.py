@@ -8,10 +8,10 @@ block tables address them all.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,8 +26,9 @@ from hybridkv.model.architectures.parallel import TPGroup
 from hybridkv.model.attention.base import PagedAttentionBackend
 from hybridkv.model.attention.factory import AttentionChoice, make_paged_attention
 from hybridkv.model.causal_lm import CausalLM
-from hybridkv.model.int4_cpu import int4_kernel_available, pack_int4_linears
+from hybridkv.model.int4_cpu import int4_linear_count, pack_int4_linears, packs_4bit
 from hybridkv.model.int8_head_cpu import Int8ArgmaxHead, int8_kernel_available
+from hybridkv.model.loading.weights import release_freed_memory
 
 log = logging.getLogger("hybridkv")
 
@@ -51,10 +52,39 @@ def resolve_device(device: str) -> str:
 
 
 def cpu_threads(asked: int) -> int:
-    """Intra-op threads on CPU: ``asked``, or (0) half the cores this process may use, at least 1."""
+    """Intra-op threads on CPU: ``asked``, or (0) ``default_cpu_threads`` of this process's physical cores and the
+    1-minute load average at start-up, logged with both."""
     if asked < 0:
-        raise ValueError(f"cpu_threads must be >= 0 (0: half the cores), got {asked}")
-    return asked or max(1, len(os.sched_getaffinity(0)) // 2)
+        raise ValueError(f"cpu_threads must be >= 0 (0: the physical cores not busy at start-up), got {asked}")
+    if asked:
+        return asked
+    cores, load = physical_cores(), os.getloadavg()[0]
+    threads = default_cpu_threads(cores, load)
+    log.info("cpu_threads %d: %d physical cores less 1 per whole unit of the 1-minute load average at start-up "
+             "(%.2f), at least 1; --cpu-threads sets it", threads, cores, load)
+    return threads
+
+
+def default_cpu_threads(cores: int, load: float) -> int:
+    """Every physical core on an idle machine (as llama.cpp's CLI), less one for each whole unit of the load average
+    (other work's runnable threads), at least 1: a thread waiting on a busy core stalls every small op of a step (on 2
+    busy cores, 2 threads decoded 3-7x slower than 1). E.g. 2 cores: load 0.6 -> 2, 1.3 -> 1, 3.0 -> 1; 8 cores,
+    load 2.5 -> 6."""
+    return max(1, cores - int(load))
+
+
+def physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on (a core's hyper-threads count once), from sysfs; the
+    CPU count where sysfs does not say."""
+    cpus = os.sched_getaffinity(0)
+    cores = set()
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((topology / "physical_package_id").read_text(), (topology / "core_id").read_text()))
+        except OSError:
+            return len(cpus)
+    return len(cores) or len(cpus)
 
 
 def keep_4bit_weights(model: CausalLM, config: EngineConfig, tp: TPGroup) -> tuple[CausalLM, int]:
@@ -62,27 +92,20 @@ def keep_4bit_weights(model: CausalLM, config: EngineConfig, tp: TPGroup) -> tup
     output head given an int8 copy for greedy rows (``model/int8_head_cpu.py``); returns the model to run (placed
     again once packed: a 4-bit Llama's small steps run in one loop, ``CpuDecodeLlama``) and how many linears were
     packed (0: the model runs in its dtype, its head float32 for every row)."""
-    if config.quantization != "auto" or config.device != "cpu" or tp.size > 1 or not int4_kernel_available():
+    if not packs_4bit(config.quantization, config.device, tp.size):
         return model, 0
-    packed = pack_int4_linears(model, model.residual_branch_ends)
+    pack_int4_linears(model, model.residual_branch_ends)  # those the load left float (a model loaded elsewhere)
+    packed = int4_linear_count(model)
     if packed:
         head = model.embed_tokens if model.lm_head is None else model.lm_head
         if int8_kernel_available():
+            release_freed_memory()  # the load's freed heap, before the int8 copy's temporaries come on top
             head.argmax_head = Int8ArgmaxHead.of(head.weight)
         screen = ("the float32 head for every row (no int8 GEMM of this torch sums exactly)" if head.argmax_head is None
                   else f"greedy tokens screened by an int8 head ({head.argmax_head.kind}'s GEMM)")
         log.info("%d linear layers kept 4-bit (Q4_1 weights, bf16 activations), %s; quantization=none: float32",
                  packed, screen)
     return (model.place(config.device) if packed else model), packed
-
-
-def release_freed_memory() -> None:
-    """Hand back to the OS the heap pages the load freed (the float32 weights packed 4-bit, the loader's
-    temporaries): glibc keeps freed pages of its heap resident until asked, ~130 MB after the default model's load.
-    A no-op where the C library has no ``malloc_trim`` (not glibc)."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
 
 
 def rank_layout(hf_config: dict[str, Any], tensor_parallel_size: int, kv_dtype: str, block_size: int) -> KVLayout:

@@ -67,7 +67,8 @@ def build_model(
         model = arch.model_class(arch.config_class.from_hf(hf_config), dtype=dtype, tp=tp)
         if weights.quantized:
             quantize_layout(model, weights, QUANTIZABLE)
-    model = model.to_empty(device=device).eval()
+    # Module.to_empty's empty_like of a meta tensor runs torch._refs, which imports sympy (~35 MB RSS on a CPU)
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device)).eval()
     if load_format == "dummy":
         _random_weights(model, torch.Generator(device=device).manual_seed(seed + tp.rank))
     return model.place(device)

@@ -14,14 +14,16 @@ Q8_0 embedding in SmolLM2) stays float32: a bf16 head rounds the logits themselv
 turned near-ties into ties and changed greedy tokens (greedy rows get an exact int8 screen instead:
 ``int8_head_cpu.py``).
 
-A prefill is compute-bound, not bandwidth-bound, and the int4 kernel is slow there: a prompt's rows run a bf16
-copy of the weight (each value rounded once more, to bf16) through oneDNN's bf16 GEMM (256 rows of a SmolLM2 layer:
-4.9 ms there, 13.1 ms in the int4 kernel, two threads). The two give different numbers, so which one a row takes is
-a property of the row alone (``RowPaths``): a prompt token's row takes the bf16 copy and a generated token's the
+A prefill is compute-bound, not bandwidth-bound, and the int4 kernel is slow there: a prompt's rows run the
+weight in bf16 (each value rounded once more, to bf16) through oneDNN's bf16 GEMM (256 rows of a SmolLM2 layer:
+4.9 ms there, 13.1 ms in the int4 kernel, two threads). That bf16 weight is expanded from the packed bytes for the
+call (``Int4Linear.bf16_weight``: ~0.8 ms for SmolLM2's gate/up on one core with its bytes in cache, beside 4.5 ms
+of GEMM over 256 rows; within a prefill about a quarter of the GEMMs' time), not kept: a kept copy is 2 bytes a weight, ~200 MB for SmolLM2, more than the 4-bit weights and the head together. The two give different numbers, so which one a row takes is
+a property of the row alone (``RowPaths``): a prompt token's row takes the bf16 weight and a generated token's the
 4-bit kernel, in any step and beside any other rows. Each kernel's row is the same whatever the other rows of
 its call (checked for 1 to 300 rows), so a prompt prefilled cold, its tail after a cache hit, and the same prompt
 in a batch compute the same K/V and logits. (Outside an engine step, without ``RowPaths`` set, a call of
-``DENSE_ROWS`` rows or more takes the bf16 copy.)
+``DENSE_ROWS`` rows or more takes the bf16 weight.)
 
 Example, one group of 4 (not 32) for brevity: weights [0.5, 0.1, 0.3, 0.1] -> m = 0.1, d = (0.5 - 0.1) / 15,
 q = [15, 0, 7.5 -> not on the grid] -> left dense; [0.5, 0.1, 0.1 + 7 d, 0.1] -> q = [15, 0, 7, 0] -> packed.
@@ -39,7 +41,7 @@ from torch import nn
 from hybridkv.model.architectures.parallel import FusedColumns
 
 GROUP = 32  # Q4_1's block of weights sharing a scale and a minimum
-# From this many rows on (a prefill chunk), a layer runs its bf16 copy through oneDNN's bf16 GEMM: 256 rows of a
+# From this many rows on (a prefill chunk), a layer runs its bf16 weight through oneDNN's bf16 GEMM: 256 rows of a
 # SmolLM2 layer take 8.8 ms there and 22.7 ms in the int4 kernel, whose speed is in reading fewer bytes (decode).
 DENSE_ROWS = 64
 # A value is on its group's grid when it is within this fraction of the group's step of a grid point (the step
@@ -49,6 +51,12 @@ _GRID_TOLERANCE = 1e-2
 
 def int4_kernel_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def packs_4bit(quantization: str, device: str, tensor_parallel_size: int) -> bool:
+    """Whether a load keeps Q4_1 linears 4-bit: ``quantization`` auto on one CPU rank, where torch has the kernel."""
+    return (quantization == "auto" and device == "cpu" and tensor_parallel_size == 1
+            and int4_kernel_available())
 
 
 def grid_of(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -61,16 +69,16 @@ def grid_of(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     low = groups.amin(-1)
     step = (groups.amax(-1) - low) / 15
     safe = torch.where(step > 0, step, torch.ones_like(step))
-    levels = (groups - low[..., None]) / safe[..., None]
-    q = levels.round()
-    if (levels - q).abs().max() > _GRID_TOLERANCE:
+    levels = (groups - low[..., None]).div_(safe[..., None])  # in place: a load packs as it goes, and its peak
+    q = levels.round()  # RSS is the temporaries of the layer packed (``checkpoint.load_checkpoint``)
+    if levels.sub_(q).abs_().max() > _GRID_TOLERANCE:
         return None
     return q.to(torch.int32).view(n, k), step, low + 8 * step
 
 
 @dataclass(slots=True)
 class RowPaths:
-    """Which rows of the current step take the bf16 copy (a prompt token's) and which the 4-bit kernel (a generated
+    """Which rows of the current step take the bf16 weight (a prompt token's) and which the 4-bit kernel (a generated
     token's), for every ``Int4Linear`` of a model (they share one). The runner sets it before each forward: for the
     step's rows, and for its sampled rows alone (a forward's last layer may compute only those: ``OutputRows``).
 
@@ -103,7 +111,7 @@ class RowPaths:
 
 @dataclass(slots=True)
 class _Split:
-    """One call's rows: ``dense`` True (every row the bf16 copy), False (every row the 4-bit kernel) or None (some
+    """One call's rows: ``dense`` True (every row the bf16 weight), False (every row the 4-bit kernel) or None (some
     each: ``dense_rows`` and ``packed_rows`` say which)."""
 
     rows: int
@@ -141,8 +149,11 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         # [K/GROUP, N, 2] as the kernel reads them
         self.register_buffer("scales_zeros", torch.stack((scale.t(), zero.t()), dim=-1).bfloat16().contiguous())
-        # the weight the kernel reads, in bf16: a prefill's (2 bytes a weight beside the 4 bits' half byte)
-        self.register_buffer("dense", _expand(q, self.scales_zeros))
+        # a prefill's bf16 weight is expanded from ``packed`` for each call where its byte layout is known (checked
+        # here against q), else kept (2 bytes a weight beside the 4 bits' half byte)
+        unpacked = _unpacked(self.packed)
+        known = unpacked is not None and torch.equal(unpacked, q.to(torch.uint8))
+        self.register_buffer("dense", None if known else _expand(q, self.scales_zeros))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def _apply(self, fn, recurse: bool = True):
@@ -150,7 +161,8 @@ class Int4Linear(nn.Module):
         # same loaded model moves it to its dtype again)
         super()._apply(fn, recurse)
         self.scales_zeros = self.scales_zeros.to(torch.bfloat16)
-        self.dense = self.dense.to(torch.bfloat16)
+        if self.dense is not None:
+            self.dense = self.dense.to(torch.bfloat16)
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -171,12 +183,52 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def dense_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """``forward`` of x [R, in_features] through the bf16 copy (a prompt token's rows)."""
-        y = F.linear(x.to(torch.bfloat16), self.dense).to(self._out_dtype(x))
+        """``forward`` of x [R, in_features] through the weight in bf16 (a prompt token's rows)."""
+        y = F.linear(x.to(torch.bfloat16), self.bf16_weight()).to(self._out_dtype(x))
         return y if self.bias is None else y + self.bias
+
+    def bf16_weight(self) -> torch.Tensor:
+        """[out_features, in_features] bf16: ``(q - 8) * scale + zero`` with the kernel's bf16 scales and zeros,
+        each value rounded once (``_expand``'s values), from ``packed`` ([in, out] in memory: the GEMM reads either
+        layout, with the same sums). Each step is one contiguous pass (a broadcast over a strided operand was 5x
+        slower). E.g. q = 3 in a group of scale 0.5, zero 1.0: (3 - 8) * 0.5 + 1.0 = -1.5."""
+        if self.dense is not None:
+            return self.dense
+        n, k = self.out_features, self.in_features
+        q = torch.empty(k, n, dtype=torch.float32)
+        centred = _nibbles(self.packed, n, k).view(torch.int8).sub_(8)  # q - 8 in int8: a quarter of the bytes
+        q.view(k, n // _BLOCK_N, 2, _BLOCK_N // 2).permute(1, 2, 0, 3).copy_(centred)
+        scale, zero = (self.scales_zeros[..., i].float()[:, None] for i in (0, 1))  # [K/GROUP, 1, N]
+        groups = q.view(k // GROUP, GROUP, n)
+        return torch.addcmul(zero, groups, scale, out=groups).view(k, n).bfloat16().t()
 
     def _out_dtype(self, x: torch.Tensor) -> torch.dtype:
         return torch.bfloat16 if self.keep_bf16 else x.dtype
+
+
+# The CPU int4 packing's block of output rows: in each, byte [k // 2, (k % 2) * 32 + n % 32] holds row n's weight
+# k, rows 0-31 in the low nibble, 32-63 in the high one (a block of fewer rows, at the end, is laid out otherwise)
+_BLOCK_N = 64
+
+
+def _nibbles(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """uint8 [n / 64, 2, k, 32] of a packed weight's q: block, nibble (rows 0-31 or 32-63 of the block), input,
+    row in the half-block."""
+    if n % _BLOCK_N:
+        raise ValueError(f"only whole blocks of {_BLOCK_N} rows unpack; this weight has {n} rows")
+    blocks = packed.view(n // _BLOCK_N, 1, k, _BLOCK_N // 2)
+    out = torch.empty(n // _BLOCK_N, 2, k, _BLOCK_N // 2, dtype=torch.uint8)
+    torch.bitwise_and(blocks, 15, out=out[:, :1])
+    torch.bitwise_right_shift(blocks, 4, out=out[:, 1:])
+    return out
+
+
+def _unpacked(packed: torch.Tensor) -> torch.Tensor | None:
+    """uint8 [N, K] q of a packed weight made of whole 64-row blocks; None for any other."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if n % _BLOCK_N or packed.dtype != torch.uint8 or packed.dim() != 2:
+        return None
+    return _nibbles(packed, n, k).permute(0, 1, 3, 2).reshape(n, k)
 
 
 def _expand(q: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
@@ -219,18 +271,18 @@ class Int4Columns:
         return None if self.whole is None else self.whole(x)
 
 
-def pack_int4_linears(model: nn.Module, bf16_outputs: tuple[str, ...] = ()) -> int:
+def pack_int4_linears(model: nn.Module, bf16_outputs: tuple[str, ...] = (), paths: RowPaths | None = None) -> int:
     """Replace every plain (single-rank) linear layer whose weight lies on a Q4_1 grid by an ``Int4Linear``, and
     every ``FusedColumns`` group holding one by an ``Int4Columns`` (before or after ``fuse_columns``: the float
     weights are let go either way); a group whose linears are all on a grid is packed as one layer. The linears
     named in ``bf16_outputs`` (a model's ``residual_branch_ends``) output bf16 (``Int4Linear.keep_bf16``). Every
-    packed layer of the model shares one ``RowPaths`` (``row_paths_of``). Returns how many linears were packed.
-    CPU only."""
+    packed layer of the model shares one ``RowPaths`` (``row_paths_of``; ``paths``: that one, for a model packed
+    one part at a time). Returns how many linears were packed. CPU only."""
     places = {id(child): (parent, name, child) for parent in model.modules()
               for name, child in parent.named_children() if isinstance(child, nn.Linear) and _single_rank(child)}
     groups = [(module, attr, group) for module in model.modules() for attr, group in list(vars(module).items())
               if isinstance(group, FusedColumns)]
-    count, paths = 0, row_paths_of(model) or RowPaths()
+    count, paths = 0, paths or row_paths_of(model) or RowPaths()
     for module, attr, group in groups:  # one group at a time: a single layer's grids held at once
         if not all(id(linear) in places for linear in group.linears) or not _same_bias(group.linears):
             continue
@@ -251,6 +303,14 @@ def pack_int4_linears(model: nn.Module, bf16_outputs: tuple[str, ...] = ()) -> i
         if isinstance(group, FusedColumns) and any(id(linear) in replaced for linear in group.linears):
             setattr(module, attr, Int4Columns([replaced.get(id(l), l) for l in group.linears]))
     return count + len(replaced)
+
+
+def int4_linear_count(model: nn.Module) -> int:
+    """How many of ``model``'s linears are 4-bit: each ``Int4Rows`` of a group packed as one layer, and each
+    ``Int4Linear`` standing alone."""
+    rows = [m for m in model.modules() if isinstance(m, Int4Rows)]
+    wholes = {id(r.whole) for r in rows}
+    return len(rows) + sum(isinstance(m, Int4Linear) and id(m) not in wholes for m in model.modules())
 
 
 def _pack_whole(members: list[tuple[nn.Module, str, nn.Linear]], grids: list[tuple], paths: RowPaths

@@ -22,7 +22,7 @@ CONVERSATIONS = [
     [{"role": "system", "content": "You are a terse assistant."},
      {"role": "user", "content": "Name three primary colours."}],
     [{"role": "user", "content": "Write a haiku about the sea."}],
-    # over 64 prompt tokens: the 4-bit default prefills it through its bf16 weight copies (``int4_cpu.DENSE_ROWS``)
+    # over 64 prompt tokens: the 4-bit default prefills it through its weights in bf16 (``int4_cpu.DENSE_ROWS``)
     [{"role": "user", "content": "Here is a note from my garden diary. This spring the tomatoes came up early, the "
       "beans were slow, and the roses by the fence had aphids until the ladybirds arrived in May. The pear tree "
       "flowered well but a late frost took most of the blossom. Summarise the note in one sentence."}],

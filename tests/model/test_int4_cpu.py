@@ -60,7 +60,7 @@ def test_a_prefill_runs_the_weight_the_kernel_reads_in_bf16():
     layer = Int4Linear(*grid_of(w), None)
     eye = torch.eye(6 * GROUP, dtype=torch.bfloat16)
     kernel_weight = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, layer.packed, GROUP, layer.scales_zeros).t()
-    torch.testing.assert_close(layer.dense, kernel_weight, rtol=2**-8, atol=0)
+    torch.testing.assert_close(layer.bf16_weight(), kernel_weight, rtol=2**-8, atol=0)
     x = torch.randn(DENSE_ROWS, 6 * GROUP)
     one_by_one = torch.cat([layer(row[None]) for row in x])
     torch.testing.assert_close(layer(x), one_by_one, rtol=2e-2, atol=2e-2 * one_by_one.abs().max().item())

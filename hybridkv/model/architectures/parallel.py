@@ -387,7 +387,10 @@ class VocabParallelEmbedding(DeviceOps, nn.Embedding):
         self.tp, self.vocab_size = tp, vocab_size
         rows = vocab_rows_per_rank(vocab_size, tp.size)
         self.vocab_start = tp.rank * rows
-        super().__init__(rows, hidden, dtype=dtype)
+        weight = torch.empty(rows, hidden, dtype=dtype)
+        if not weight.is_meta:  # nn.Embedding's own init; on the meta device (``build_model``) none: a meta
+            nn.init.normal_(weight)  # tensor's normal_ imports torch._dynamo, with triton and sympy (~230 MB RSS)
+        super().__init__(rows, hidden, _weight=weight, dtype=dtype)
         # as an output head on CPU: an int8 copy that finds a row's argmax exactly (``model/int8_head_cpu.py``)
         self.argmax_head: Int8ArgmaxHead | None = None
 

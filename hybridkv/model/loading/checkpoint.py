@@ -13,20 +13,23 @@ vocabulary (``tokenizer.word_tokenizer``), so detokenization still costs what it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from hybridkv.model.architectures.parallel import TPGroup
 from hybridkv.model.causal_lm import CausalLM
+from hybridkv.model.int4_cpu import RowPaths, pack_int4_linears
 from hybridkv.model.factory import build_model
 from hybridkv.model.loading.gguf_reader import read_gguf
 from hybridkv.model.loading.hf_config import load_hf_config
 from hybridkv.model.loading.known_models import resolve_model
 from hybridkv.model.loading.tokenizer import Tokenizer, word_tokenizer
-from hybridkv.model.loading.weights import load_safetensors_model, load_weights
+from hybridkv.model.loading.weights import load_safetensors_model, load_weights, release_freed_memory
 from hybridkv.model.quantization.weight_plan import WeightPlan
 
 
@@ -41,12 +44,14 @@ class LoadedModel:
 def load_checkpoint(
     model: str | None, dtype: torch.dtype = torch.float32, progress: bool = True, tokenizer: bool = True,
     tp: TPGroup | None = None, load_format: str = "auto", device: str = "cpu", seed: int = 0,
-    quantization: str = "auto",
+    quantization: str = "auto", pack_4bit: bool = False,
 ) -> LoadedModel:
     """``tokenizer=False`` (skip_tokenizer_init, worker ranks) loads none, so a directory without tokenizer files
     loads too. ``tp``: load rank ``tp.rank``'s shard. Real weights load on the CPU (the engine moves them); dummy
     ones are drawn on ``device``. ``quantization``: ``--quantization`` (``kv/weight_formats.py``); on a GPU
-    quantized weights stay quantized, elsewhere they are dequantized (``quantization/weight_plan.py``)."""
+    quantized weights stay quantized, elsewhere they are dequantized (``quantization/weight_plan.py``). ``pack_4bit``
+    (``int4_cpu.packs_4bit``): a GGUF's Q4_1 linears are packed 4-bit layer by layer as they load, so the float32
+    weights of one layer at most exist at once (the engine packs any other model's after the load)."""
     if load_format == "dummy":
         return _dummy_checkpoint(model, dtype, tp, (device, seed), tokenizer, quantization)
     if load_format != "auto":
@@ -56,13 +61,24 @@ def load_checkpoint(
         ckpt = read_gguf(resolved.path, dtype)
         weights = WeightPlan.of(ckpt.hf_config, quantization, device, _tp_size(tp))
         net = build_model(ckpt.hf_config, dtype, tp, weights=weights.kept)
-        load_weights(net, ckpt.named_tensors(progress))
+        load_weights(net, ckpt.named_tensors(progress), adopt=True, on_layer=_layer_packer(net) if pack_4bit else None)
         weights.round_trip(net)
         tok = Tokenizer.from_gguf(ckpt.reader) if tokenizer else None
         return LoadedModel(resolved.name, net, tok, ckpt.hf_config)
     weights = WeightPlan.of(load_hf_config(resolved.path), quantization, device, _tp_size(tp))
     net, config = load_safetensors_model(resolved.path, dtype, progress, tp, weights)
     return LoadedModel(resolved.name, net, Tokenizer.from_hf_dir(resolved.path) if tokenizer else None, config)
+
+
+def _layer_packer(model: CausalLM) -> Callable[[nn.Module], None]:
+    """Packs one loaded layer's Q4_1 linears 4-bit, every layer sharing one ``RowPaths``."""
+    paths = RowPaths()
+
+    def pack(layer: nn.Module) -> None:
+        pack_int4_linears(layer, model.residual_branch_ends, paths)
+        release_freed_memory()  # the layer's float32 weights, before the next layer's are read
+
+    return pack
 
 
 def _dummy_checkpoint(path: str | None, dtype: torch.dtype, tp: TPGroup | None, where: tuple[str, int],

@@ -6,13 +6,15 @@ elsewhere), so every reader shares one name mapping and one completeness check.
 
 from __future__ import annotations
 
+import ctypes
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm import tqdm
 
 from hybridkv.model.architectures.parallel import TPGroup, shard_for_rank
@@ -46,12 +48,18 @@ def hf_to_local_name(name: str) -> str | None:
     return name.replace(".feed_forward.", ".mlp.")
 
 
-def load_weights(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]], adopt: bool = False,
+                 on_layer: Callable[[nn.Module], None] | None = None) -> None:
     """Copy HF-named tensors into ``model`` (casting dtype); raise if any is unknown, misshapen or missing. A float
-    weight of a quantized linear is quantized as it loads (``--quantization fp8 | int4`` on a bf16 checkpoint)."""
+    weight of a quantized linear is quantized as it loads (``--quantization fp8 | int4`` on a bf16 checkpoint).
+    ``adopt``: a tensor of the parameter's dtype and shape becomes the parameter itself, not copied (the source
+    makes each tensor afresh: a GGUF's dequantized ones), so a weight is never held twice. ``on_layer``: called with
+    each of ``model.layers`` once every parameter of it is loaded, and the load's references to them dropped (it
+    may replace them: ``int4_cpu.pack_int4_linears``, so only one layer is held in float at a time)."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     unexpected: list[str] = []
+    waiting = _layer_params(model, params) if on_layer is not None else {}
     for hf_name, tensor in named_tensors:
         name = hf_to_local_name(hf_name)
         if name is None or (name == "lm_head.weight" and model.lm_head is None):
@@ -63,18 +71,12 @@ def load_weights(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tenso
         tensor = shard_for_rank(model, name, tensor)  # all of it unless the model is one TP rank's shard
         owner, _, leaf = name.rpartition(".")
         if _quantizes(param, tensor):  # a linear's weight, or a stack of experts
-            loaded.update(f"{owner}.{filled}" for filled in load_quantizing(model.get_submodule(owner), tensor, leaf))
-            continue
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise ValueError(
-                f"weight {hf_name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}"
-            )
-        with torch.no_grad():
-            if leaf.endswith("_scale") and param.dtype != tensor.dtype:
-                param.data = tensor.to(param.device)  # a checkpoint's scales as stored (AWQ's fp16): exact values
-            else:
-                param.copy_(tensor)
-        loaded.add(name)
+            filled = [f"{owner}.{leaf}" for leaf in load_quantizing(model.get_submodule(owner), tensor, leaf)]
+        else:
+            _fill(param, tensor, (hf_name, name), adopt)
+            filled = [name]
+        loaded.update(filled)
+        _layer_done(model, filled, waiting, params, on_layer)
     missing = sorted(set(params) - loaded)
     if unexpected or missing:
         raise ValueError(
@@ -83,10 +85,63 @@ def load_weights(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tenso
         )
 
 
+def _fill(param: torch.Tensor, tensor: torch.Tensor, names: tuple[str, str], adopt: bool) -> None:
+    """``param`` := ``tensor`` (``names``: the checkpoint's and ours); ``adopt``: see ``load_weights``."""
+    hf_name, name = names
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ValueError(f"weight {hf_name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
+    with torch.no_grad():
+        if name.endswith("_scale") and param.dtype != tensor.dtype:
+            param.data = tensor.to(param.device)  # a checkpoint's scales as stored (AWQ's fp16): exact values
+        elif adopt and _whole(tensor) and tensor.dtype == param.dtype and tensor.device == param.device:
+            param.data = tensor
+        else:
+            param.copy_(tensor)
+
+
+def _whole(tensor: torch.Tensor) -> bool:
+    """``tensor`` is all of its storage, in order (not a slice of a bigger one, which adopting would keep alive)."""
+    return tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
+def _layer_params(model: nn.Module, params: dict[str, torch.Tensor]) -> dict[int, set[str]]:
+    """Each of ``model.layers``' parameter names, by layer index: ``{0: {"layers.0.mlp.up_proj.weight", ...}}``."""
+    waiting: dict[int, set[str]] = {}
+    for name in params:
+        if name.startswith("layers."):
+            waiting.setdefault(int(name.split(".")[1]), set()).add(name)
+    return waiting
+
+
+def _layer_done(model: nn.Module, filled: list[str], waiting: dict[int, set[str]], params: dict[str, torch.Tensor],
+                on_layer: Callable[[nn.Module], None] | None) -> None:
+    """After ``filled`` loaded: ``on_layer`` for a layer none of whose parameters is still waiting."""
+    for name in filled:
+        if not name.startswith("layers.") or (index := int(name.split(".")[1])) not in waiting:
+            continue
+        waiting[index].discard(name)
+        if not waiting[index]:
+            del waiting[index]
+            prefix = f"layers.{index}."
+            for done in [n for n in params if n.startswith(prefix)]:
+                del params[done]
+            on_layer(model.layers[index])
+
+
 def _quantizes(param: torch.Tensor, tensor: torch.Tensor) -> bool:
     """A float checkpoint weight for a quantized parameter (int32-packed 4-bit, or e4m3 from a bf16 tensor)."""
     float_tensor = tensor.is_floating_point() and tensor.dtype != torch.float8_e4m3fn
     return float_tensor and (param.dtype in (torch.int32, torch.float8_e4m3fn))
+
+
+def release_freed_memory() -> None:
+    """Hand back to the OS the heap pages the load freed (the float32 weights packed 4-bit, the loader's
+    temporaries): glibc keeps freed pages of its heap resident until asked, and reuses them for whatever comes
+    next only where it fits, so a load that frees as it goes calls this after each layer (~1 ms).
+    A no-op where the C library has no ``malloc_trim`` (not glibc)."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def safetensors_files(path: str | Path) -> list[Path]:
