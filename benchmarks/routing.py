@@ -8,6 +8,11 @@ KV cache (the bound: nothing is split, so every prefix is where the next request
 clients; a turn waits for the turn before it. Hit rate and tokens saved are the replicas' own prefix-cache counters
 (``/metrics``, summed over replicas); TTFT is the client's, to the first streamed token.
 
+The last column projects each policy onto Llama-4-Scout: every request's prompt scaled by ``--scout-scale`` (4,096:
+a 250-token document becomes a 1M-token one) and prefilled from the cached share this run gave it (the server's
+``usage.prompt_tokens_details.cached_tokens``), summed through one Scout TP-8 rank's step model (``scout_rank.py``'s
+``predicted_prefill`` over the bf16-KV fit measured on an H200, docs/benchmarks.md#the-step-model).
+
     python benchmarks/routing.py                       # Gemma-3-270M, 2 replicas on the CPU: a few minutes on 2 cores
     python benchmarks/routing.py --quick               # a smaller trace
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import socket
 import subprocess
 import sys
@@ -31,6 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from prefix_trace import TraceRequest, TraceShape, make_trace  # noqa: E402
+from gpu.scout_rank import predicted_prefill  # noqa: E402
 
 from hybridkv.bench.tables import markdown_table  # noqa: E402
 
@@ -40,6 +47,8 @@ SHAPE = TraceShape(system_prompts=2, system_len=(96, 160), conversations=6, turn
 QUICK = TraceShape(system_prompts=1, system_len=(64, 96), conversations=3, turns=(2, 3), user_len=(8, 16),
                    reply_len=(8, 16), documents=2, document_len=(120, 160), questions=(2, 3))
 POLICIES = ("round-robin", "least-loaded", "cache-aware")
+# one Scout TP-8 rank's 16K-token prefill step over c cached tokens: A + B c seconds (bf16 KV, one H200)
+SCOUT_STEP_A, SCOUT_STEP_B = 0.220, 0.8523e-6
 
 
 @dataclass(slots=True)
@@ -48,6 +57,11 @@ class Run:
     hit_tokens: float
     query_tokens: float
     ttft_s: list[float]
+    prompts: list[tuple[int, int]]  # (prompt tokens, cached tokens) a request
+
+    def scout_prefill_s(self, scale: int) -> float:
+        """The projected prefill seconds of every prompt, ``scale`` times longer, on a Scout rank."""
+        return sum(predicted_prefill(SCOUT_STEP_A, SCOUT_STEP_B, n * scale, cached / n) for n, cached in self.prompts)
 
 
 def main() -> None:
@@ -58,6 +72,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--scout-scale", type=int, default=4096, help="prompt length factor of the Scout projection")
     args = p.parse_args()
     trace = one_question_at_a_time(make_trace(QUICK if args.quick else SHAPE))
     print(f"{len(trace)} requests, {sum(len(r.prompt) for r in trace):,} prompt tokens", file=sys.stderr)
@@ -68,9 +83,11 @@ def main() -> None:
         runs.append(serve_and_replay(policy, args, flags, trace))
     bound = ["--kv-cache-memory-bytes", str(args.replicas * args.kv_mib << 20)]
     runs.append(serve_and_replay(f"one replica, {args.replicas}x KV (bound)", args, bound, trace))
-    head = ("policy", "hit rate", "prefill tokens saved", "TTFT p50 (s)", "TTFT p90 (s)")
+    head = ("policy", "hit rate", "prefill tokens saved", "TTFT p50 (s)", "TTFT p90 (s)",
+            f"Scout rank prefill, prompts x {args.scout_scale:,} (projected)")
     rows = [(r.label, f"{100 * r.hit_tokens / r.query_tokens:.1f}%", f"{r.hit_tokens:,.0f} of {r.query_tokens:,.0f}",
-             f"{np.percentile(r.ttft_s, 50):.2f}", f"{np.percentile(r.ttft_s, 90):.2f}") for r in runs]
+             f"{np.percentile(r.ttft_s, 50):.2f}", f"{np.percentile(r.ttft_s, 90):.2f}",
+             f"{r.scout_prefill_s(args.scout_scale):,.0f} s") for r in runs]
     print(markdown_table(head, rows))
 
 
@@ -91,19 +108,20 @@ def serve_and_replay(label: str, args: argparse.Namespace, flags: list[str], tra
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "hybridkv.cli", "serve", args.model, "--device", "cpu", "--host", "127.0.0.1",
-           "--port", str(port), "--max-model-len", "1024", "--log-level", "warning", *flags]
+           "--port", str(port), "--max-model-len", "1024", "--log-level", "warning", "--enable-prompt-tokens-details",
+           *flags]
     log = tempfile.TemporaryFile()  # the server's output: shown only if it fails
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, log)
         before = counters(url)
-        ttft = asyncio.run(replay(url, trace, args.concurrency, args.max_tokens))
+        ttft, prompts = asyncio.run(replay(url, trace, args.concurrency, args.max_tokens))
         after = counters(url)
     finally:
         proc.terminate()
         proc.wait(60)
-    run = Run(label, after[0] - before[0], after[1] - before[1], ttft)
+    run = Run(label, after[0] - before[0], after[1] - before[1], ttft, prompts)
     print(f"{label}: hit {run.hit_tokens:.0f} of {run.query_tokens:.0f}", file=sys.stderr)
     return run
 
@@ -135,17 +153,21 @@ def counters(url: str) -> tuple[float, float]:
     return total["hybridkv:prefix_cache_hits_total"], total["hybridkv:prefix_cache_queries_total"]
 
 
-async def replay(url: str, trace: list[TraceRequest], concurrency: int, max_tokens: int) -> list[float]:
-    """Each request in trace order, at most ``concurrency`` at once, a turn after the turn it continues; TTFTs."""
+async def replay(url: str, trace: list[TraceRequest], concurrency: int, max_tokens: int
+                 ) -> tuple[list[float], list[tuple[int, int]]]:
+    """Each request in trace order, at most ``concurrency`` at once, a turn after the turn it continues; TTFTs, and
+    each prompt's (tokens, cached tokens) from its usage."""
     done = {r.rid: asyncio.Event() for r in trace}
     slots = asyncio.Semaphore(concurrency)
     ttft: list[float] = []
+    prompts: list[tuple[int, int]] = []
 
     async def one(client: httpx.AsyncClient, r: TraceRequest) -> None:
         if r.after is not None:
             await done[r.after].wait()
         async with slots:
-            body = {"prompt": r.prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+            body = {"prompt": r.prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
             start = time.perf_counter()
             first = None
             async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
@@ -153,6 +175,9 @@ async def replay(url: str, trace: list[TraceRequest], concurrency: int, max_toke
                 async for line in response.aiter_lines():
                     if first is None and line.startswith("data: {"):
                         first = time.perf_counter() - start
+                    if line.startswith("data: {") and '"usage":{' in line.replace(" ", ""):
+                        usage = json.loads(line[6:])["usage"]
+                        prompts.append((usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]))
             ttft.append(first)
         done[r.rid].set()
 
@@ -162,7 +187,7 @@ async def replay(url: str, trace: list[TraceRequest], concurrency: int, max_toke
             tasks.append(asyncio.ensure_future(one(client, r)))
             await asyncio.sleep(0)
         await asyncio.gather(*tasks)
-    return ttft
+    return ttft, prompts
 
 
 if __name__ == "__main__":
