@@ -28,6 +28,7 @@ from hybridkv.model.attention.factory import AttentionChoice, make_paged_attenti
 from hybridkv.model.causal_lm import CausalLM
 from hybridkv.model.int4_cpu import int4_kernel_available, pack_int4_linears
 from hybridkv.model.int8_head_cpu import Int8ArgmaxHead, int8_kernel_available
+from hybridkv.model.q4_1_cpu import Q41Kernel
 
 log = logging.getLogger("hybridkv")
 
@@ -58,21 +59,25 @@ def cpu_threads(asked: int) -> int:
 
 
 def keep_4bit_weights(model: CausalLM, config: EngineConfig, tp: TPGroup) -> tuple[CausalLM, int]:
-    """``quantization`` auto on CPU: a GGUF's Q4_1 linear layers packed 4-bit (``model/int4_cpu.py``), and the
+    """``quantization`` auto on CPU: a GGUF's Q4_1 linear layers packed 4-bit (``model/int4_cpu.py``; a generated
+    token's rows through our Q4_1 kernel, ``model/q4_1_cpu.py``, where it was built), and the
     output head given an int8 copy for greedy rows (``model/int8_head_cpu.py``); returns the model to run (placed
     again once packed: a 4-bit Llama's small steps run in one loop, ``CpuDecodeLlama``) and how many linears were
     packed (0: the model runs in its dtype, its head float32 for every row)."""
     if config.quantization != "auto" or config.device != "cpu" or tp.size > 1 or not int4_kernel_available():
         return model, 0
-    packed = pack_int4_linears(model, model.residual_branch_ends)
+    kernel = Q41Kernel.load(cpu_threads(config.cpu_threads))
+    packed = pack_int4_linears(model, model.residual_branch_ends, kernel)
     if packed:
         head = model.embed_tokens if model.lm_head is None else model.lm_head
         if int8_kernel_available():
             head.argmax_head = Int8ArgmaxHead.of(head.weight)
         screen = ("the float32 head for every row (no int8 GEMM of this torch sums exactly)" if head.argmax_head is None
                   else f"greedy tokens screened by an int8 head ({head.argmax_head.kind}'s GEMM)")
-        log.info("%d linear layers kept 4-bit (Q4_1 weights, bf16 activations), %s; quantization=none: float32",
-                 packed, screen)
+        rows = ("torch's int4 kernel (bf16 activations; our Q4_1 kernel not built or failed its check)" if kernel is None
+                else kernel.name)
+        log.info("%d linear layers kept 4-bit (Q4_1 weights), a generated token's rows through %s, %s; "
+                 "quantization=none: float32", packed, rows, screen)
     return (model.place(config.device) if packed else model), packed
 
 
