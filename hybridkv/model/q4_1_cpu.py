@@ -1,13 +1,17 @@
 """A generated token's rows of a Q4_1 linear on CPU: our own kernel (``q4_1_cpu.c``) on the GGUF's blocks.
 
 A decode step of SmolLM2-135M reads ~66 MB of Q4_1 weights; torch's int4 kernel (bf16 activations) runs them at
-about 10 GB/s on one core, compute-bound. This kernel does what llama.cpp does for Q4_1: each row of activations
-is quantised to int8 per block of 32 (``dx = max|x| / 127``, ``xq = round(x / dx)``, and the block's float sum
-``sx``), and a block's dot product with 4-bit weights ``w = d q + m`` is ``d dx (q . xq) + m sx``, the
-``q . xq`` exact in int32 (AVX-512 VNNI ``vpdpbusd``; AVX2 ``vpmaddubsw`` + ``vpmaddwd``; scalar C elsewhere, picked
-at run time from the CPU's features). The weights are the GGUF's own: ``d`` and ``m`` are fp16 in the file and
-here, ``q`` its nibbles, only reordered (``pack``); the activations' int8 rounding is the only new error, as in
-llama.cpp (whose ``q8_1`` also rounds ``sx`` to fp16: here it stays float32).
+about 10 GB/s on one core, compute-bound. This kernel does the integer arithmetic llama.cpp does for Q4_1, with one
+more int8 digit: each row of activations is quantised per block of 32 to ``dx = max|x| / 127`` and two int8
+digits, ``a = round(x / dx)`` and ``b = round(256 (x - dx a) / dx)``, so ``x ~ (dx / 256)(256 a + b)`` (a grid of
+``max|x| / 32512``), beside the block's float sum ``sx``. A block's dot product with 4-bit weights ``w = d q + m``
+is then ``d (dx / 256)(256 q.a + q.b) + m sx``, the integer part exact in int32 (AVX-512 VNNI ``vpdpbusd``;
+AVX2 ``vpmaddubsw`` + ``vpmaddwd``; scalar C elsewhere, picked at run time from the CPU's features). The weights
+are the GGUF's own: ``d`` and ``m`` are fp16 in the file and here, ``q`` its nibbles, only reordered (``pack``).
+llama.cpp's ``q8_1`` keeps ``a`` alone (and rounds ``sx`` to fp16); with ``a`` alone the default model's greedy
+replies left float32's on 3 of 5 test chats (``benchmarks/cpu.py --error``: 100 of 224 tokens before the first
+divergence), with ``b`` too they do not, and the logits move less than with torch's bf16 activations. ``b``
+doubles the integer instructions, not the bytes read.
 
 Layout (``Q4_1x16``): output rows in tiles of 16, each tile's blocks of 32 inputs in order, 320 bytes a
 tile-block: 4 x 64 bytes of nibbles, byte ``64 c + 4 j + i`` holding ``q[j][4c + i]`` (low nibble) and
@@ -18,9 +22,10 @@ are read once for up to 4 rows of activations. 0.625 bytes a weight, as the GGUF
 Every kernel does the same float operations in the same order (``q4_1_cpu.c``), so they agree bit for bit, and
 a row's output does not depend on the other rows of the call or the thread count (``RowPaths`` relies on it).
 
-Example, one block of 4 (not 32) inputs for brevity: x = [0.5, -1.0, 0.25, 0.0] -> dx = 1/127, xq = [64, -127,
-32, 0], sx = -0.25; with q = [1, 2, 3, 4], d = 0.5, m = -1: d dx (64 - 254 + 96) + m sx
-= 0.5 (-94) / 127 + 0.25 = -0.1201 (the float dot product: -0.125).
+Example, one block of 4 (not 32) inputs for brevity: x = [0.5, -1.0, 0.25, 0.0] -> dx = 1/127, a = [64, -127, 32,
+0], b = [-128, 0, -64, 0] (x / dx = [63.5, -127, 31.75, 0] = a + b / 256), sx = -0.25. With q = [1, 2, 3, 4], d =
+0.5, m = -1 (w = [-0.5, 0, 0.5, 1]): 256 q.a + q.b = 256 (-94) - 320 = -24384, and d (dx / 256) (-24384) + m sx =
+-0.375 + 0.25 = -0.125, the float dot product.
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ class Q41Kernel:
     @property
     def name(self) -> str:
         threads = f"{self.threads} thread{'s' if self.threads > 1 else ''}"
-        return f"hybridkv's Q4_1 kernel ({ISAS[self.isa]}, int8 activations, {threads})"
+        return f"hybridkv's Q4_1 kernel ({ISAS[self.isa]}, activations as two int8 digits, {threads})"
 
     def matches_scalar(self) -> bool:
         """The chosen instruction set's outputs equal the scalar C kernel's, bit for bit, on random weights with
