@@ -53,8 +53,9 @@ class Q41Kernel:
 
     @classmethod
     def load(cls, threads: int) -> Q41Kernel | None:
-        """The kernel at this CPU's best instruction set, or None where it was not built (no C compiler at install)
-        or does not match its scalar reference on a check (then torch's int4 kernel runs the layers)."""
+        """The kernel at this CPU's best instruction set, or None where it was not built (no C compiler at install),
+        where this CPU has neither AVX2 nor AVX-512 VNNI, or where it does not match its scalar reference on a
+        check (then torch's int4 kernel runs the layers)."""
         spec = importlib.util.find_spec("hybridkv.model._q4_1_cpu")
         if spec is None or spec.origin is None:
             return None
@@ -62,7 +63,8 @@ class Q41Kernel:
         lib.q41_linear.argtypes = [_POINTER, _I64, _I64, _POINTER, _INT, _I64, _I64, _POINTER, _I64, _INT, _INT]
         lib.q41_linear.restype = _INT
         kernel = cls(lib, lib.q41_best_isa(), threads if lib.q41_threaded() else 1)
-        return kernel if kernel.matches_scalar() else None
+        # scalar C (no AVX2: e.g. an ARM CPU) is slower than torch's int4 kernel, which has NEON code
+        return kernel if kernel.isa > 0 and kernel.matches_scalar() else None
 
     @property
     def name(self) -> str:
@@ -111,8 +113,10 @@ def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"q [N, K] with K a multiple of {GROUP}, d and m [N, K / {GROUP}]; got {tuple(q.shape)}, "
                          f"{tuple(d.shape)}, {tuple(m.shape)}")
     tiles, blocks, pad = -(-n // TILE), k // GROUP, -n % TILE
-    q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad)).view(tiles, TILE, blocks, 2, 4, 4)
-    nibbles = (q[:, :, :, 0] | q[:, :, :, 1] << 4).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, 256)
+    q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad)).view(tiles * TILE, blocks, 2, 16)
+    # inputs 4c..4c+3 of a row's block as one int32 (4 bytes), moved as a whole: [tile, block, c, row of the tile]
+    words = (q[:, :, 0] | q[:, :, 1] << 4).view(torch.int32).view(tiles, TILE, blocks, 4)
+    nibbles = words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(tiles, blocks, 256)
     halves = [torch.nn.functional.pad(t.half(), (0, 0, 0, pad)).view(tiles, TILE, blocks).transpose(1, 2)
               .contiguous().view(torch.uint8) for t in (d, m)]
     return torch.cat([nibbles, *halves], dim=-1).contiguous()
