@@ -29,12 +29,15 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--kernel", choices=["ours", "torch", "both"], default="both")
+    p.add_argument("--isa", choices=["best", "avx2", "scalar"], default="best", help="our kernel's instruction set")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     ours = Q41Kernel.load(args.threads)
     if ours is None:
-        raise SystemExit("our Q4_1 kernel is not built: pip install -e . (a C compiler) or python setup.py build_ext "
-                         "--inplace")
+        raise SystemExit("our Q4_1 kernel is not built (pip install -e . with a C compiler, or python setup.py "
+                         "build_ext --inplace) or this CPU has no AVX2")
+    if args.isa != "best":
+        ours.isa = {"avx2": 1, "scalar": 0}[args.isa]
     g = torch.Generator().manual_seed(0)
     calls = {"ours": [], "torch": []}
     for _ in range(args.layers):

@@ -313,6 +313,7 @@ int q41_linear(const uint8_t *w, int64_t n, int64_t k, const void *x, int bf16, 
 }
 
 /* An importable module too (setuptools builds extensions as such); the functions above are called via ctypes. */
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_q4_1_cpu", "Q4_1 linear rows on CPU (ctypes)", -1, NULL};
+static struct PyModuleDef module = {
+    .m_base = PyModuleDef_HEAD_INIT, .m_name = "_q4_1_cpu", .m_doc = "Q4_1 linear rows on CPU (ctypes)", .m_size = -1};
 
 PyMODINIT_FUNC PyInit__q4_1_cpu(void) { return PyModule_Create(&module); }
