@@ -3,8 +3,8 @@
 CPU decode reads every weight once a token, so its speed is the bytes of the weights over the memory bandwidth:
 SmolLM2-135M is 540 MB a token in float32, 270 MB in bf16 and ~80 MB in Q4_1 as the GGUF stores it.
 
-A generated token's rows run ``q4_1_cpu.py``'s kernel (the GGUF's fp16 ``d`` and ``m`` as stored, int8 activations
-per block of 32, as llama.cpp) where it was built (``setup.py``: a C compiler at install) and passes its start-up
+A generated token's rows run ``q4_1_cpu.py``'s kernel (the GGUF's fp16 ``d`` and ``m`` as stored, activations as
+two int8 digits per block of 32) where it was built (``setup.py``: a C compiler at install) and passes its start-up
 check; else torch's int4 kernel, as follows. Q4_1 stores each group of 32 weights of a row as ``d * q + m`` with q
 in 0..15; torch's int4 kernel
 (``_weight_int4pack_mm_for_cpu``, bf16 activations) computes with ``(q - 8) * scale + zero`` per group of 32 along

@@ -155,3 +155,24 @@ def test_the_kernel_is_built_and_uses_this_cpus_best_instructions():
         assert KERNEL.isa == 2
     elif " avx2" in flags:
         assert KERNEL.isa == 1
+
+
+@needs_kernel
+def test_the_default_models_q4_1_tensors_are_held_as_the_file_stores_them():
+    """Every Q4_1 tensor of the default model's GGUF: its recovered scales, minimums and codes are the file's bytes
+    (the file's block: fp16 d, fp16 m, then byte i holding q[i] | q[16 + i] << 4)."""
+    from hybridkv.model.loading.known_models import resolve_model
+
+    reader = gguf.GGUFReader(str(resolve_model(None).path))
+    tensors = [t for t in reader.tensors if t.tensor_type == gguf.GGMLQuantizationType.Q4_1]
+    assert len(tensors) == 210
+    for tensor in tensors:
+        raw = np.asarray(tensor.data)
+        weight = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1).copy())
+        n, k = weight.shape
+        q, d, m = unpack(pack(*grid_of(weight)), n)
+        blocks = torch.from_numpy(raw.reshape(n, k // GROUP, 20).copy())
+        assert torch.equal(d.half(), blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]), tensor.name
+        assert torch.equal(m.half(), blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]), tensor.name
+        codes = blocks[..., 4:]
+        assert torch.equal(torch.cat((codes & 15, codes >> 4), -1).view(n, k).int(), q), tensor.name
