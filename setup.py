@@ -1,6 +1,6 @@
 """The one compiled part: the Q4_1 CPU kernel (``hybridkv/model/q4_1_cpu.c``, plain C, no torch headers), built at
-``pip install`` as an optional extension. Without a C compiler the install still succeeds and the 4-bit CPU layers
-run torch's int4 kernel (``hybridkv/model/q4_1_cpu.py`` says which one runs). Everything else is in pyproject.toml."""
+``pip install`` as an optional extension module. Without a C compiler the install still succeeds and the 4-bit CPU
+layers run torch's int4 kernel (``hybridkv/model/q4_1_cpu.py`` says which one runs). The rest is in pyproject.toml."""
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext

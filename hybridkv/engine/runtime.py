@@ -74,8 +74,8 @@ def keep_4bit_weights(model: CausalLM, config: EngineConfig, tp: TPGroup) -> tup
             head.argmax_head = Int8ArgmaxHead.of(head.weight)
         screen = ("the float32 head for every row (no int8 GEMM of this torch sums exactly)" if head.argmax_head is None
                   else f"greedy tokens screened by an int8 head ({head.argmax_head.kind}'s GEMM)")
-        rows = ("torch's int4 kernel (bf16 activations; our Q4_1 kernel not built or failed its check)" if kernel is None
-                else kernel.name)
+        rows = kernel.name if kernel is not None else (
+            "torch's int4 kernel (bf16 activations; our Q4_1 kernel not built, no AVX2, or failed its check)")
         log.info("%d linear layers kept 4-bit (Q4_1 weights), a generated token's rows through %s, %s; "
                  "quantization=none: float32", packed, rows, screen)
     return (model.place(config.device) if packed else model), packed

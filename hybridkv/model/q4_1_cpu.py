@@ -1,4 +1,5 @@
-"""A generated token's rows of a Q4_1 linear on CPU: our own kernel (``q4_1_cpu.c``) on the GGUF's blocks.
+"""A generated token's rows of a Q4_1 linear on CPU: our own kernel (``q4_1_cpu.c``, the extension module
+``_q4_1_cpu`` that ``setup.py`` builds) on the GGUF's blocks.
 
 A decode step of SmolLM2-135M reads ~66 MB of Q4_1 weights; torch's int4 kernel (bf16 activations) runs them at
 about 10 GB/s on one core, compute-bound. This kernel does the integer arithmetic llama.cpp does for Q4_1, with one
@@ -30,16 +31,14 @@ Example, one block of 4 (not 32) inputs for brevity: x = [0.5, -1.0, 0.25, 0.0] 
 
 from __future__ import annotations
 
-import ctypes
-import importlib.util
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
 GROUP = 32  # Q4_1's block: inputs sharing a scale and a minimum
 TILE = 16  # output rows a tile interleaves
 ISAS = {2: "AVX-512 VNNI", 1: "AVX2", 0: "scalar C"}
-_POINTER, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
 @dataclass(slots=True)
@@ -47,7 +46,7 @@ class Q41Kernel:
     """The compiled kernel, the instruction set it runs (``ISAS``) and the threads a call splits its output rows
     over (OpenMP; 1 where the build has none)."""
 
-    lib: ctypes.CDLL
+    ext: ModuleType  # hybridkv.model._q4_1_cpu
     isa: int
     threads: int
 
@@ -56,13 +55,11 @@ class Q41Kernel:
         """The kernel at this CPU's best instruction set, or None where it was not built (no C compiler at install),
         where this CPU has neither AVX2 nor AVX-512 VNNI, or where it does not match its scalar reference on a
         check (then torch's int4 kernel runs the layers)."""
-        spec = importlib.util.find_spec("hybridkv.model._q4_1_cpu")
-        if spec is None or spec.origin is None:
+        try:
+            from hybridkv.model import _q4_1_cpu as ext
+        except ImportError:
             return None
-        lib = ctypes.CDLL(spec.origin)
-        lib.q41_linear.argtypes = [_POINTER, _I64, _I64, _POINTER, _INT, _I64, _I64, _POINTER, _I64, _INT, _INT]
-        lib.q41_linear.restype = _INT
-        kernel = cls(lib, lib.q41_best_isa(), threads if lib.q41_threaded() else 1)
+        kernel = cls(ext, ext.best_isa(), threads if ext.threaded() else 1)
         # scalar C (no AVX2: e.g. an ARM CPU) is slower than torch's int4 kernel, which has NEON code
         return kernel if kernel.isa > 0 and kernel.matches_scalar() else None
 
@@ -95,9 +92,9 @@ class Q41Kernel:
         if packed.shape[1] * GROUP != k:
             raise ValueError(f"x has {k} inputs a row; this weight takes {packed.shape[1] * GROUP}")
         y = torch.empty(rows, n)
-        code = self.lib.q41_linear(packed.data_ptr(), n, k, x.data_ptr(), x.dtype == torch.bfloat16, rows,
-                                   x.stride(0), y.data_ptr(), n, self.threads if threads is None else threads,
-                                   self.isa if isa is None else isa)
+        code = self.ext.linear(packed.data_ptr(), n, k, x.data_ptr(), int(x.dtype == torch.bfloat16), rows,
+                               x.stride(0), y.data_ptr(), n, self.threads if threads is None else threads,
+                               self.isa if isa is None else isa)
         if code:
             raise RuntimeError(f"q41_linear failed ({'out of memory' if code == -2 else 'bad arguments'})")
         return y
