@@ -63,6 +63,9 @@ class Q41Kernel:
         # scalar C (no AVX2: e.g. an ARM CPU) is slower than torch's int4 kernel, which has NEON code
         return kernel if kernel.isa > 0 and kernel.matches_scalar() else None
 
+    def __deepcopy__(self, memo: dict) -> Q41Kernel:
+        return self  # no state of its own: a copied model's layers share it (a module object does not copy)
+
     @property
     def name(self) -> str:
         threads = f"{self.threads} thread{'s' if self.threads > 1 else ''}"
