@@ -313,7 +313,7 @@ int q41_linear(const uint8_t *w, int64_t n, int64_t k, const void *x, int bf16, 
     return 0;
 }
 
-/* The module's functions: a call costs ~0.1 us of argument parsing (ctypes: ~3 us, 120 calls a decode token). */
+/* The module's functions: a call on a 16 x 32 weight takes 0.6 us (3.4 us through ctypes; 120 calls a token). */
 static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     long long v[11];
