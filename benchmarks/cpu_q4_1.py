@@ -8,7 +8,9 @@ cache of a laptop, read from memory as in a decode step. ``--threads``: the kern
 threads and ours). Instruction counts, where wall times are noisy (a shared machine):
 
     valgrind --tool=callgrind python benchmarks/cpu_q4_1.py --kernel ours --repeats 5 --layers 1
-    (then the same with --repeats 0: the difference over 5 is one layer's calls)
+    callgrind_annotate --inclusive=yes callgrind.out.<pid> | grep q4_1_cpu.c
+    (the same with --repeats 0: the difference is 5 runs of one layer's 4 calls; for torch's kernel, --kernel torch
+    and grep _weight_int4pack_mm_cpu. valgrind has no AVX-512: both run their AVX2 code there)
 """
 
 from __future__ import annotations
