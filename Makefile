@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test serve install clean
 
-$(STAMP): pyproject.toml Makefile
+# setup.py builds the Q4_1 CPU kernel (C) in place: a change to it installs again
+$(STAMP): pyproject.toml Makefile setup.py hybridkv/model/q4_1_cpu.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'

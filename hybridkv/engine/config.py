@@ -43,7 +43,7 @@ class EngineConfig:
               "(0: no cap; default: none on GPU, half the step on CPU)")
     quantization: str = knob(
         "auto", "linear weights: auto (the checkpoint's own quantization_config; on CPU a GGUF's Q4_1 weights also "
-                "stay 4-bit for torch's int4 kernel) | none (every weight in --dtype; a quantized checkpoint is "
+                "stay 4-bit, for our Q4_1 kernel or, where it was not built, torch's int4 kernel) | none (every weight in --dtype; a quantized checkpoint is "
                 "dequantized) | fp8 (e4m3 weights, per-channel scales, dynamic per-token activations) | int4 "
                 "(W4A16, group 128) | awq | compressed-tensors. On GPU quantized weights stay quantized; on CPU they "
                 "are dequantized at load (the same values)")

@@ -34,7 +34,7 @@ from hybridkv.model.attention.base import PagedAttentionBackend
 from hybridkv.model.attention.factory import AttentionChoice
 from hybridkv.model.causal_lm import CausalLM
 from hybridkv.model.dtypes import torch_dtype
-from hybridkv.model.int4_cpu import packs_4bit
+from hybridkv.model.int4_cpu import int4_packing
 from hybridkv.model.loading.checkpoint import LoadedModel, load_checkpoint
 from hybridkv.model.loading.weights import release_freed_memory
 
@@ -69,11 +69,11 @@ def build_driver_rank(config: EngineConfig, loaded: LoadedModel | None = None) -
     tp = TPGroup(0, config.tensor_parallel_size)
     if tp.size > 1 and loaded is not None:
         raise ValueError("tensor_parallel_size > 1 loads each rank's shard itself: pass model, not loaded")
+    int4 = int4_packing(config.quantization, config.device, tp.size, cpu_threads(config.cpu_threads))
     loaded = loaded or load_checkpoint(config.model, dtype, tokenizer=not config.skip_tokenizer_init, tp=tp,
                                        load_format=config.load_format, device=config.device, seed=config.seed,
-                                       quantization=config.quantization,
-                                       pack_4bit=packs_4bit(config.quantization, config.device, tp.size))
-    model, int4_linears = keep_4bit_weights(loaded.model.place(config.device, dtype), config, tp)
+                                       quantization=config.quantization, int4=int4)
+    model, int4_linears = keep_4bit_weights(loaded.model.place(config.device, dtype), config.device, int4)
     if config.device == "cpu":
         release_freed_memory()
     if config.fp8_attention_compute and not config.kv_cache_dtype.startswith("fp8"):

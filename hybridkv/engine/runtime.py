@@ -17,16 +17,14 @@ from typing import Any
 import torch
 
 from hybridkv.engine.block_copier import BlockCopier
-from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.model_runner import ModelRunner
 from hybridkv.kv.cache_manager import KVCacheManager
 from hybridkv.kv.layer_specs import layer_specs_from_hf_config
 from hybridkv.kv.layout import KVLayout, plan_layout
-from hybridkv.model.architectures.parallel import TPGroup
 from hybridkv.model.attention.base import PagedAttentionBackend
 from hybridkv.model.attention.factory import AttentionChoice, make_paged_attention
 from hybridkv.model.causal_lm import CausalLM
-from hybridkv.model.int4_cpu import int4_linear_count, pack_int4_linears, packs_4bit
+from hybridkv.model.int4_cpu import Int4Packing, int4_linear_count, pack_int4_linears
 from hybridkv.model.int8_head_cpu import Int8ArgmaxHead, int8_kernel_available
 from hybridkv.model.loading.weights import release_freed_memory
 
@@ -87,14 +85,17 @@ def physical_cores() -> int:
     return len(cores) or len(cpus)
 
 
-def keep_4bit_weights(model: CausalLM, config: EngineConfig, tp: TPGroup) -> tuple[CausalLM, int]:
-    """``quantization`` auto on CPU: a GGUF's Q4_1 linear layers packed 4-bit (``model/int4_cpu.py``), and the
+def keep_4bit_weights(model: CausalLM, device: str, int4: Int4Packing | None) -> tuple[CausalLM, int]:
+    """``int4`` (``int4_cpu.int4_packing``: ``quantization`` auto on CPU): a GGUF's Q4_1 linear layers packed 4-bit
+    (``model/int4_cpu.py``; a generated token's rows through our Q4_1 kernel, ``model/q4_1_cpu.py``, where it was
+    built; the load packs them as it goes, any left are packed here), and the
     output head given an int8 copy for greedy rows (``model/int8_head_cpu.py``); returns the model to run (placed
     again once packed: a 4-bit Llama's small steps run in one loop, ``CpuDecodeLlama``) and how many linears were
     packed (0: the model runs in its dtype, its head float32 for every row)."""
-    if not packs_4bit(config.quantization, config.device, tp.size):
+    if int4 is None:
         return model, 0
-    pack_int4_linears(model, model.residual_branch_ends)  # those the load left float (a model loaded elsewhere)
+    kernel = int4.kernel
+    pack_int4_linears(model, model.residual_branch_ends, kernel=kernel)  # any the load left float
     packed = int4_linear_count(model)
     if packed:
         head = model.embed_tokens if model.lm_head is None else model.lm_head
@@ -103,9 +104,11 @@ def keep_4bit_weights(model: CausalLM, config: EngineConfig, tp: TPGroup) -> tup
             head.argmax_head = Int8ArgmaxHead.of(head.weight)
         screen = ("the float32 head for every row (no int8 GEMM of this torch sums exactly)" if head.argmax_head is None
                   else f"greedy tokens screened by an int8 head ({head.argmax_head.kind}'s GEMM)")
-        log.info("%d linear layers kept 4-bit (Q4_1 weights, bf16 activations), %s; quantization=none: float32",
-                 packed, screen)
-    return (model.place(config.device) if packed else model), packed
+        rows = kernel.name if kernel is not None else (
+            "torch's int4 kernel (bf16 activations; our Q4_1 kernel not built, no AVX2, or failed its check)")
+        log.info("%d linear layers kept 4-bit (Q4_1 weights), a generated token's rows through %s, %s; "
+                 "quantization=none: float32", packed, rows, screen)
+    return (model.place(device) if packed else model), packed
 
 
 def rank_layout(hf_config: dict[str, Any], tensor_parallel_size: int, kv_dtype: str, block_size: int) -> KVLayout:

@@ -1,9 +1,12 @@
-"""4-bit linear layers on CPU: a GGUF's Q4_1 weights kept 4-bit, through torch's CPU int4 kernel.
+"""4-bit linear layers on CPU: a GGUF's Q4_1 weights kept 4-bit, through our Q4_1 kernel or torch's CPU int4 kernel.
 
 CPU decode reads every weight once a token, so its speed is the bytes of the weights over the memory bandwidth:
 SmolLM2-135M is 540 MB a token in float32, 270 MB in bf16 and ~80 MB in Q4_1 as the GGUF stores it.
 
-Q4_1 stores each group of 32 weights of a row as ``d * q + m`` with q in 0..15; torch's int4 kernel
+A generated token's rows run ``q4_1_cpu.py``'s kernel (the GGUF's fp16 ``d`` and ``m`` as stored, activations as
+two int8 digits per block of 32) where it was built (``setup.py``: a C compiler at install) and passes its start-up
+check; else torch's int4 kernel, as follows. Q4_1 stores each group of 32 weights of a row as ``d * q + m`` with q
+in 0..15; torch's int4 kernel
 (``_weight_int4pack_mm_for_cpu``, bf16 activations) computes with ``(q - 8) * scale + zero`` per group of 32 along
 the input dimension: the same grid with ``scale = d`` and ``zero = m + 8 d``. The grid is recovered from the
 dequantised float weight itself (a group's smallest value is ``m``: Q4_1 gives it q = 0, and its largest
@@ -39,8 +42,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.model.architectures.parallel import FusedColumns
+from hybridkv.model.q4_1_cpu import GROUP, Q41Kernel
+from hybridkv.model.q4_1_cpu import pack as q4_1_pack
+from hybridkv.model.q4_1_cpu import unpack as q4_1_unpack
 
-GROUP = 32  # Q4_1's block of weights sharing a scale and a minimum
 # From this many rows on (a prefill chunk), a layer runs its bf16 weight through oneDNN's bf16 GEMM: 256 rows of a
 # SmolLM2 layer take 8.8 ms there and 22.7 ms in the int4 kernel, whose speed is in reading fewer bytes (decode).
 DENSE_ROWS = 64
@@ -53,15 +58,26 @@ def int4_kernel_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
-def packs_4bit(quantization: str, device: str, tensor_parallel_size: int) -> bool:
-    """Whether a load keeps Q4_1 linears 4-bit: ``quantization`` auto on one CPU rank, where torch has the kernel."""
-    return (quantization == "auto" and device == "cpu" and tensor_parallel_size == 1
-            and int4_kernel_available())
+@dataclass(slots=True)
+class Int4Packing:
+    """How a CPU rank keeps Q4_1 linears 4-bit: a generated token's rows through ``kernel`` (our Q4_1 kernel; None:
+    torch's int4 kernel)."""
+
+    kernel: Q41Kernel | None
+
+
+def int4_packing(quantization: str, device: str, tensor_parallel_size: int, threads: int) -> Int4Packing | None:
+    """The 4-bit packing of a load: ``quantization`` auto on one CPU rank, where torch has the int4 kernel (the
+    fallback, and the prefill's bytes); None: linears stay in the model's dtype. ``threads``: the kernel's."""
+    if quantization != "auto" or device != "cpu" or tensor_parallel_size != 1 or not int4_kernel_available():
+        return None
+    return Int4Packing(Q41Kernel.load(threads))
 
 
 def grid_of(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(q int32 [N, K], scale [N, K/GROUP], zero [N, K/GROUP]) if every group of 32 along a row of ``weight``
-    lies on a 16-level grid (a dequantised Q4_1 weight); None otherwise."""
+    """(q int32 [N, K], scale [N, K/GROUP], minimum [N, K/GROUP]) if every group of 32 along a row of ``weight``
+    lies on a 16-level grid (a dequantised Q4_1 weight: ``scale`` and ``minimum`` are its ``d`` and ``m``, ``m``
+    exactly and ``d`` to float32 rounding); None otherwise."""
     n, k = weight.shape
     if k % GROUP:
         return None
@@ -73,7 +89,7 @@ def grid_of(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     q = levels.round()  # RSS is the temporaries of the layer packed (``checkpoint.load_checkpoint``)
     if levels.sub_(q).abs_().max() > _GRID_TOLERANCE:
         return None
-    return q.to(torch.int32).view(n, k), step, low + 8 * step
+    return q.to(torch.int32).view(n, k), step, low
 
 
 @dataclass(slots=True)
@@ -135,32 +151,43 @@ def row_paths_of(model: nn.Module) -> RowPaths | None:
 
 class Int4Linear(nn.Module):
     """``F.linear(x, weight, bias)`` with ``weight`` packed 4-bit; x and the output keep their dtype, except on a
-    layer whose output only ever feeds a residual add (``keep_bf16``): that sum promotes the kernel's bf16 output
-    to float32 exactly, so the output stays bf16 and the step saves a conversion."""
+    layer whose output only ever feeds a residual add (``keep_bf16``) run by torch's int4 kernel: that sum
+    promotes the kernel's bf16 output to float32 exactly, so the output stays bf16 and the step saves a conversion
+    (our Q4_1 kernel's output is float32 already)."""
 
     keep_bf16: bool = False
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None,
-                 paths: RowPaths | None = None) -> None:
-        """``paths``: which rows of a step take which kernel (``pack_int4_linears`` gives a model's layers one)."""
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor | None,
+                 paths: RowPaths | None = None, kernel: Q41Kernel | None = None) -> None:
+        """``q``, ``scale``, ``minimum``: ``grid_of``'s. ``paths``: which rows of a step take which kernel
+        (``pack_int4_linears`` gives a model's layers one). ``kernel``: our Q4_1 kernel for the 4-bit rows (None:
+        torch's int4 kernel)."""
         super().__init__()
         self.paths = paths or RowPaths()
+        self.kernel = kernel
         self.out_features, self.in_features = q.shape
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
-        # [K/GROUP, N, 2] as the kernel reads them
-        self.register_buffer("scales_zeros", torch.stack((scale.t(), zero.t()), dim=-1).bfloat16().contiguous())
-        # a prefill's bf16 weight is expanded from ``packed`` for each call where its byte layout is known (checked
-        # here against q), else kept (2 bytes a weight beside the 4 bits' half byte)
-        unpacked = _unpacked(self.packed)
-        known = unpacked is not None and torch.equal(unpacked, q.to(torch.uint8))
-        self.register_buffer("dense", None if known else _expand(q, self.scales_zeros))
+        self.register_buffer("dense", None)  # a prefill's bf16 weight where it cannot be expanded from the bytes
+        if kernel is not None:
+            # our kernel's layout, d and m in fp16 as the GGUF stores them; a prefill's weight is expanded from it
+            self.register_buffer("q4_1", q4_1_pack(q, scale, minimum))
+        else:
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+            # [K/GROUP, N, 2] as torch's kernel reads them
+            zero = minimum + 8 * scale
+            self.register_buffer("scales_zeros", torch.stack((scale.t(), zero.t()), dim=-1).bfloat16().contiguous())
+            # a prefill's bf16 weight is expanded from ``packed`` for each call where its byte layout is known
+            # (checked here against q), else kept (2 bytes a weight beside the 4 bits' half byte)
+            unpacked = _unpacked(self.packed)
+            if unpacked is None or not torch.equal(unpacked, q.to(torch.uint8)):
+                self.dense = _expand(q, self.scales_zeros)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def _apply(self, fn, recurse: bool = True):
-        # the kernel takes its scales in bf16 whatever dtype the model is later moved to (a second engine over the
-        # same loaded model moves it to its dtype again)
+        # torch's kernel takes its scales in bf16 whatever dtype the model is later moved to (a second engine over
+        # the same loaded model moves it to its dtype again); our kernel's bytes are not floats to move
         super()._apply(fn, recurse)
-        self.scales_zeros = self.scales_zeros.to(torch.bfloat16)
+        if self.kernel is None:
+            self.scales_zeros = self.scales_zeros.to(torch.bfloat16)
         if self.dense is not None:
             self.dense = self.dense.to(torch.bfloat16)
         return self
@@ -178,7 +205,11 @@ class Int4Linear(nn.Module):
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` of x [R, in_features] through the 4-bit kernel (a generated token's rows)."""
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros)
+        if self.kernel is not None:
+            y = self.kernel(self.q4_1, self.out_features, x)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP,
+                                                          self.scales_zeros)
         y = y.to(self._out_dtype(x))
         return y if self.bias is None else y + self.bias
 
@@ -191,9 +222,13 @@ class Int4Linear(nn.Module):
         """[out_features, in_features] bf16: ``(q - 8) * scale + zero`` with the kernel's bf16 scales and zeros,
         each value rounded once (``_expand``'s values), from ``packed`` ([in, out] in memory: the GEMM reads either
         layout, with the same sums). Each step is one contiguous pass (a broadcast over a strided operand was 5x
-        slower). E.g. q = 3 in a group of scale 0.5, zero 1.0: (3 - 8) * 0.5 + 1.0 = -1.5."""
+        slower). E.g. q = 3 in a group of scale 0.5, zero 1.0: (3 - 8) * 0.5 + 1.0 = -1.5. Under our Q4_1 kernel, the
+        same values from its bytes (``d`` as the scale, ``m + 8 d`` the zero, each rounded to bf16 as torch's are)."""
         if self.dense is not None:
             return self.dense
+        if self.kernel is not None:
+            q, d, m = q4_1_unpack(self.q4_1, self.out_features)
+            return _expand(q, torch.stack((d.t(), (m + 8 * d).t()), dim=-1).bfloat16())
         n, k = self.out_features, self.in_features
         q = torch.empty(k, n, dtype=torch.float32)
         centred = _nibbles(self.packed, n, k).view(torch.int8).sub_(8)  # q - 8 in int8: a quarter of the bytes
@@ -203,7 +238,7 @@ class Int4Linear(nn.Module):
         return torch.addcmul(zero, groups, scale, out=groups).view(k, n).bfloat16().t()
 
     def _out_dtype(self, x: torch.Tensor) -> torch.dtype:
-        return torch.bfloat16 if self.keep_bf16 else x.dtype
+        return torch.bfloat16 if self.keep_bf16 and self.kernel is None else x.dtype
 
 
 # The CPU int4 packing's block of output rows: in each, byte [k // 2, (k % 2) * 32 + n % 32] holds row n's weight
@@ -271,13 +306,15 @@ class Int4Columns:
         return None if self.whole is None else self.whole(x)
 
 
-def pack_int4_linears(model: nn.Module, bf16_outputs: tuple[str, ...] = (), paths: RowPaths | None = None) -> int:
+def pack_int4_linears(model: nn.Module, bf16_outputs: tuple[str, ...] = (), paths: RowPaths | None = None,
+                      kernel: Q41Kernel | None = None) -> int:
     """Replace every plain (single-rank) linear layer whose weight lies on a Q4_1 grid by an ``Int4Linear``, and
     every ``FusedColumns`` group holding one by an ``Int4Columns`` (before or after ``fuse_columns``: the float
     weights are let go either way); a group whose linears are all on a grid is packed as one layer. The linears
     named in ``bf16_outputs`` (a model's ``residual_branch_ends``) output bf16 (``Int4Linear.keep_bf16``). Every
     packed layer of the model shares one ``RowPaths`` (``row_paths_of``; ``paths``: that one, for a model packed
-    one part at a time). Returns how many linears were packed. CPU only."""
+    one part at a time) and runs its 4-bit rows through ``kernel`` (None: torch's int4 kernel). Returns how many
+    linears were packed. CPU only."""
     places = {id(child): (parent, name, child) for parent in model.modules()
               for name, child in parent.named_children() if isinstance(child, nn.Linear) and _single_rank(child)}
     groups = [(module, attr, group) for module in model.modules() for attr, group in list(vars(module).items())
@@ -289,14 +326,14 @@ def pack_int4_linears(model: nn.Module, bf16_outputs: tuple[str, ...] = (), path
         grids = [grid_of(linear.weight) for linear in group.linears]
         if all(grid is not None for grid in grids):
             members = [places.pop(id(linear)) for linear in group.linears]
-            setattr(module, attr, _pack_whole(members, grids, paths))
+            setattr(module, attr, _pack_whole(members, grids, paths, kernel))
             count += len(members)
     replaced = {}
     branch_ends = set(bf16_outputs)
     for parent, name, child in places.values():
         grid = grid_of(child.weight)
         if grid is not None:
-            replaced[id(child)] = Int4Linear(*grid, child.bias, paths)
+            replaced[id(child)] = Int4Linear(*grid, child.bias, paths, kernel)
             replaced[id(child)].keep_bf16 = name in branch_ends
             setattr(parent, name, replaced[id(child)])
     for module, attr, group in groups:
@@ -313,13 +350,13 @@ def int4_linear_count(model: nn.Module) -> int:
     return len(rows) + sum(isinstance(m, Int4Linear) and id(m) not in wholes for m in model.modules())
 
 
-def _pack_whole(members: list[tuple[nn.Module, str, nn.Linear]], grids: list[tuple], paths: RowPaths
-                ) -> Int4Columns:
+def _pack_whole(members: list[tuple[nn.Module, str, nn.Linear]], grids: list[tuple], paths: RowPaths,
+                kernel: Q41Kernel | None) -> Int4Columns:
     """One ``Int4Linear`` over the rows of a group's linears (their ``grids``, in order); each linear's name on its
     parent becomes an ``Int4Rows`` of it."""
-    q, scale, zero = (torch.cat([grid[i] for grid in grids]) for i in range(3))
+    q, scale, minimum = (torch.cat([grid[i] for grid in grids]) for i in range(3))
     biases = [linear.bias for *_, linear in members]
-    whole = Int4Linear(q, scale, zero, None if biases[0] is None else torch.cat(biases), paths)
+    whole = Int4Linear(q, scale, minimum, None if biases[0] is None else torch.cat(biases), paths, kernel)
     parts, lo = [], 0
     for parent, name, linear in members:
         parts.append(Int4Rows(whole, lo, lo + linear.out_features))

@@ -16,6 +16,7 @@ from hybridkv import LLM, SamplingParams  # noqa: E402
 from hybridkv.model.architectures.llama_cpu_decode import CpuDecodeLlama  # noqa: E402
 from hybridkv.model.int8_head_cpu import int8_kernel_available  # noqa: E402
 from hybridkv.model.loading.known_models import resolve_model  # noqa: E402
+from hybridkv.model.q4_1_cpu import Q41Kernel  # noqa: E402
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -50,13 +51,16 @@ def test_chat_greedy_matches_transformers_token_for_token(llm, hf_model):
 
 
 def test_the_default_keeps_q4_weights_4bit_and_its_greedy_tokens_still_match(hf_model):
-    """``LLM()`` on CPU: the 210 Q4_1 projections stay 4-bit, with bf16 activations, and greedy rows' tokens come from
+    """``LLM()`` on CPU: the 210 Q4_1 projections stay 4-bit, a generated token's rows through our Q4_1 kernel
+    (activations as two int8 digits a block) where it was built, and greedy rows' tokens come from
     the int8 head re-scored in float32 (the Q8_0 embedding stays float32) where this torch has an int8 GEMM that
     sums exactly on this CPU (VNNI), from the float32 head elsewhere (AVX2 alone); on these conversations greedy
     decoding is still token for token transformers' float32."""
     default = LLM(block_size=16)
     assert default.engine.int4_linears == 210
     assert isinstance(default.engine.model, CpuDecodeLlama)  # placed after packing: its decode steps in one loop
+    o_proj = default.engine.model.model.layers[0].self_attn.o_proj
+    assert (o_proj.kernel is not None) == (Q41Kernel.load(1) is not None)
     assert (default.engine.model.embed_tokens.argmax_head is not None) == int8_kernel_available()
     check_greedy_against_transformers(default, hf_model)
 

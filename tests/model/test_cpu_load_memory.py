@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.model.int4_cpu import GROUP, Int4Linear, _expand, int4_kernel_available, int4_linear_count
+from hybridkv.model.int4_cpu import GROUP, Int4Linear, Int4Packing, _expand, int4_kernel_available, int4_linear_count
 from hybridkv.model.loading import checkpoint
 
 pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="torch has no CPU int4 kernel")
@@ -42,7 +42,7 @@ def test_a_gguf_load_holds_the_float32_linears_of_one_layer_at_a_time(monkeypatc
     real_load = checkpoint.load_weights
     monkeypatch.setattr(checkpoint, "load_weights",
                         lambda model, named, **kw: real_load(model, watched(model, named), **kw))
-    loaded = checkpoint.load_checkpoint(None, progress=False, tokenizer=False, pack_4bit=True)
+    loaded = checkpoint.load_checkpoint(None, progress=False, tokenizer=False, int4=Int4Packing(None))
     layers = len(loaded.model.layers)
     assert started == set(range(layers))
     assert most == 1

@@ -14,6 +14,7 @@ from hybridkv.model.architectures.parallel import TPGroup, fuse_columns
 from hybridkv.model.int4_cpu import (
     DENSE_ROWS, GROUP, Int4Columns, Int4Linear, Int4Rows, grid_of, int4_kernel_available, pack_int4_linears,
 )
+from hybridkv.model.q4_1_cpu import Q41Kernel
 
 pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="torch has no CPU int4 kernel")
 
@@ -27,9 +28,9 @@ def q4_1(shape: tuple[int, int], seed: int) -> torch.Tensor:
 
 def test_a_q4_1_weight_is_recovered_exactly_from_its_dequantised_values():
     w = q4_1((48, 4 * GROUP), seed=0)
-    q, scale, zero = grid_of(w)
+    q, scale, minimum = grid_of(w)
     assert q.min() >= 0 and q.max() <= 15
-    rebuilt = (q.float().view(48, 4, GROUP) - 8) * scale[..., None] + zero[..., None]
+    rebuilt = q.float().view(48, 4, GROUP) * scale[..., None] + minimum[..., None]
     torch.testing.assert_close(rebuilt.view_as(w), w, atol=1e-6, rtol=0)
 
 
@@ -170,8 +171,9 @@ def test_a_packed_llamas_residual_branch_ends_keep_bf16_and_the_hidden_states_do
             assert got.dtype == torch.float32 and torch.equal(got, want)
 
 
-def packed_llama(hf_extra: dict, float_layer: str | None = None):
-    """A 2-layer Llama whose linears hold Q4_1 weights (except ``float_layer``), packed as the engine packs them."""
+def packed_llama(hf_extra: dict, float_layer: str | None = None, kernel: Q41Kernel | None = None):
+    """A 2-layer Llama whose linears hold Q4_1 weights (except ``float_layer``), packed as the engine packs them
+    (their 4-bit rows through ``kernel``; None: torch's int4 kernel)."""
     from hybridkv.model.architectures.llama import LlamaForCausalLM
     from hybridkv.model.architectures.llama_config import ModelConfig
 
@@ -185,21 +187,25 @@ def packed_llama(hf_extra: dict, float_layer: str | None = None):
         for i, (name, linear) in enumerate((n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)):
             if name != float_layer:
                 linear.weight.copy_(q4_1(tuple(linear.weight.shape), seed=30 + i))
-    pack_int4_linears(model, model.residual_branch_ends)
+    pack_int4_linears(model, model.residual_branch_ends, kernel=kernel)
     fuse_columns(model)
     return model, hf
 
 
+@pytest.mark.parametrize("ours", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_small_steps_of_a_4bit_llama_run_one_flat_loop_with_the_layers_own_hidden_states(bias, monkeypatch):
+def test_small_steps_of_a_4bit_llama_run_one_flat_loop_with_the_layers_own_hidden_states(bias, ours, monkeypatch):
     """Placed on the CPU, a 4-bit Llama comes back as ``CpuDecodeLlama``: steps below ``DENSE_ROWS`` tokens go
     through ``CpuDecodeLayers`` (the layers' modules skipped), and their hidden states are the layers' own
-    forward's bit for bit; larger steps take the layers' forward."""
+    forward's bit for bit; larger steps take the layers' forward. With torch's int4 kernel and with ours."""
     from hybridkv.kv.layer_specs import layer_specs_from_hf_config
     from hybridkv.model.architectures.llama_cpu_decode import CpuDecodeLayers, CpuDecodeLlama
     from hybridkv.model.attention.dense import DenseAttention
 
-    own, hf = packed_llama({"attention_bias": bias})
+    kernel = Q41Kernel.load(threads=2) if ours else None
+    if ours and kernel is None:
+        pytest.skip("our Q4_1 kernel was not built")
+    own, hf = packed_llama({"attention_bias": bias}, kernel=kernel)
     model = own.place("cpu")
     assert isinstance(model, CpuDecodeLlama) and model.model is own and model.embed_tokens is own.embed_tokens
     assert dict(model.named_parameters()) == {f"model.{n}": p for n, p in own.named_parameters()}

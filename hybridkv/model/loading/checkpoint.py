@@ -23,7 +23,7 @@ from torch import nn
 
 from hybridkv.model.architectures.parallel import TPGroup
 from hybridkv.model.causal_lm import CausalLM
-from hybridkv.model.int4_cpu import RowPaths, pack_int4_linears
+from hybridkv.model.int4_cpu import Int4Packing, RowPaths, pack_int4_linears
 from hybridkv.model.factory import build_model
 from hybridkv.model.loading.gguf_reader import read_gguf
 from hybridkv.model.loading.hf_config import load_hf_config
@@ -44,13 +44,13 @@ class LoadedModel:
 def load_checkpoint(
     model: str | None, dtype: torch.dtype = torch.float32, progress: bool = True, tokenizer: bool = True,
     tp: TPGroup | None = None, load_format: str = "auto", device: str = "cpu", seed: int = 0,
-    quantization: str = "auto", pack_4bit: bool = False,
+    quantization: str = "auto", int4: Int4Packing | None = None,
 ) -> LoadedModel:
     """``tokenizer=False`` (skip_tokenizer_init, worker ranks) loads none, so a directory without tokenizer files
     loads too. ``tp``: load rank ``tp.rank``'s shard. Real weights load on the CPU (the engine moves them); dummy
     ones are drawn on ``device``. ``quantization``: ``--quantization`` (``kv/weight_formats.py``); on a GPU
-    quantized weights stay quantized, elsewhere they are dequantized (``quantization/weight_plan.py``). ``pack_4bit``
-    (``int4_cpu.packs_4bit``): a GGUF's Q4_1 linears are packed 4-bit layer by layer as they load, so the float32
+    quantized weights stay quantized, elsewhere they are dequantized (``quantization/weight_plan.py``). ``int4``
+    (``int4_cpu.int4_packing``): a GGUF's Q4_1 linears are packed 4-bit layer by layer as they load, so the float32
     weights of one layer at most exist at once (the engine packs any other model's after the load)."""
     if load_format == "dummy":
         return _dummy_checkpoint(model, dtype, tp, (device, seed), tokenizer, quantization)
@@ -61,7 +61,7 @@ def load_checkpoint(
         ckpt = read_gguf(resolved.path, dtype)
         weights = WeightPlan.of(ckpt.hf_config, quantization, device, _tp_size(tp))
         net = build_model(ckpt.hf_config, dtype, tp, weights=weights.kept)
-        load_weights(net, ckpt.named_tensors(progress), adopt=True, on_layer=_layer_packer(net) if pack_4bit else None)
+        load_weights(net, ckpt.named_tensors(progress), adopt=True, on_layer=_layer_packer(net, int4) if int4 else None)
         weights.round_trip(net)
         tok = Tokenizer.from_gguf(ckpt.reader) if tokenizer else None
         return LoadedModel(resolved.name, net, tok, ckpt.hf_config)
@@ -70,12 +70,12 @@ def load_checkpoint(
     return LoadedModel(resolved.name, net, Tokenizer.from_hf_dir(resolved.path) if tokenizer else None, config)
 
 
-def _layer_packer(model: CausalLM) -> Callable[[nn.Module], None]:
+def _layer_packer(model: CausalLM, int4: Int4Packing) -> Callable[[nn.Module], None]:
     """Packs one loaded layer's Q4_1 linears 4-bit, every layer sharing one ``RowPaths``."""
     paths = RowPaths()
 
     def pack(layer: nn.Module) -> None:
-        pack_int4_linears(layer, model.residual_branch_ends, paths)
+        pack_int4_linears(layer, model.residual_branch_ends, paths, int4.kernel)
         release_freed_memory()  # the layer's float32 weights, before the next layer's are read
 
     return pack
