@@ -44,7 +44,6 @@ from torch import nn
 from hybridkv.model.architectures.parallel import FusedColumns
 from hybridkv.model.q4_1_cpu import GROUP, Q41Kernel
 from hybridkv.model.q4_1_cpu import pack as q4_1_pack
-from hybridkv.model.q4_1_cpu import unpack as q4_1_unpack
 
 # From this many rows on (a prefill chunk), a layer runs its bf16 weight through oneDNN's bf16 GEMM: 256 rows of a
 # SmolLM2 layer take 8.8 ms there and 22.7 ms in the int4 kernel, whose speed is in reading fewer bytes (decode).
@@ -227,8 +226,7 @@ class Int4Linear(nn.Module):
         if self.dense is not None:
             return self.dense
         if self.kernel is not None:
-            q, d, m = q4_1_unpack(self.q4_1, self.out_features)
-            return _expand(q, torch.stack((d.t(), (m + 8 * d).t()), dim=-1).bfloat16())
+            return self.kernel.expand_bf16(self.q4_1, self.out_features)
         n, k = self.out_features, self.in_features
         q = torch.empty(k, n, dtype=torch.float32)
         centred = _nibbles(self.packed, n, k).view(torch.int8).sub_(8)  # q - 8 in int8: a quarter of the bytes

@@ -313,6 +313,64 @@ int q41_linear(const uint8_t *w, int64_t n, int64_t k, const void *x, int bf16, 
     return 0;
 }
 
+static uint16_t float_to_bf16(float f) { /* round to nearest even, as torch's conversion */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+static float bf16_to_float(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static void expand_tiles(const uint8_t *w, int64_t n, int64_t k, uint16_t *out, int64_t t0, int64_t t1) {
+    int64_t nb = k / BLOCK;
+    for (int64_t t = t0; t < t1; t++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *tb = w + (t * nb + b) * TILE_BLOCK;
+            for (int j = 0; j < TILE && t * TILE + j < n; j++) {
+                uint16_t dh, mh;
+                memcpy(&dh, tb + 256 + 2 * j, 2);
+                memcpy(&mh, tb + 288 + 2 * j, 2);
+                float d = half_to_float(dh), m = half_to_float(mh);
+                float scale = bf16_to_float(float_to_bf16(d)), zero = bf16_to_float(float_to_bf16(m + 8.f * d));
+                uint16_t value[16]; /* the block's 16 weights, one a code: each output is a lookup */
+                for (int q = 0; q < 16; q++) value[q] = float_to_bf16(((float)q - 8.f) * scale + zero);
+                uint16_t *row = out + (t * TILE + j) * k + b * BLOCK;
+                for (int c = 0; c < 4; c++)
+                    for (int i = 0; i < 4; i++) {
+                        uint8_t byte = tb[64 * c + 4 * j + i];
+                        row[4 * c + i] = value[byte & 15];
+                        row[16 + 4 * c + i] = value[byte >> 4];
+                    }
+            }
+        }
+    }
+}
+
+/* out [n][k] bf16 = (q - 8) * bf16(d) + bf16(m + 8 d), rounded once: the weight torch's int4 kernel's bf16 scales
+ * and zeros give (hybridkv/model/int4_cpu.py's _expand), for a prompt row's bf16 GEMM. Returns 0, or -1. */
+int q41_expand_bf16(const uint8_t *w, int64_t n, int64_t k, uint16_t *out, int threads) {
+    if (k <= 0 || k % BLOCK || n <= 0 || threads < 1) return -1;
+    int64_t tiles = (n + TILE - 1) / TILE;
+    if (threads > tiles) threads = (int)tiles;
+#ifdef _OPENMP
+    if (threads > 1) {
+#pragma omp parallel num_threads(threads)
+        {
+            int64_t id = omp_get_thread_num(), count = omp_get_num_threads();
+            expand_tiles(w, n, k, out, tiles * id / count, tiles * (id + 1) / count);
+        }
+    } else
+#endif
+        expand_tiles(w, n, k, out, 0, tiles);
+    return 0;
+}
+
 /* The module's functions: a call on a 16 x 32 weight takes 0.6 us (3.4 us through ctypes; 120 calls a token). */
 static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -334,6 +392,24 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return PyLong_FromLong(code);
 }
 
+static PyObject *py_expand_bf16(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[5];
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "expand_bf16(w, n, k, out, threads): 5 integers");
+        return NULL;
+    }
+    for (int i = 0; i < 5; i++) {
+        v[i] = PyLong_AsLongLong(args[i]);
+        if (v[i] == -1 && PyErr_Occurred()) return NULL;
+    }
+    int code;
+    Py_BEGIN_ALLOW_THREADS
+    code = q41_expand_bf16((const uint8_t *)(uintptr_t)v[0], v[1], v[2], (uint16_t *)(uintptr_t)v[3], (int)v[4]);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(code);
+}
+
 static PyObject *py_best_isa(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
     return PyLong_FromLong(q41_best_isa());
@@ -348,6 +424,8 @@ static PyMethodDef methods[] = {
     {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL,
      "linear(w, n, k, x, bf16, rows, x_stride, y, y_stride, threads, isa) -> 0 | -1 (bad arguments) | -2 (memory); "
      "w, x, y: data pointers"},
+    {"expand_bf16", (PyCFunction)(void (*)(void))py_expand_bf16, METH_FASTCALL,
+     "expand_bf16(w, n, k, out, threads) -> 0 | -1 (bad arguments); w, out: data pointers"},
     {"best_isa", py_best_isa, METH_NOARGS, "2: AVX-512 VNNI, 1: AVX2, 0: scalar C"},
     {"threaded", py_threaded, METH_NOARGS, "1: a call splits its tiles over threads (OpenMP)"},
     {NULL, NULL, 0, NULL}};

@@ -102,6 +102,17 @@ class Q41Kernel:
             raise RuntimeError(f"q41_linear failed ({'out of memory' if code == -2 else 'bad arguments'})")
         return y
 
+    def expand_bf16(self, packed: torch.Tensor, n: int) -> torch.Tensor:
+        """bf16 [n, K]: the weight ``pack`` laid out as torch's int4 kernel computes with it, ``(q - 8) * scale +
+        zero`` with ``scale = bf16(d)`` and ``zero = bf16(m + 8 d)``, each value rounded once (``int4_cpu._expand``'s
+        values bit for bit): a prompt row's weight for the bf16 GEMM, made for the call (one pass over the bytes,
+        split over the threads). E.g. q = 3, d = 0.5, m = -1.0: (3 - 8) * 0.5 + 3.0 = 0.5."""
+        k = packed.shape[1] * GROUP
+        out = torch.empty(n, k, dtype=torch.bfloat16)
+        if self.ext.expand_bf16(packed.data_ptr(), n, k, out.data_ptr(), self.threads):
+            raise RuntimeError(f"q41_expand_bf16: bad arguments (n {n}, k {k})")
+        return out
+
 
 def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """uint8 [ceil(N / 16), K / 32, 320]: the ``Q4_1x16`` layout of codes ``q`` [N, K] (0..15) with per-block
@@ -122,15 +133,3 @@ def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return torch.cat([nibbles, *halves], dim=-1).contiguous()
 
 
-
-def unpack(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``pack``'s inputs read back from its layout: (codes uint8 [n, K], d, m float32 [n, K / 32], as fp16 held
-    them). E.g. tile-block 0's byte 4 = 0x21 gives q[1][0] = 1 and q[1][16] = 2."""
-    tiles, blocks, _ = packed.shape
-    nibbles = packed[..., :256].view(tiles, blocks, 4, TILE, 4)  # [tile, block, c, row j, i]
-    # input 16 h + 4 c + i of a block: h = 0 the low nibbles, h = 1 the high ones
-    q = torch.stack((nibbles & 15, nibbles >> 4), dim=2).permute(0, 4, 1, 2, 3, 5)  # [tile, j, block, h, c, i]
-    q = q.reshape(tiles * TILE, blocks * GROUP)[:n]
-    d, m = (packed[..., lo:lo + 2 * TILE].contiguous().view(torch.float16).view(tiles, blocks, TILE)
-            .transpose(1, 2).reshape(tiles * TILE, blocks)[:n].float() for lo in (256, 256 + 2 * TILE))
-    return q, d, m

@@ -179,22 +179,22 @@ def test_the_default_models_q4_1_tensors_are_held_as_the_file_stores_them():
 
 
 
-@pytest.mark.parametrize("shape", [(16, GROUP), (40, 3 * GROUP), (7, 2 * GROUP)])
-def test_a_prompt_rows_weight_is_expanded_from_the_kernels_bytes(shape):
-    """``q4_1_cpu.unpack`` reads ``pack``'s bytes back as the independent reader above does; a layer under our
-    kernel keeps no bf16 copy, and its prompt rows' bf16 weight is torch's kernel's (``_expand`` of ``d`` and
-    ``m + 8 d`` in bf16) bit for bit."""
+@needs_kernel
+@pytest.mark.parametrize("shape", [(16, GROUP), (40, 3 * GROUP), (7, 2 * GROUP), (576, 18 * GROUP)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_prompt_rows_bf16_weight_is_expanded_from_the_kernels_bytes(shape, threads):
+    """A layer under our kernel keeps no bf16 copy: its prompt rows' bf16 weight is expanded from the kernel's
+    bytes (read back independently here) as torch's int4 kernel's (``_expand`` of ``d`` and ``m + 8 d`` in bf16),
+    bit for bit, at any thread count."""
+    from dataclasses import replace
+
     from hybridkv.model.int4_cpu import _expand
-    from hybridkv.model.q4_1_cpu import unpack as read_back
 
     g = torch.Generator().manual_seed(1)
     n, k = shape
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
     d, m = torch.rand(n, k // GROUP, generator=g) * 0.01, torch.randn(n, k // GROUP, generator=g) * 0.05
-    packed = pack(q, d, m)
-    got, want = read_back(packed, n), unpack(packed, n)
-    assert torch.equal(got[0].int(), want[0]) and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
-    if KERNEL is not None:
-        layer = Int4Linear(q, d, m, None, kernel=KERNEL)
-        scales_zeros = torch.stack((want[1].t(), (want[2] + 8 * want[1]).t()), dim=-1).bfloat16()
-        assert layer.dense is None and torch.equal(layer.bf16_weight(), _expand(want[0], scales_zeros))
+    layer = Int4Linear(q, d, m, None, kernel=replace(KERNEL, threads=threads))
+    q_back, d_back, m_back = unpack(layer.q4_1, n)
+    scales_zeros = torch.stack((d_back.t(), (m_back + 8 * d_back).t()), dim=-1).bfloat16()
+    assert layer.dense is None and torch.equal(layer.bf16_weight(), _expand(q_back, scales_zeros))
