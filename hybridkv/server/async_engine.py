@@ -71,6 +71,22 @@ class _Submission:
     channel: _Channel
 
 
+async def accepted_stream(owner: AsyncEngine, request_id: str, queue: asyncio.Queue) -> RequestStream:
+    """A submitted request's stream once the engine (or a replica) has taken it: ``queue``'s first item says so, or is
+    the error that refused it (raised here). Cancelled while waiting: the request is aborted. ``owner``: an engine
+    with ``live`` (request id -> queue) and ``abort``."""
+    try:
+        first = await queue.get()
+    except asyncio.CancelledError:
+        owner.live.pop(request_id, None)
+        owner.abort(request_id)
+        raise
+    if isinstance(first, BaseException):
+        owner.live.pop(request_id, None)
+        raise first
+    return RequestStream(request_id, queue, owner)
+
+
 class RequestStream:
     """Outputs of one accepted request, as an async iterator; ``abort()`` stops it (idempotent)."""
 
@@ -205,16 +221,7 @@ class AsyncEngine:
         channel = _Channel(asyncio.get_running_loop(), asyncio.Queue())
         self.live[request_id] = channel.queue
         self._submit(_Submission(request_id, prompt, params, cache_salt, channel))
-        try:
-            first = await channel.queue.get()
-        except asyncio.CancelledError:
-            self.live.pop(request_id, None)
-            self.abort(request_id)
-            raise
-        if isinstance(first, BaseException):
-            self.live.pop(request_id, None)
-            raise first
-        return RequestStream(request_id, channel.queue, self)
+        return await accepted_stream(self, request_id, channel.queue)
 
     def abort(self, request_id: str) -> None:
         with self._cond:

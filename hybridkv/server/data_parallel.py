@@ -43,7 +43,7 @@ from hybridkv.engine.kv_events import decode_batch, parse_kv_events_config, repl
 from hybridkv.engine.runtime import resolve_device
 from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.engine.structured_output import StructuredOutputs
-from hybridkv.server.async_engine import _ACCEPTED, EngineDeadError, RequestPrep, RequestStream
+from hybridkv.server.async_engine import _ACCEPTED, EngineDeadError, RequestPrep, RequestStream, accepted_stream
 from hybridkv.server.replica import Placement, ReplicaInfo, ReplicaSpec, place_replicas, replica_config, run_replica
 from hybridkv.server.router import Decision, Router, check_policy
 
@@ -284,15 +284,7 @@ class DataParallelEngine:
         self.router.sent(decision)
         if not rep.send(("add", request_id, ids, params, cache_salt)):
             self._replica_down(rep, "its pipe is closed")
-        try:
-            first = await flight.queue.get()
-        except asyncio.CancelledError:
-            self.abort(request_id)
-            raise
-        if isinstance(first, BaseException):
-            self.live.pop(request_id, None)
-            raise first
-        return RequestStream(request_id, flight.queue, self)
+        return await accepted_stream(self, request_id, flight.queue)
 
     def abort(self, request_id: str) -> None:
         flight = self._forget(request_id)
