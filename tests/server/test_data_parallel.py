@@ -177,8 +177,7 @@ def by_engine(srv: ServerProcess, name: str) -> dict[str, float]:
 
 @pytest.mark.parametrize("backend", ["mp", "ray"])
 def test_two_replicas_serve_stream_and_route_by_prefix(tiny_model, backend):
-    if backend == "ray":
-        pytest.importorskip("ray")  # the optional extra: a local Ray cluster, events over TCP
+    # ray: a local Ray cluster, events over TCP (ray is in the test extra: imported by the server, never skipped)
     with ServerProcess(str(tiny_model("gemma3").path), *DP_ARGS, "--data-parallel-backend", backend) as srv:
         doc = [5 + i % 80 for i in range(40)]
         body = {"prompt": doc + [3], "max_tokens": 4, "ignore_eos": True}
@@ -211,8 +210,7 @@ def test_two_replicas_serve_stream_and_route_by_prefix(tiny_model, backend):
 
 @pytest.mark.parametrize("backend", ["mp", "ray"])
 def test_a_killed_replica_fails_its_requests_within_10s_and_the_other_serves(tiny_model, tmp_path, backend):
-    if backend == "ray":
-        pytest.importorskip("ray")  # the optional extra: a local Ray cluster on this host
+    # ray: a local Ray cluster on this host
     model = long_context_copy(tiny_model("llama3").path, tmp_path / "llama3")
     args = (*DP_ARGS, "--routing-policy", "round-robin", "--data-parallel-backend", backend)
     with ServerProcess(str(model), *args) as srv:
