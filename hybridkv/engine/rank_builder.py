@@ -69,7 +69,8 @@ def build_driver_rank(config: EngineConfig, loaded: LoadedModel | None = None) -
     tp = TPGroup(0, config.tensor_parallel_size)
     if tp.size > 1 and loaded is not None:
         raise ValueError("tensor_parallel_size > 1 loads each rank's shard itself: pass model, not loaded")
-    int4 = int4_packing(config.quantization, config.device, tp.size, cpu_threads(config.cpu_threads))
+    # the threads _on_device gave torch: the kernel splits its rows over as many
+    int4 = int4_packing(config.quantization, config.device, tp.size, torch.get_num_threads())
     loaded = loaded or load_checkpoint(config.model, dtype, tokenizer=not config.skip_tokenizer_init, tp=tp,
                                        load_format=config.load_format, device=config.device, seed=config.seed,
                                        quantization=config.quantization, int4=int4)
