@@ -265,13 +265,17 @@ ENFORCED = [
 ]
 
 
-@pytest.mark.parametrize("schema", ENFORCED)
-def test_an_output_that_stops_satisfies_its_schema(llm, schema):
+# a recursive schema's samples tend to nest until max_tokens: one example of a short object lets most of them end
+PROMPTS = ['Example: {"kind": 7, "next": null}\nJSON: ', "JSON: ", "JSON: "]
+
+
+@pytest.mark.parametrize(("schema", "prompt"), list(zip(ENFORCED, PROMPTS)))
+def test_an_output_that_stops_satisfies_its_schema(llm, schema, prompt):
     stopped, texts = [], []
-    for seed in range(3, 7):  # samples until some end (a recursive schema's can run past max_tokens)
+    for seed in range(3, 7):  # samples until some end (any can run past max_tokens)
         params = SamplingParams(n=4, temperature=0.8, seed=seed, max_tokens=96,
                                 structured_outputs=StructuredOutputsParams(json=schema))
-        out = llm.generate("JSON: ", params, use_tqdm=False)[0]
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
         stopped += [o for o in out.outputs if o.finish_reason == "stop"]
         texts += [o.text for o in out.outputs]
         if stopped:
