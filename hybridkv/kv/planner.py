@@ -472,8 +472,7 @@ def fitted_format(hf_config: dict[str, Any], quantization: str, tensor_parallel_
     fmt = weight_format(hf_config, quantization)
     if fmt.bits != 4 or fmt.source != "at load":
         return fmt
-    cols = {linear.cols for linear in rank_linears(hf_config, tensor_parallel_size)
-            if fmt.quantizes_experts or not linear.routed_expert}
+    cols = {linear.cols for linear in rank_linears(hf_config, tensor_parallel_size)}
     for group in INT4_AT_LOAD_GROUPS:
         if all(c % group == 0 for c in cols):
             return replace(fmt, group_size=group)
@@ -490,7 +489,6 @@ class RankLinear:
     name: str  # as the checkpoint names it, e.g. "model.layers.0.mlp.down_proj", for a format's ignore list
     rows: int
     cols: int
-    routed_expert: bool = False  # quantized only where the format quantizes experts (``quantizes_experts``)
 
 
 def rank_linears(hf_config: dict[str, Any], tensor_parallel_size: int) -> Iterator[RankLinear]:
@@ -523,20 +521,20 @@ def rank_linears(hf_config: dict[str, Any], tensor_parallel_size: int) -> Iterat
             yield from _mlp_linears("mlp", mlp, hidden, cdiv(_dense_mlp_size(cfg), tp))
             continue
         for e in range(_num_experts(cfg)):
-            yield from _mlp_linears("moe", f"{mlp}.experts.{e}", hidden, cdiv(expert_inter, tp), routed=True)
+            yield from _mlp_linears("moe", f"{mlp}.experts.{e}", hidden, cdiv(expert_inter, tp))
         if shared_inter:
             yield from _mlp_linears("moe", f"{mlp}.shared_expert", hidden, cdiv(shared_inter, tp))
 
 
-def _mlp_linears(part: str, name: str, hidden: int, inter_per_rank: int, routed: bool = False) -> Iterator[RankLinear]:
-    yield RankLinear(part, f"{name}.gate_proj", inter_per_rank, hidden, routed)
-    yield RankLinear(part, f"{name}.up_proj", inter_per_rank, hidden, routed)
-    yield RankLinear(part, f"{name}.down_proj", hidden, inter_per_rank, routed)
+def _mlp_linears(part: str, name: str, hidden: int, inter_per_rank: int) -> Iterator[RankLinear]:
+    yield RankLinear(part, f"{name}.gate_proj", inter_per_rank, hidden)
+    yield RankLinear(part, f"{name}.up_proj", inter_per_rank, hidden)
+    yield RankLinear(part, f"{name}.down_proj", hidden, inter_per_rank)
 
 
 def _linear_bytes(linear: RankLinear, fmt: WeightFormat, tensor_parallel_size: int, dtype_bytes: int) -> int:
     # the quantization groups run along a slice's input columns, so a group must divide the rank's columns
-    if fmt.keeps_unquantized(linear.name) or (linear.routed_expert and not fmt.quantizes_experts):
+    if fmt.keeps_unquantized(linear.name):
         return linear.rows * linear.cols * dtype_bytes
     try:
         return fmt.linear_bytes(linear.rows, linear.cols, dtype_bytes)

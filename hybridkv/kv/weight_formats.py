@@ -54,14 +54,10 @@ class WeightFormat:
 
     @property
     def quantized(self) -> bool:
+        """Every linear layer is kept in this format, a MoE's routed experts too (``kernels/quant_moe.py`` runs
+        them): INT4 as W4A16, FP8 experts as W8A16 (e4m3 weights with a float32 scale per output channel; the
+        activations stay in the model dtype, a static ``input_scale`` of a checkpoint's expert is not read)."""
         return self.bits < 16
-
-    @property
-    def quantizes_experts(self) -> bool:
-        """A MoE's routed experts are kept in this format too (``kernels/quant_moe.py`` runs them): INT4 as W4A16,
-        FP8 as W8A16 (e4m3 weights with a float32 scale per output channel; the activations stay in the model
-        dtype, a static ``input_scale`` of a checkpoint's expert is not read)."""
-        return self.quantized
 
     def linear_bytes(self, rows: int, cols: int, unquantized_bytes: int = 2) -> int:
         """Bytes of a [rows, cols] weight in this format (its scales and zero points included)."""

@@ -165,8 +165,7 @@ class QuantizedReader:
         self._check_done(layout)
 
     def _linear(self, prefix: str, linear: QuantizedLinear) -> Iterator[tuple[str, Any]]:
-        expert = self.num_experts and _EXPERT.match(f"{prefix}.weight") is not None
-        if self.keep and (not expert or self.fmt.quantizes_experts):
+        if self.keep:
             yield from self._expert_or_plain(f"{prefix}.weight", linear)
         else:
             yield from self._expert_or_plain(f"{prefix}.weight", linear.dequantized(self.dtype))

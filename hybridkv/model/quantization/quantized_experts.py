@@ -115,7 +115,7 @@ def float_stack(module: nn.Module, name: str, dtype: torch.dtype, experts: slice
 def quantize_experts_layout(module: nn.Module, fmt: WeightFormat) -> None:
     """Swap ``module``'s float stacks [E, K, N] for ``fmt``'s INT4 or FP8 tensors (uninitialised, on the stacks'
     device)."""
-    if not fmt.quantizes_experts:
+    if not fmt.quantized:
         raise ValueError(f"{fmt.name} experts are kept in the model dtype (int4 and fp8 experts are quantized)")
     for name in module.stacked_weights:
         stack = getattr(module, name)

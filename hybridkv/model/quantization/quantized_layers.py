@@ -40,7 +40,7 @@ def quantizable_linears(model: nn.Module, fmt: WeightFormat, kinds: tuple[type, 
     against transformers' names too; experts by their fused names and expert 0's own)."""
     found = []
     for name, module in model.named_modules():
-        if not isinstance(module, kinds) or (is_stacked(module) and not fmt.quantizes_experts):
+        if not isinstance(module, kinds) or (is_stacked(module) and not fmt.quantized):
             continue
         names = (name, f"model.{name}", f"model.{name}".replace(".mlp.", ".feed_forward."))
         if is_stacked(module):
