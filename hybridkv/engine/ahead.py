@@ -15,6 +15,7 @@ One step, n sequences, every one sampling:
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -57,7 +58,9 @@ class AheadSteps:
     """The engine's step scheduled ahead (``pending``), and how many were launched ahead."""
 
     def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+        # a proxy: the engine owns this object, and a strong reference back would make a cycle that keeps the
+        # engine (its KV cache, the GPU's memory) alive after the user drops it, until the cycle collector runs
+        self.engine = weakref.proxy(engine)
         self.pending: AheadStep | None = None
         self.steps_launched = 0  # decode steps launched before the step before was sampled
 

@@ -180,3 +180,22 @@ def test_aborting_a_request_whose_next_step_is_in_flight_frees_its_blocks(tiny_m
             done[out.request_id] = out
     assert "a" not in done and done["b"].outputs[0].token_ids == expected
     assert_all_blocks_free(ahead)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_dropped_engine_is_freed_at_once_not_by_the_cycle_collector(tiny_model, async_scheduling):
+    """The engine holds the KV cache (on a GPU, most of its memory): dropping the last reference must free it
+    there and then, so a second engine in the same process finds the memory (a reference cycle through the
+    steps-ahead state kept it until ``gc.collect``)."""
+    import gc
+    import weakref
+
+    llm = LLM(model=str(tiny_model("llama4").path), block_size=4, async_scheduling=async_scheduling)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy(3), use_tqdm=False)
+    engine, cache = weakref.ref(llm.engine), weakref.ref(llm.engine.kv)
+    gc.disable()
+    try:
+        del llm
+        assert engine() is None and cache() is None
+    finally:
+        gc.enable()
