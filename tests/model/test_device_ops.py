@@ -74,3 +74,31 @@ def test_placing_on_the_cpu_keeps_the_hidden_states_bit_for_bit():
         placed = model.place("cpu", torch.float32)
         assert placed is model and not model.training
         assert torch.equal(placed(ids, torch.arange(9), DenseAttention(specs, [9])), before)
+
+
+def test_a_placed_model_holds_no_reference_cycle_so_dropping_it_frees_its_weights_at_once():
+    """The ops a layer is bound to are not kept as bound methods of the layer (a cycle through the layer): with
+    the cycle collector off, the last reference dropped frees the model, as a second engine on a full GPU needs."""
+    import gc
+    import weakref
+
+    from hybridkv.model.architectures.parallel import ColumnParallelLinear
+    from hybridkv.model.quantization.quantized_layers import QuantizedGemm
+
+    model = LlamaForCausalLM(ModelConfig.from_hf(LLAMA4))
+    bind_ops(model, torch.device("cuda"))
+    norm = next(m for m in model.modules() if isinstance(m, RMSNorm))
+    assert norm.forward.__func__ is RMSNorm.forward_cuda and "forward" not in vars(norm)
+    linear = next(m for m in model.modules() if isinstance(m, ColumnParallelLinear))
+    gemm = QuantizedGemm(linear, torch.device("cuda"))  # a quantized linear's GEMM refers to its owner
+    linear.gemm = gemm
+    dropped = [weakref.ref(x) for x in (model, norm, linear)]
+    del norm, linear
+    gc.collect()
+    gc.disable()
+    try:
+        del model
+        assert [r() for r in dropped] == [None, None, None]
+    finally:
+        gc.enable()
+    del gemm

@@ -146,7 +146,6 @@ class Attention(DeviceOps, nn.Module):
             q, k = self._rope_kernel(q, k, tables)
         return q, (k, v)
 
-    _encode = _encode_native  # until ``bind_ops`` binds the device's
 
     def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         d = self.cfg.head_dim
@@ -209,7 +208,6 @@ class MLP(DeviceOps, nn.Module):
 
         return self.down_proj(silu_mul(self.gate_up.joint(x)))
 
-    forward = forward_native  # until ``bind_ops`` binds the device's
 
 
 class Experts(nn.Module):
@@ -331,7 +329,6 @@ class MoE(DeviceOps, nn.Module):
             return self._routed_by_kernels(x, top_ids, gates)
         return RoutedRows(self._routed(x, top_ids, gates), None, self.top_k)
 
-    forward, fused, routed = forward_native, fused_native, routed_native  # until ``bind_ops`` binds the device's
 
     def bind_ops(self, device: torch.device) -> None:
         super().bind_ops(device)
@@ -583,7 +580,6 @@ class LlamaForCausalLM(DeviceOps, nn.Module):
             temperature = temperature_scales(positions, cfg.floor_scale, cfg.attn_scale)
         return PositionTables(*rope_cos_sin(self._inv_freq, positions), temperature)
 
-    position_tables = position_tables_native  # until ``bind_ops`` binds the device's
 
     def _layers_in_halves(self, x: torch.Tensor, tables: PositionTables, attn, halves: list[StepHalf],
                           outputs: OutputRows | None = None):

@@ -56,7 +56,6 @@ class RMSNorm(DeviceOps, nn.Module):
 
         return rms_norm(x, self.eps, self.weight, residual=residual, out=out), residual
 
-    forward, add_forward = forward_native, add_forward_native  # until ``bind_ops`` binds the device's
 
 
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:

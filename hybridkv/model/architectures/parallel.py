@@ -414,7 +414,6 @@ class VocabParallelEmbedding(DeviceOps, nn.Embedding):
     def logits_cuda(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.weight)
 
-    logits = logits_native  # until ``bind_ops`` binds the device's
 
     def load_shard(self, name: str, source: Any) -> torch.Tensor:
         rows = source[self.vocab_start : min(self.vocab_start + self.num_embeddings, self.vocab_size)]

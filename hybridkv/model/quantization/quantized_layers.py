@@ -20,6 +20,8 @@ kernels (``kernels/quant_gemm.py``); elsewhere the weight dequantized, then ``F.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -155,7 +157,9 @@ class QuantizedGemm:
     tensors."""
 
     def __init__(self, owner: nn.Module, device: torch.device) -> None:
-        self.owner = owner
+        # a proxy: the owner holds this GEMM, and a strong reference back would be a cycle keeping a dropped
+        # model's quantized weights until the cycle collector runs (device_ops.py)
+        self.owner = weakref.proxy(owner)
         self.run = quantized_gemm_cuda if device.type == "cuda" else quantized_gemm_native
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
