@@ -428,7 +428,9 @@ def fill_random(engine: LLMEngine) -> None:
 
 
 def fill_buffer(buf: torch.Tensor) -> None:
-    for rows in torch.split(torch.arange(buf.shape[0], device=buf.device), 4096):
+    # a bounded draw at a time: full-size Scout on one GPU leaves well under a GiB free beside its cache
+    rows_per_draw = max(1, (256 << 20) // (buf.shape[1] * 2))
+    for rows in torch.split(torch.arange(buf.shape[0], device=buf.device), rows_per_draw):
         chunk = torch.randn(len(rows), buf.shape[1], device=buf.device, dtype=torch.bfloat16)
         buf[rows] = chunk.to(buf.dtype)
 
