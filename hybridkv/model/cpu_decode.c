@@ -39,9 +39,10 @@ typedef struct {
     float eps, scale;
     tile_fn tile;
     /* scratch */
-    float *res, *h, *qkv, *att, *y, *gate_up, *mlp, *scores, *parts, *dx, *sx;
+    float *res[2], *h, *qkv, *att, *y, *gate_up, *mlp, *scores, *parts, *dx, *sx;
     int8_t *xq;
-    int64_t scores_per_thread, chunk_keys, most_chunks;
+    int64_t *first_part; /* [R + 1]: where row r's attention partials start in parts, in chunks */
+    int64_t scores_per_thread, chunk_keys;
 } decode_step;
 
 /* Attention splits a row's keys into chunks of this many slots of its blocks laid end to end (at least a block):
@@ -109,16 +110,20 @@ quantize_fn q41_quantizer_of(int isa) {
     return isa == ISA_SCALAR ? quantize_scalar : NULL;
 }
 
-/* the most chunks any row's keys take in any group */
-static int64_t most_chunks(const decode_step *s) {
-    int64_t groups = 0, most = 1;
+/* first_part: each row's first chunk among all rows', each row's chunks the most its keys take in any group */
+static void count_parts(const decode_step *s, int64_t *first_part) {
+    int64_t groups = 0;
     for (int64_t l = 0; l < s->L; l++)
         if (s->caches[l * CACHE_FIELDS + C_GROUP] + 1 > groups) groups = s->caches[l * CACHE_FIELDS + C_GROUP] + 1;
-    for (int64_t i = 0; i < groups * s->R; i++) {
-        const int64_t chunks = chunks_of(s->rows + i * ROW_FIELDS, s->chunk_keys);
-        most = chunks > most ? chunks : most;
+    first_part[0] = 0;
+    for (int64_t r = 0; r < s->R; r++) {
+        int64_t most = 1;
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t chunks = chunks_of(s->rows + (g * s->R + r) * ROW_FIELDS, s->chunk_keys);
+            most = chunks > most ? chunks : most;
+        }
+        first_part[r + 1] = first_part[r] + most;
     }
-    return most;
 }
 
 /* Runs the step; 0, -1 for bad sizes, -2 when out of memory. */
@@ -132,19 +137,24 @@ static int decode(decode_step *s, int threads, int isa) {
     const int64_t R = s->R, H = s->H, I = s->I, width = s->Hq * s->D;
     s->n_qkv = width + 2 * s->Hkv * s->D;
     s->chunk_keys = CHUNK_KEYS > s->block_size ? CHUNK_KEYS / s->block_size * s->block_size : s->block_size;
-    s->most_chunks = most_chunks(s);
     s->scores_per_thread = s->Hq * s->chunk_keys;
+    int64_t *first_part = malloc((size_t)(R + 1) * sizeof(int64_t));
+    if (!first_part) return -2;
+    count_parts(s, first_part);
     int64_t inputs = H > width ? H : width; /* the most inputs of a linear: acts' row size */
     inputs = I > inputs ? I : inputs;
-    const size_t floats = (size_t)R * (3 * H + s->n_qkv + width + 3 * I + 2 * inputs / BLOCK +
-                                       s->most_chunks * s->Hq * (s->D + 2)) +
-                          (size_t)threads * s->scores_per_thread;
+    const size_t floats = (size_t)R * (4 * H + s->n_qkv + width + 3 * I + 2 * inputs / BLOCK) +
+                          (size_t)first_part[R] * s->Hq * (s->D + 2) + (size_t)threads * s->scores_per_thread;
     float *scratch = malloc(floats * sizeof(float) + 2 * (size_t)R * inputs);
-    if (!scratch) return -2;
-    s->res = scratch, s->h = s->res + R * H, s->y = s->h + R * H, s->qkv = s->y + R * H;
-    s->att = s->qkv + R * s->n_qkv, s->gate_up = s->att + R * width, s->mlp = s->gate_up + R * 2 * I;
-    s->dx = s->mlp + R * I, s->sx = s->dx + R * inputs / BLOCK, s->parts = s->sx + R * inputs / BLOCK;
-    s->scores = s->parts + R * s->most_chunks * s->Hq * (s->D + 2);
+    if (!scratch) {
+        free(first_part);
+        return -2;
+    }
+    s->first_part = first_part;
+    s->res[0] = scratch, s->res[1] = s->res[0] + R * H, s->h = s->res[1] + R * H, s->y = s->h + R * H;
+    s->qkv = s->y + R * H, s->att = s->qkv + R * s->n_qkv, s->gate_up = s->att + R * width;
+    s->mlp = s->gate_up + R * 2 * I, s->dx = s->mlp + R * I, s->sx = s->dx + R * inputs / BLOCK;
+    s->parts = s->sx + R * inputs / BLOCK, s->scores = s->parts + first_part[R] * s->Hq * (s->D + 2);
     s->xq = (int8_t *)(s->scores + threads * s->scores_per_thread);
 #ifdef _OPENMP
     if (threads > 1) {
@@ -154,6 +164,7 @@ static int decode(decode_step *s, int threads, int isa) {
 #endif
         run(s, 0, 1);
     free(scratch);
+    free(first_part);
     return 0;
 }
 

@@ -100,26 +100,47 @@ static void OPS(quantize)(const void *x, int bf16, int64_t n, int8_t *xq, float 
     }
 }
 
-/* Llama's RMSNorm, float32: out = x / sqrt(mean(x^2) + eps) * w; n a multiple of 16 */
-static inline void OPS(rms_norm)(const float *x, const float *w, int64_t n, float eps, float *out) {
+/* 1 / sqrt(mean(v^2) + eps) of a row v = y + x (y NULL: x), n values, n a multiple of 16: Llama's RMSNorm scale */
+static inline float OPS(inv_rms)(const float *x, const float *y, int64_t n, float eps) {
     vf16 acc = OPS(splat)(0.f);
     for (int64_t i = 0; i < n; i += 16) {
-        const vf16 v = OPS(load)(x + i);
+        const vf16 v = y ? OPS(load)(y + i) + OPS(load)(x + i) : OPS(load)(x + i);
         acc = acc + v * v;
     }
-    const float inv = 1.f / sqrtf(OPS(sum16)(acc) / (float)n + eps);
-    for (int64_t i = 0; i < n; i += 16) OPS(store)(out + i, OPS(load)(x + i) * inv * OPS(load)(w + i));
+    return 1.f / sqrtf(OPS(sum16)(acc) / (float)n + eps);
 }
 
-static inline void OPS(add)(float *residual, const float *y, int64_t n) {
-    for (int64_t i = 0; i < n; i += 16) OPS(store)(residual + i, OPS(load)(y + i) + OPS(load)(residual + i));
+/* A residual add and an RMSNorm, this thread's share of the rows' blocks of 32: dst = y + src (y NULL: src), out =
+ * dst / sqrt(mean(dst^2) + eps) * w, quantised for the next linear where quantised. Each thread sums a row's squares
+ * itself, over the whole row (the same sums, so the same scale), from src and y: dst is another buffer. */
+static void OPS(add_norm)(const decode_step *s, const float *src, const float *y, float *dst, const float *w,
+                          float *out, int quantised, int tid, int nth) {
+    const int64_t H = s->H, nb = H / BLOCK, units = s->R * nb;
+    int64_t row = -1;
+    float inv = 0.f;
+    for (int64_t u = units * tid / nth; u < units * (tid + 1) / nth; u++) {
+        const int64_t r = u / nb, at = r * H + u % nb * BLOCK;
+        if (r != row) row = r, inv = OPS(inv_rms)(src + r * H, y ? y + r * H : NULL, H, s->eps);
+        for (int64_t i = at; i < at + BLOCK; i += 16) {
+            const vf16 v = y ? OPS(load)(y + i) + OPS(load)(src + i) : OPS(load)(src + i);
+            OPS(store)(dst + i, v);
+            OPS(store)(out + i, v * inv * OPS(load)(w + i - r * H));
+        }
+        if (quantised) OPS(quantize)(out + at, 0, BLOCK, s->xq + at / BLOCK * 2 * BLOCK, s->dx + at / BLOCK, s->sx + at / BLOCK);
+    }
 }
 
-/* silu(gate) * up = gate / (1 + e^-gate) * up; n a multiple of 16 */
-static inline void OPS(silu_mul)(const float *gate, const float *up, int64_t n, float *out) {
-    for (int64_t i = 0; i < n; i += 16) {
-        const vf16 g = OPS(load)(gate + i);
-        OPS(store)(out + i, g / (1.f + OPS(exp)(-g)) * OPS(load)(up + i));
+/* silu(gate) * up = gate / (1 + e^-gate) * up, this thread's share of the rows' blocks of 32, quantised for down_proj */
+static void OPS(silu_mul)(const decode_step *s, int tid, int nth) {
+    const int64_t I = s->I, nb = I / BLOCK, units = s->R * nb;
+    for (int64_t u = units * tid / nth; u < units * (tid + 1) / nth; u++) {
+        const int64_t r = u / nb, at = r * I + u % nb * BLOCK;
+        const float *gate = s->gate_up + r * 2 * I + u % nb * BLOCK;
+        for (int64_t i = 0; i < BLOCK; i += 16) {
+            const vf16 g = OPS(load)(gate + i);
+            OPS(store)(s->mlp + at + i, g / (1.f + OPS(exp)(-g)) * OPS(load)(gate + I + i));
+        }
+        OPS(quantize)(s->mlp + at, 0, BLOCK, s->xq + at / BLOCK * 2 * BLOCK, s->dx + at / BLOCK, s->sx + at / BLOCK);
     }
 }
 
@@ -174,7 +195,7 @@ static void OPS(attend_chunk)(const decode_step *s, int64_t l, int64_t r, int64_
         const float *k = keys + blocks[i >> s->block_shift] * sb + (i & (bs - 1)) * ss;
         for (int64_t h = 0; h < Hq; h++) scores[h * chunk + i - first] = OPS(dot)(q + h * D, k + h / per * sh, D) * s->scale;
     }
-    float *part = s->parts + (r * s->most_chunks + c) * Hq * (D + 2); /* [Hq][D] values, [Hq] maxima, [Hq] sums */
+    float *part = s->parts + (s->first_part[r] + c) * Hq * (D + 2); /* [Hq][D] values, [Hq] maxima, [Hq] sums */
     for (int64_t h = 0; h < Hq; h++) {
         float *sc = scores + h * chunk, top = sc[0];
         for (int64_t j = 1; j < n; j++) top = sc[j] > top ? sc[j] : top;
@@ -193,38 +214,27 @@ static void OPS(attend_chunk)(const decode_step *s, int64_t l, int64_t r, int64_
     for (int64_t i = 0; i < Hq * D / 16; i++) OPS(store)(part + 16 * i, acc[i]);
 }
 
-/* A row's attention output from its chunks' partials, in chunk order: with M the largest chunk maximum and w_c =
- * e^(max_c - M), out = sum_c w_c values_c / sum_c w_c sum_c; quantised for o_proj */
-static void OPS(merge)(const decode_step *s, int64_t l, int64_t r) {
-    const int64_t D = s->D, Hq = s->Hq, width = Hq * D;
+/* Query head h of row r's attention output from its chunks' partials, in chunk order: with M the largest chunk
+ * maximum and w_c = e^(max_c - M), out = sum_c w_c values_c / sum_c w_c sum_c; quantised for o_proj (D % 32 == 0:
+ * a head is whole blocks) */
+static void OPS(merge)(const decode_step *s, int64_t l, int64_t r, int64_t h) {
+    const int64_t D = s->D, Hq = s->Hq, part = Hq * (D + 2);
     const int64_t *t = s->caches + l * CACHE_FIELDS, *row = s->rows + (t[C_GROUP] * s->R + r) * ROW_FIELDS;
     const int64_t chunks = chunks_of(row, s->chunk_keys);
-    const float *parts = s->parts + r * s->most_chunks * Hq * (D + 2);
-    float *out = s->att + r * width;
-    for (int64_t h = 0; h < Hq; h++) {
-        float top = parts[Hq * D + h], total = 0.f;
-        for (int64_t c = 1; c < chunks; c++) {
-            const float m = parts[c * Hq * (D + 2) + Hq * D + h];
-            top = m > top ? m : top;
-        }
-        vf16 acc[D / 16];
-        for (int64_t e = 0; e < D / 16; e++) acc[e] = OPS(splat)(0.f);
-        for (int64_t c = 0; c < chunks; c++) {
-            const float *part = parts + c * Hq * (D + 2);
-            const float w = OPS(exp)(OPS(splat)(part[Hq * D + h] - top))[0];
-            total = total + part[Hq * D + Hq + h] * w;
-            for (int64_t e = 0; e < D / 16; e++) acc[e] = acc[e] + OPS(load)(part + h * D + 16 * e) * w;
-        }
-        for (int64_t e = 0; e < D / 16; e++) OPS(store)(out + h * D + 16 * e, acc[e] / total);
+    const float *parts = s->parts + s->first_part[r] * part;
+    float top = parts[Hq * D + h], total = 0.f;
+    for (int64_t c = 1; c < chunks; c++) top = parts[c * part + Hq * D + h] > top ? parts[c * part + Hq * D + h] : top;
+    vf16 acc[D / 16];
+    for (int64_t e = 0; e < D / 16; e++) acc[e] = OPS(splat)(0.f);
+    for (int64_t c = 0; c < chunks; c++) {
+        const float *p = parts + c * part;
+        const float w = OPS(exp)(OPS(splat)(p[Hq * D + h] - top))[0];
+        total = total + p[Hq * D + Hq + h] * w;
+        for (int64_t e = 0; e < D / 16; e++) acc[e] = acc[e] + OPS(load)(p + h * D + 16 * e) * w;
     }
-    OPS(quantize)(out, 0, width, s->xq + r * (width / BLOCK) * 2 * BLOCK, s->dx + r * (width / BLOCK),
-                  s->sx + r * (width / BLOCK));
-}
-
-/* a row's quantised input to the next linear: row r of k inputs at acts' row stride k / 32 */
-static inline void OPS(quantize_row)(const decode_step *s, const float *x, int64_t r, int64_t k) {
-    const int64_t nb = k / BLOCK;
-    OPS(quantize)(x, 0, k, s->xq + r * nb * 2 * BLOCK, s->dx + r * nb, s->sx + r * nb);
+    const int64_t at = r * Hq * D + h * D;
+    for (int64_t e = 0; e < D / 16; e++) OPS(store)(s->att + at + 16 * e, acc[e] / total);
+    OPS(quantize)(s->att + at, 0, D, s->xq + at / BLOCK * 2 * BLOCK, s->dx + at / BLOCK, s->sx + at / BLOCK);
 }
 
 /* this thread's share of every row's chunks of layer l: the i-th (row, chunk) of them all for i in [u0, u1) */
@@ -241,52 +251,36 @@ static void OPS(attend_share)(const decode_step *s, int64_t l, int tid, int nth,
 }
 
 /* Thread tid of nth runs its share of every phase of every layer; a barrier between phases (each reads what the
- * one before wrote). Rows and attention chunks are whole per thread; the linears' tiles are split. */
+ * one before wrote). Rows' blocks of 32, attention chunks and heads are whole per thread; the linears' tiles are
+ * split. The residual stream alternates between two buffers (add_norm). */
 static void OPS(run)(const decode_step *s, int tid, int nth) {
-    const int64_t R = s->R, H = s->H, I = s->I, width = s->Hq * s->D;
-    const int64_t r0 = R * tid / nth, r1 = R * (tid + 1) / nth;
+    const int64_t R = s->R, H = s->H, Hq = s->Hq;
     float *scores = s->scores + tid * s->scores_per_thread;
+    const float *res = s->x; /* the residual stream: the embedding, then each add_norm's dst */
+    int next = 0;
     for (int64_t l = 0; l < s->L; l++) {
         const int64_t *lw = s->layers + l * LAYER_FIELDS;
-        for (int64_t r = r0; r < r1; r++) { /* the residual add, the input norm */
-            float *res = s->res + r * H, *h = s->h + r * H;
-            if (l == 0)
-                memcpy(res, s->x + r * H, H * sizeof(float));
-            else
-                OPS(add)(res, s->y + r * H, H);
-            OPS(rms_norm)(res, (const float *)(uintptr_t)lw[L_IN_NORM], H, s->eps, h);
-            OPS(quantize_row)(s, h, r, H);
-        }
+        OPS(add_norm)(s, res, l ? s->y : NULL, s->res[next], (const float *)(uintptr_t)lw[L_IN_NORM], s->h, 1, tid,
+                      nth);
+        res = s->res[next], next ^= 1;
         barrier(nth);
         linear(s, lw[L_QKV], lw[L_QKV_BIAS], s->n_qkv, H, s->qkv, tid, nth);
         barrier(nth);
         OPS(attend_share)(s, l, tid, nth, scores);
         barrier(nth);
-        for (int64_t r = r0; r < r1; r++) OPS(merge)(s, l, r);
+        for (int64_t u = R * Hq * tid / nth; u < R * Hq * (tid + 1) / nth; u++) OPS(merge)(s, l, u / Hq, u % Hq);
         barrier(nth);
-        linear(s, lw[L_O], lw[L_O_BIAS], H, width, s->y, tid, nth);
+        linear(s, lw[L_O], lw[L_O_BIAS], H, Hq * s->D, s->y, tid, nth);
         barrier(nth);
-        for (int64_t r = r0; r < r1; r++) { /* the residual add, the post-attention norm */
-            float *res = s->res + r * H, *h = s->h + r * H;
-            OPS(add)(res, s->y + r * H, H);
-            OPS(rms_norm)(res, (const float *)(uintptr_t)lw[L_POST_NORM], H, s->eps, h);
-            OPS(quantize_row)(s, h, r, H);
-        }
+        OPS(add_norm)(s, res, s->y, s->res[next], (const float *)(uintptr_t)lw[L_POST_NORM], s->h, 1, tid, nth);
+        res = s->res[next], next ^= 1;
         barrier(nth);
-        linear(s, lw[L_GATE_UP], lw[L_GATE_UP_BIAS], 2 * I, H, s->gate_up, tid, nth);
+        linear(s, lw[L_GATE_UP], lw[L_GATE_UP_BIAS], 2 * s->I, H, s->gate_up, tid, nth);
         barrier(nth);
-        for (int64_t r = r0; r < r1; r++) {
-            const float *gate = s->gate_up + r * 2 * I;
-            OPS(silu_mul)(gate, gate + I, I, s->mlp + r * I);
-            OPS(quantize_row)(s, s->mlp + r * I, r, I);
-        }
+        OPS(silu_mul)(s, tid, nth);
         barrier(nth);
-        linear(s, lw[L_DOWN], lw[L_DOWN_BIAS], H, I, s->y, tid, nth);
+        linear(s, lw[L_DOWN], lw[L_DOWN_BIAS], H, s->I, s->y, tid, nth);
         barrier(nth);
     }
-    for (int64_t r = r0; r < r1; r++) { /* the last residual add, the final norm */
-        float *res = s->res + r * H;
-        OPS(add)(res, s->y + r * H, H);
-        OPS(rms_norm)(res, s->final_norm, H, s->eps, s->out + r * H);
-    }
+    OPS(add_norm)(s, res, s->y, s->res[next], s->final_norm, s->out, 0, tid, nth); /* the final norm */
 }
