@@ -154,25 +154,31 @@ static inline void OPS(rope)(const float *x, const float *cos, const float *sin,
     }
 }
 
-/* scores[j] := e^(scores[j] - top); returns their sum, in order */
-static inline float OPS(softmax_weights)(float *scores, int64_t count, float top) {
-    float sum = 0.f;
-    for (int64_t j = 0; j < count; j += 16) {
-        float part[16] = {0.f};
-        const int64_t m = count - j < 16 ? count - j : 16;
-        memcpy(part, scores + j, m * sizeof(float));
-        OPS(store)(part, OPS(exp)(OPS(load)(part) - top));
-        memcpy(scores + j, part, m * sizeof(float));
-        for (int64_t i = 0; i < m; i++) sum += part[i];
+/* A chunk's scores of one head, sc[j] for j < n, padded to a multiple of 16 (sc has room): sc[j] := e^(sc[j] -
+ * top), top the largest (exact in any order); returns the weights' sum, lane by lane over the vectors, then a tree */
+static inline float OPS(softmax_weights)(float *sc, int64_t n, float *top_out) {
+    for (int64_t j = n; j % 16; j++) sc[j] = sc[0]; /* a real score: the maximum stands; weighed 0 below */
+    vf16 m = OPS(load)(sc);
+    for (int64_t j = 16; j < n; j += 16) m = OPS(select)(OPS(load)(sc + j) > m, OPS(load)(sc + j), m);
+    float top = m[0];
+    for (int l = 1; l < 16; l++) top = m[l] > top ? m[l] : top;
+    vf16 total = OPS(splat)(0.f);
+    for (int64_t j = 0; j < n; j += 16) {
+        const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        const vf16 w = OPS(select)(lane < (int32_t)(n - j), OPS(exp)(OPS(load)(sc + j) - top), OPS(splat)(0.f));
+        OPS(store)(sc + j, w);
+        total = total + w;
     }
-    return sum;
+    *top_out = top;
+    return OPS(sum16)(total);
 }
 
 /* The keys of a row's chunk c (cpu_decode.c's chunks_of): slots [c * chunk, (c + 1) * chunk) of its blocks laid
  * end to end, less those before lo or past lo + count. Every query head's scores over them, their softmax weights
  * against the chunk's own maximum, and the weights' sum and weighted values: the chunk's partial (merge). The
  * chunk holding the row's own token first rotates its k and stores k and v in the token's slot; each chunk
- * rotates the queries for itself (576 products for SmolLM2: no barrier for them). scores: [Hq][chunk] scratch. */
+ * rotates the queries for itself (576 products for SmolLM2: no barrier for them). scores: [Hq][chunk] scratch
+ * (chunk a multiple of 16). */
 static void OPS(attend_chunk)(const decode_step *s, int64_t l, int64_t r, int64_t c, float *scores) {
     const int64_t D = s->D, Hq = s->Hq, Hkv = s->Hkv, per = Hq / Hkv, bs = s->block_size, chunk = s->chunk_keys;
     const int64_t *t = s->caches + l * CACHE_FIELDS, *row = s->rows + (t[C_GROUP] * s->R + r) * ROW_FIELDS;
@@ -193,23 +199,23 @@ static void OPS(attend_chunk)(const decode_step *s, int64_t l, int64_t r, int64_
     const int64_t n = last - first;
     for (int64_t i = first; i < last; i++) {
         const float *k = keys + blocks[i >> s->block_shift] * sb + (i & (bs - 1)) * ss;
-        for (int64_t h = 0; h < Hq; h++) scores[h * chunk + i - first] = OPS(dot)(q + h * D, k + h / per * sh, D) * s->scale;
+        for (int64_t g = 0, h = 0; g < Hkv; g++)
+            for (int64_t e = 0; e < per; e++, h++)
+                scores[h * chunk + i - first] = OPS(dot)(q + h * D, k + g * sh, D) * s->scale;
     }
     float *part = s->parts + (s->first_part[r] + c) * Hq * (D + 2); /* [Hq][D] values, [Hq] maxima, [Hq] sums */
-    for (int64_t h = 0; h < Hq; h++) {
-        float *sc = scores + h * chunk, top = sc[0];
-        for (int64_t j = 1; j < n; j++) top = sc[j] > top ? sc[j] : top;
-        part[Hq * D + h] = top;
-        part[Hq * D + Hq + h] = OPS(softmax_weights)(sc, n, top);
-    }
+    for (int64_t h = 0; h < Hq; h++)
+        part[Hq * D + Hq + h] = OPS(softmax_weights)(scores + h * chunk, n, part + Hq * D + h);
     vf16 acc[Hq * D / 16];
     for (int64_t i = 0; i < Hq * D / 16; i++) acc[i] = OPS(splat)(0.f);
     for (int64_t i = first; i < last; i++) {
         const float *v = values + blocks[i >> s->block_shift] * sb + (i & (bs - 1)) * ss;
-        for (int64_t h = 0; h < Hq; h++) {
-            const float p = scores[h * chunk + i - first], *vh = v + h / per * sh;
-            for (int64_t e = 0; e < D / 16; e++) acc[h * D / 16 + e] = acc[h * D / 16 + e] + p * OPS(load)(vh + 16 * e);
-        }
+        vf16 *a = acc;
+        for (int64_t g = 0, h = 0; g < Hkv; g++)
+            for (int64_t e = 0; e < per; e++, h++) {
+                const float p = scores[h * chunk + i - first];
+                for (int64_t f = 0; f < D; f += 16, a++) *a = *a + p * OPS(load)(v + g * sh + f);
+            }
     }
     for (int64_t i = 0; i < Hq * D / 16; i++) OPS(store)(part + 16 * i, acc[i]);
 }
