@@ -4,7 +4,7 @@
  *
  * Why: a step of SmolLM2-135M in torch calls ~30 small ops a layer; at ~10 us each they cost more than the 4-bit
  * matmuls, and a second thread does not shorten them. Here the threads stay in one parallel region and meet at a
- * barrier between phases (8 a layer), with no dispatch between them.
+ * barrier between phases (9 a layer), with no dispatch between them.
  *
  * The caller (hybridkv/model/architectures/llama_cpu_decode.py) passes three int64 tables of data pointers and
  * sizes, with fields in the orders named below: the layers' weights (LAYER_*), each layer's K and V in the cache

@@ -159,10 +159,10 @@ class NativeDecode:
         """The final-normed hidden states [R, hidden] of the embedded tokens ``x``, one generated token a sequence,
         their K/V stored in the cache; None where the C step does not run this step: another backend, a cache
         that is not float32, a step that is not a decode step."""
-        if not isinstance(attn, TorchPagedAttention):
+        if not isinstance(attn, TorchPagedAttention) or x.dtype != torch.float32:
             return None
         caches, step = attn.decode_caches(), attn.decode_rows()
-        if caches is None or step is None or x.dtype != torch.float32:
+        if caches is None or step is None:
             return None
         rows, blocks = step
         cos, sin = (t.contiguous() for t in tables.rolled)
@@ -185,8 +185,9 @@ def _layer_tensors(layer: _Layer) -> list[torch.Tensor | None]:
 
 class CpuDecodeLlama(nn.Module):
     """A ``CausalLM``: a 4-bit Llama-2/3 (``llama.LlamaForCausalLM``, placed on the CPU) whose steps of generated
-    tokens only (``RowPaths.all_packed``) run ``CpuDecodeLayers``; others, the model's own forward. The model is its
-    one child: the same parameters and modules, their names prefixed with ``model.``."""
+    tokens only (``RowPaths.all_packed``) run the C step (``NativeDecode``) where it runs them, else
+    ``CpuDecodeLayers``; others, the model's own forward. The model is its one child: the same parameters and
+    modules, their names prefixed with ``model.``."""
 
     supports_cuda_graphs = False
     supports_step_halves = False
