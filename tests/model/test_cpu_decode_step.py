@@ -34,15 +34,16 @@ def q4_1(shape: tuple[int, int], seed: int) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(quant, gguf.GGMLQuantizationType.Q4_1).copy()).float()
 
 
-def placed_llama(bias: bool = False, kernel: Q41Kernel | None = KERNEL) -> tuple[CpuDecodeLlama, dict]:
-    """A 2-layer Llama of Q4_1 weights, 4 query heads over 2 KV heads, packed 4-bit and placed on the CPU."""
+def placed_llama(bias: bool = False, kernel: Q41Kernel | None = KERNEL, **extra) -> tuple[CpuDecodeLlama, dict]:
+    """A 2-layer Llama of Q4_1 weights, 4 query heads over 2 KV heads, packed 4-bit and placed on the CPU (``extra``:
+    more of its config)."""
     from hybridkv.model.architectures.llama import LlamaForCausalLM
     from hybridkv.model.architectures.llama_config import ModelConfig
 
     hf = {"model_type": "llama", "vocab_size": 64, "hidden_size": 2 * GROUP, "intermediate_size": 3 * GROUP,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": GROUP,
           "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
-          "attention_bias": bias}
+          "attention_bias": bias, **extra}
     torch.manual_seed(0)
     model = LlamaForCausalLM(ModelConfig.from_hf(hf))
     with torch.no_grad():
@@ -59,18 +60,20 @@ def placed_llama(bias: bool = False, kernel: Q41Kernel | None = KERNEL) -> tuple
     return placed, hf
 
 
-def prefilled(model: CpuDecodeLlama, hf: dict) -> tuple[TorchPagedAttention, list[np.ndarray], torch.Tensor]:
-    """A float32 paged cache holding ``CONTEXTS`` prompts' K/V (each sequence its own blocks), the block tables, and
-    the next token of each sequence."""
+def prefilled(model: CpuDecodeLlama, hf: dict) -> tuple[TorchPagedAttention, list[list[np.ndarray]], torch.Tensor]:
+    """A float32 paged cache holding ``CONTEXTS`` prompts' K/V (each sequence and layer group its own blocks), the
+    block tables (per sequence, per group), and the next token of each sequence."""
     layout = plan_layout(layer_specs_from_hf_config(hf, kv_cache_dtype="float32"), BLOCK)
-    backend = TorchPagedAttention(layout, 64, "float32")
+    backend = TorchPagedAttention(layout, 128, "float32")
     tables, first = [], 1
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for n in CONTEXTS:
-            tables.append(np.arange(first, first + n // BLOCK + 1))
-            first += n // BLOCK + 1
-            backend.begin_step([StepSequence(0, n, [tables[-1]])])
+            tables.append([])
+            for _ in layout.groups:
+                tables[-1].append(np.arange(first, first + n // BLOCK + 1))
+                first += n // BLOCK + 1
+            backend.begin_step([StepSequence(0, n, tables[-1])])
             model(torch.randint(0, 64, (n,), generator=g), torch.arange(n), backend)
     return backend, tables, torch.randint(0, 64, (len(CONTEXTS),), generator=g)
 
@@ -78,7 +81,7 @@ def prefilled(model: CpuDecodeLlama, hf: dict) -> tuple[TorchPagedAttention, lis
 def decode(model, backend, tables, ids, rows=None, native=True):
     """A decode step of the sequences ``rows`` (all: None): the C step's hidden states, or the torch loop's."""
     rows = range(len(CONTEXTS)) if rows is None else rows
-    backend.begin_step([StepSequence(CONTEXTS[i], 1, [tables[i]], generated=True) for i in rows])
+    backend.begin_step([StepSequence(CONTEXTS[i], 1, tables[i], generated=True) for i in rows])
     positions = torch.tensor([CONTEXTS[i] for i in rows])
     inner = model.model
     x, tables_ = inner.embed_tokens(ids[list(rows)]), inner.position_tables(positions)
@@ -89,18 +92,24 @@ def decode(model, backend, tables, ids, rows=None, native=True):
         return inner.norm.add_forward(out, residual)[0]
 
 
-def stored(backend: TorchPagedAttention, tables: list[np.ndarray]) -> torch.Tensor:
+def stored(backend: TorchPagedAttention, tables: list[list[np.ndarray]]) -> torch.Tensor:
     """Every layer's K and V in each sequence's slot of the decode step."""
-    slots = [(int(t[n // BLOCK]), n % BLOCK) for t, n in zip(tables, CONTEXTS)]
-    return torch.stack([layer.view[b, :, o] for layer in backend.cache.layers.values() for b, o in slots])
+    return torch.stack([layer.view[int(t[layer.group_id][n // BLOCK]), :, n % BLOCK]
+                        for layer in backend.cache.layers.values() for t, n in zip(tables, CONTEXTS)])
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_the_c_step_gives_the_torch_loops_hidden_states_and_kv_within_float32_rounding(bias):
-    model, hf = placed_llama(bias)
+# Qwen2's sliding window on layer 1 only: two layer groups, layer 1's keys a window starting inside a block
+WINDOW = {"use_sliding_window": True, "max_window_layers": 1, "sliding_window": 10}
+
+
+@pytest.mark.parametrize("bias, extra", [(False, {}), (True, {}), (False, WINDOW)])
+def test_the_c_step_gives_the_torch_loops_hidden_states_and_kv_within_float32_rounding(bias, extra):
+    model, hf = placed_llama(bias, **extra)
     assert model.native is not None and model.decodes_apart
     backend, tables, ids = prefilled(model, hf)
     want = decode(model, backend, tables, ids, native=False)
+    if extra:  # the last row (70 cached tokens) reads all 71 keys in layer 0, a window of 10 in layer 1
+        assert sorted(backend.decode_rows()[0][:, 2, 4].tolist()) == [10, 71]
     want_kv = stored(backend, tables)
     got = decode(model, backend, tables, ids)
     got_kv = stored(backend, tables)
@@ -129,9 +138,9 @@ def test_a_rows_bits_do_not_depend_on_the_instruction_set_the_threads_or_the_oth
 def test_the_c_step_runs_only_decode_steps_and_only_over_our_kernel():
     model, hf = placed_llama()
     backend, tables, ids = prefilled(model, hf)
-    backend.begin_step([StepSequence(CONTEXTS[1], 2, [tables[1]], generated=True)])  # two rows of one sequence
+    backend.begin_step([StepSequence(CONTEXTS[1], 2, tables[1], generated=True)])  # two rows of one sequence
     assert backend.decode_rows() is None
-    backend.begin_step([StepSequence(CONTEXTS[0], 1, [tables[0]])])  # a prompt's last token
+    backend.begin_step([StepSequence(CONTEXTS[0], 1, tables[0])])  # a prompt's last token
     assert backend.decode_rows() is None
     torch_kernel, _ = placed_llama(kernel=None)
     assert torch_kernel.native is None and not torch_kernel.decodes_apart
