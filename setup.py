@@ -1,4 +1,5 @@
-"""The one compiled part: the Q4_1 CPU kernel (``hybridkv/model/q4_1_cpu.c``, plain C, no torch headers), built at
+"""The one compiled part: the Q4_1 CPU kernel and the CPU decode step (``hybridkv/model/q4_1_cpu.c``,
+``cpu_decode.c``; plain C, no torch headers), built at
 ``pip install`` as an optional extension module. Without a C compiler the install still succeeds and the 4-bit CPU
 layers run torch's int4 kernel (``hybridkv/model/q4_1_cpu.py`` says which one runs). The rest is in pyproject.toml."""
 
@@ -6,9 +7,12 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 # -ffp-contract=off: the scalar kernel does the SIMD kernels' float operations, in their order, without the compiler
-# fusing others (they agree bit for bit)
-FLAGS = ["-O3", "-ffp-contract=off"]
+# fusing others (they agree bit for bit). -Wno-psabi: the decode step's 16-float vectors pass between static
+# functions of one file only, so the ABI note on passing them without AVX-512 concerns no caller
+FLAGS = ["-O3", "-ffp-contract=off", "-Wno-psabi"]
 OPENMP = ["-fopenmp"]
+SOURCES = ("q4_1_cpu", "cpu_decode")
+HEADERS = ("q4_1_cpu", "cpu_decode_ops")
 
 
 class BuildExt(build_ext):
@@ -27,7 +31,8 @@ class BuildExt(build_ext):
 
 
 setup(
-    ext_modules=[Extension("hybridkv.model._q4_1_cpu", ["hybridkv/model/q4_1_cpu.c"], optional=True,
+    ext_modules=[Extension("hybridkv.model._q4_1_cpu", [f"hybridkv/model/{name}.c" for name in SOURCES],
+                           depends=[f"hybridkv/model/{name}.h" for name in HEADERS], optional=True,
                            extra_compile_args=FLAGS + OPENMP, extra_link_args=OPENMP)],
     cmdclass={"build_ext": BuildExt},
 )

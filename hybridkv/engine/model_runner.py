@@ -172,6 +172,17 @@ class ModelRunner:
         if bucket is not None:  # logits None on tensor-parallel ranks other than 0, as eager
             return StepOutput(self.graphs.replay(bucket, step.input_ids, step.seqs, step.device_input_ids),
                               argmax_only=step.argmax_only)
+        decoding = _decoding(step) if self.model.decodes_apart and step.device_input_ids is None else None
+        if decoding is not None and 0 < decoding.sum() < len(step.seqs):
+            rows, scores = self._forward_apart(step, decoding)
+        else:
+            rows, scores = self._forward(step)
+        if not len(step.sample_rows):
+            return StepOutput(rows.new_empty((0, 0), dtype=torch.float32), scores)
+        return StepOutput(self.model.compute_logits(rows, step.argmax_only), scores, step.argmax_only)
+
+    def _forward(self, step: StepInput) -> tuple[torch.Tensor, TokenScores | None]:
+        """The final hidden states of ``step.sample_rows`` [N, hidden], and the scores of ``step.score_rows``."""
         if self.row_paths is not None:
             self.row_paths.set(step.prompt_rows, step.sample_rows)
         input_ids = step.device_input_ids
@@ -185,10 +196,21 @@ class ModelRunner:
             extra["outputs"] = outputs
         hidden = self.model(input_ids, positions, self.backend, **extra)
         scores = self._score(hidden, step) if len(step.score_rows) else None
-        if not len(step.sample_rows):
-            return StepOutput(hidden.new_empty((0, 0), dtype=torch.float32), scores)
-        rows = hidden if outputs is not None else hidden[self._on_device(step.sample_rows)]
-        return StepOutput(self.model.compute_logits(rows, step.argmax_only), scores, step.argmax_only)
+        return (hidden if outputs is not None else hidden[self._on_device(step.sample_rows)]), scores
+
+    def _forward_apart(self, step: StepInput, decoding: np.ndarray) -> tuple[torch.Tensor, TokenScores | None]:
+        """``_forward`` of a step of decoding and other sequences (``decoding`` [sequences] bool) on a model that
+        computes a generated token's row its own way (``CausalLM.decodes_apart``): the decoding sequences in one
+        forward, the others in another, so each row is computed as in a step of its kind alone (sequences attend
+        only to their own blocks: the two forwards are the step's). Their sampled rows come back in the step's
+        order; the scores are the others' (a decoding row scores no prompt position)."""
+        parts = [_part(step, decoding == kind) for kind in (True, False)]
+        (decoded, _), (others, scores) = (self._forward(part) for part in parts)
+        in_decoding = np.repeat(decoding, [s.query_len for s in step.seqs])[step.sample_rows]
+        order = np.empty(len(step.sample_rows), dtype=np.int64)
+        order[in_decoding] = np.arange(int(in_decoding.sum()))
+        order[~in_decoding] = np.arange(int(in_decoding.sum()), len(step.sample_rows))
+        return torch.cat((decoded, others))[self._on_device(order)], scores
 
     def _output_rows(self, step: StepInput) -> OutputRows | None:
         """The sampled rows, for a forward whose last layer computes only them (``OutputRows``), when the step has
@@ -237,6 +259,25 @@ class ModelRunner:
             if logits is not None:
                 parts.append(score_tokens(logits, token_ids[i : i + SCORE_ROWS], step.score_top_k))
         return TokenScores.concat(parts) if parts else None
+
+
+def _decoding(step: StepInput) -> np.ndarray:
+    """[sequences] bool: the sequence computes one generated token this step (it is decoding)."""
+    return np.fromiter((s.generated and s.query_len == 1 for s in step.seqs), bool, len(step.seqs))
+
+
+def _part(step: StepInput, keep: np.ndarray) -> StepInput:
+    """The step of the sequences ``keep`` [sequences] says: their rows, sampled and scored rows renumbered, in order
+    (the step's block copies are run before its forwards).
+
+    E.g. sequences of 3 and 1 rows, sampled rows [2, 3], keep [False, True]: input row 3 alone, sampled row [0]."""
+    rows = np.repeat(keep, [s.query_len for s in step.seqs])
+    new = np.cumsum(rows) - 1  # a kept row's index among the kept ones
+    sampled, scored = step.sample_rows[rows[step.sample_rows]], rows[step.score_rows]
+    return StepInput(step.input_ids[rows], [s for s, k in zip(step.seqs, keep) if k], new[sampled],
+                     score_rows=new[step.score_rows[scored]], score_token_ids=step.score_token_ids[scored],
+                     score_top_k=step.score_top_k, argmax_only=step.argmax_only,
+                     prompt_rows=step.prompt_rows[rows] if len(step.prompt_rows) else step.prompt_rows)
 
 
 def _prompt_rows(prompt_counts: list[int], query_lens: list[int]) -> np.ndarray:

@@ -33,6 +33,10 @@ class CausalLM(Protocol):
     # ``forward`` also takes ``halves`` (``attention.base.StepHalf``): a tensor-parallel step's tokens in two halves,
     # one's all-reduces overlapping the other's compute
     supports_step_halves: bool
+    # a generated token's row (one a sequence and step) is computed another way than the model's own forward
+    # computes it, always: the runner runs a step's generated sequences in a forward of their own, apart from its
+    # prompt sequences (a 4-bit Llama's C decode step on the CPU: ``llama_cpu_decode.NativeDecode``)
+    decodes_apart: bool
     # linears whose output only ever feeds a residual add: a 4-bit one may output bf16 (``pack_int4_linears``)
     residual_branch_ends: tuple[str, ...]
 

@@ -19,7 +19,7 @@ the first two taken 1% larger (the bound's own float32 arithmetic rounds too). A
 is below the largest score minus its bound cannot be the argmax; every other token is re-scored with the float32
 weight. Hidden states have outlier channels (a row's largest value is 7-20x its RMS on SmolLM2): one digit would
 leave r coarse (a median of 57 tokens a row to re-score on chat replies, some rows thousands); with two, 4 a row on
-average (at most 55; ``benchmarks/cpu.py --error``). The returned logits are exact (float32) for every re-scored
+average (at most 56; ``benchmarks/cpu.py --error``). The returned logits are exact (float32) for every re-scored
 token and within the bound elsewhere, so their argmax, lowest index first among equals, is the float32 head's.
 Only rows whose token is the plain argmax use it (``SamplingParams.argmax_only``): sampling, logprobs and anything
 that edits logits read every logit, and get the float32 head.

@@ -18,11 +18,9 @@
  * the same float operations in the same order, so they agree bit for bit, and a row's result does not depend on
  * the other rows of the call or on the number of threads.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "q4_1_cpu.h"
 
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -34,20 +32,6 @@
 #include <immintrin.h>
 #define Q41_X86 1
 #endif
-
-#define TILE 16
-#define BLOCK 32
-#define TILE_BLOCK 320
-#define MAX_ROWS 4 /* activation rows a pass over a tile computes at once */
-
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512_VNNI = 2 };
-
-typedef struct {
-    const int8_t *xq; /* [rows][nb][64]: a block's 32 digits a, then its 32 digits b */
-    const float *dx;  /* [rows][nb]: dx / 256 */
-    const float *sx;  /* [rows][nb] */
-    int64_t k, nb;
-} acts;
 
 static float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -65,40 +49,6 @@ static float half_to_float(uint16_t h) {
     float f;
     memcpy(&f, &bits, 4);
     return f;
-}
-
-static float load_x(const void *x, int bf16, int64_t i) {
-    if (!bf16) return ((const float *)x)[i];
-    uint32_t bits = (uint32_t)((const uint16_t *)x)[i] << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-/* two int8 digits per activation, per block of 32 (llama.cpp's q8_1 has the first; the block's sum stays float32) */
-static void quantize(const void *x, int bf16, int64_t rows, int64_t stride, acts *a, int8_t *xq, float *dx,
-                     float *sx) {
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t b = 0; b < a->nb; b++) {
-            float v[BLOCK], amax = 0.f, sum = 0.f;
-            for (int i = 0; i < BLOCK; i++) {
-                v[i] = load_x(x, bf16, r * stride + b * BLOCK + i);
-                amax = fmaxf(amax, fabsf(v[i]));
-                sum += v[i];
-            }
-            float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-            int8_t *xb = xq + (r * a->nb + b) * 2 * BLOCK;
-            for (int i = 0; i < BLOCK; i++) {
-                float hi = nearbyintf(v[i] * id);
-                hi = hi > 127.f ? 127.f : hi < -127.f ? -127.f : hi;
-                float lo = nearbyintf((v[i] - hi * d) * id * 256.f);
-                xb[i] = (int8_t)hi;
-                xb[BLOCK + i] = (int8_t)(lo > 127.f ? 127.f : lo < -128.f ? -128.f : lo);
-            }
-            dx[r * a->nb + b] = d * (1.f / 256.f);
-            sx[r * a->nb + b] = sum;
-        }
-    }
 }
 
 /* out[r][j] for rows r < nrows of one tile, scalar: the reference the SIMD kernels match bit for bit */
@@ -236,9 +186,7 @@ AVX2_TARGET static void tile_avx2(const uint8_t *w, const acts *a, int64_t r0, i
 }
 #endif
 
-typedef void (*tile_fn)(const uint8_t *, const acts *, int64_t, int, float[MAX_ROWS][TILE]);
-
-static tile_fn kernel_of(int isa) {
+tile_fn q41_kernel_of(int isa) {
 #ifdef Q41_X86
     if (isa == ISA_AVX512_VNNI) return tile_vnni;
     if (isa == ISA_AVX2) return tile_avx2;
@@ -268,8 +216,8 @@ int q41_threaded(void) {
 #endif
 }
 
-static void run_tiles(tile_fn fn, const uint8_t *w, const acts *a, int64_t rows, int64_t n, float *y,
-                      int64_t y_stride, int64_t t0, int64_t t1) {
+void q41_run_tiles(tile_fn fn, const uint8_t *w, const acts *a, int64_t rows, int64_t n, const float *bias, float *y,
+                   int64_t y_stride, int64_t t0, int64_t t1) {
     float out[MAX_ROWS][TILE];
     for (int64_t t = t0; t < t1; t++) {
         const uint8_t *wt = w + t * a->nb * TILE_BLOCK;
@@ -277,7 +225,12 @@ static void run_tiles(tile_fn fn, const uint8_t *w, const acts *a, int64_t rows,
         for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
             int nr = rows - r0 < MAX_ROWS ? (int)(rows - r0) : MAX_ROWS;
             fn(wt, a, r0, nr, out);
-            for (int r = 0; r < nr; r++) memcpy(y + (r0 + r) * y_stride + t * TILE, out[r], cols * sizeof(float));
+            for (int r = 0; r < nr; r++) {
+                float *yr = y + (r0 + r) * y_stride + t * TILE;
+                memcpy(yr, out[r], cols * sizeof(float));
+                if (bias) /* torch's y + bias, value for value */
+                    for (int64_t c = 0; c < cols; c++) yr[c] = yr[c] + bias[t * TILE + c];
+            }
         }
     }
 }
@@ -287,8 +240,9 @@ static void run_tiles(tile_fn fn, const uint8_t *w, const acts *a, int64_t rows,
  * arguments, -2 when out of memory. */
 int q41_linear(const uint8_t *w, int64_t n, int64_t k, const void *x, int bf16, int64_t rows, int64_t x_stride,
                float *y, int64_t y_stride, int threads, int isa) {
-    tile_fn fn = kernel_of(isa);
-    if (!fn || k <= 0 || k % BLOCK || n <= 0 || rows < 0 || threads < 1) return -1;
+    tile_fn fn = q41_kernel_of(isa);
+    quantize_fn quantize = q41_quantizer_of(isa);
+    if (!fn || !quantize || k <= 0 || k % BLOCK || n <= 0 || rows < 0 || threads < 1) return -1;
     if (rows == 0) return 0;
     int64_t nb = k / BLOCK, tiles = (n + TILE - 1) / TILE;
     size_t bytes = 2 * (size_t)rows * k + 2 * (size_t)rows * nb * sizeof(float);
@@ -297,18 +251,20 @@ int q41_linear(const uint8_t *w, int64_t n, int64_t k, const void *x, int bf16, 
     float *dx = (float *)scratch, *sx = dx + rows * nb;
     int8_t *xq = (int8_t *)(sx + rows * nb);
     acts a = {xq, dx, sx, k, nb};
-    quantize(x, bf16, rows, x_stride, &a, xq, dx, sx);
+    for (int64_t r = 0; r < rows; r++)
+        quantize((const char *)x + r * x_stride * (bf16 ? 2 : 4), bf16, k, xq + r * nb * 2 * BLOCK, dx + r * nb,
+                 sx + r * nb);
     if (threads > tiles) threads = (int)tiles;
 #ifdef _OPENMP
     if (threads > 1) {
 #pragma omp parallel num_threads(threads)
         {
             int64_t id = omp_get_thread_num(), count = omp_get_num_threads();
-            run_tiles(fn, w, &a, rows, n, y, y_stride, tiles * id / count, tiles * (id + 1) / count);
+            q41_run_tiles(fn, w, &a, rows, n, NULL, y, y_stride, tiles * id / count, tiles * (id + 1) / count);
         }
     } else
 #endif
-        run_tiles(fn, w, &a, rows, n, y, y_stride, 0, tiles);
+        q41_run_tiles(fn, w, &a, rows, n, NULL, y, y_stride, 0, tiles);
     free(scratch);
     return 0;
 }
@@ -426,6 +382,10 @@ static PyMethodDef methods[] = {
      "w, x, y: data pointers"},
     {"expand_bf16", (PyCFunction)(void (*)(void))py_expand_bf16, METH_FASTCALL,
      "expand_bf16(w, n, k, out, threads) -> 0 | -1 (bad arguments); w, out: data pointers"},
+    {"decode_step", (PyCFunction)(void (*)(void))q41_py_decode_step, METH_FASTCALL,
+     "decode_step(layers, caches, rows, blocks, x, cos, sin, final_norm, out, L, H, Hq, Hkv, D, I, R, block_size, "
+     "eps, scale, threads, isa) -> 0 | -1 (bad arguments) | -2 (memory); a decode step of every layer "
+     "(cpu_decode.c)"},
     {"best_isa", py_best_isa, METH_NOARGS, "2: AVX-512 VNNI, 1: AVX2, 0: scalar C"},
     {"threaded", py_threaded, METH_NOARGS, "1: a call splits its tiles over threads (OpenMP)"},
     {NULL, NULL, 0, NULL}};

@@ -55,3 +55,20 @@ def test_cold_cached_and_batched_requests_get_the_same_tokens_and_logprobs(llm, 
     assert cached == cold
     assert answer(batched[2]) == cold
     assert answer(twins[0]) == cold and answer(twins[1]) == cold
+
+
+def test_a_request_decoding_beside_prompt_chunks_gets_the_same_tokens_and_logprobs(monkeypatch):
+    """Small steps: a short request decodes while a long prompt is prefilled beside it, chunk by chunk. Such a step
+    runs its decoding sequence in a forward of its own (``CausalLM.decodes_apart``: the C decode step computes a
+    generated token's row, not the layers' forward), so the short request gets what it gets alone, to the bit."""
+    from hybridkv.engine.model_runner import ModelRunner
+
+    small = LLM(max_num_batched_tokens=32, enable_prefix_caching=False)
+    assert small.engine.model.decodes_apart == (small.engine.model.native is not None)
+    apart, forward_apart = [], ModelRunner._forward_apart
+    monkeypatch.setattr(ModelRunner, "_forward_apart", lambda *a: apart.append(1) or forward_apart(*a))
+    params = PARAMS["greedy with logprobs"]
+    alone = answer(small.generate(OTHERS[0], params, use_tqdm=False)[0])
+    both = small.generate([OTHERS[0], TARGET], [params, SamplingParams(temperature=0, max_tokens=1)], use_tqdm=False)
+    assert answer(both[0]) == alone
+    assert bool(apart) == small.engine.model.decodes_apart  # the target's chunks after its first: steps of both

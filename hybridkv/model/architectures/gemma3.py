@@ -264,6 +264,7 @@ class Gemma3ForCausalLM(nn.Module):
     supports_cuda_graphs = True
     residual_branch_ends = ()  # its post-attention and post-MLP norms read o_proj's and down_proj's outputs first
     supports_step_halves = False  # its layers run whole steps (only Llama's overlap their all-reduces)
+    decodes_apart = False
     max_graph_tokens = 1 << 30  # no MoE: nothing in the forward limits a graph's batch
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,

@@ -533,6 +533,7 @@ class LlamaForCausalLM(DeviceOps, nn.Module):
 
     supports_cuda_graphs = True
     supports_step_halves = True
+    decodes_apart = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 halves: list[StepHalf] | None = None, outputs: OutputRows | None = None) -> torch.Tensor:

@@ -1,16 +1,27 @@
-"""A decode step of a 4-bit Llama-2/3 on CPU as one flat loop: ``LlamaForCausalLM.forward``'s arithmetic, bit for
-bit, without the modules around it. ``LlamaForCausalLM.place`` returns the model wrapped in ``CpuDecodeLlama``
-once its layers are packed 4-bit, so the model's own forward never asks which path to take.
+"""A decode step of a 4-bit Llama-2/3 on CPU without the modules around it: as one call into C
+(``NativeDecode``, ``hybridkv/model/cpu_decode.c``) where our Q4_1 kernel runs the layers, else as one flat torch
+loop (``CpuDecodeLayers``): ``LlamaForCausalLM.forward``'s arithmetic, bit for bit. ``LlamaForCausalLM.place``
+returns the model wrapped in ``CpuDecodeLlama`` once its layers are packed 4-bit, so the model's own forward never
+asks which path to take.
 
 A decode step of SmolLM2-135M (30 layers, one token) on one core spends ~3.5 ms in the 4-bit kernels (our Q4_1
-kernel: ``q4_1_cpu.py``), ~1.5 ms in the int8 head, and the rest in ~30 small torch calls a layer and the Python
-between them. Going through the
-modules (each layer, its attention and MLP, every linear's ``nn.Module`` call, the fused groups' wrappers, each
-linear's prefill branch) cost ~1.1 ms more a step. This loop calls the same helpers as the layers' own
-forward (the norms' ``add_forward``, ``rope_rolled``, the backend's ``attend``) and each 4-bit linear's kernel
-directly (``Int4Linear.rows``), in the same order on the same values, so its hidden states are the layers' own.
+kernel: ``q4_1_cpu.py``) and ~1.5 ms in the int8 head. In torch, ~30 small calls a layer (norms, RoPE, the K/V
+store, attention's gathers and its kernel, SiLU) and the Python between them took ~6 ms more, and a second thread
+did not shorten them. The C step runs every layer's norms, RoPE, K/V store, attention over the paged cache, SiLU
+and the 4-bit linears in one OpenMP parallel region, the threads meeting at barriers between phases.
 
-It runs steps whose every row takes the 4-bit kernel (``RowPaths.all_packed``: generated tokens', e.g. decode
+Its norms, SiLU and attention are its own arithmetic (float32, within a few ulps of torch's, the same bits at
+every instruction set and thread count), not torch's, so a generated token's row must always take it: a step
+holding prompt rows too runs its generated sequences apart (``CausalLM.decodes_apart``, the runner), through the
+C step, and a row's numbers do not depend on what else the step holds.
+
+The torch loop calls the same helpers as the layers' own forward (the norms' ``add_forward``, ``rope_rolled``, the
+backend's ``attend``) and each 4-bit linear's kernel directly (``Int4Linear.rows``), in the same order on the same
+values, so its hidden states are the layers' own (going through the modules cost ~1.1 ms more a step). It runs
+where the C step does not: torch's int4 kernel (our kernel not built), another attention backend, a KV cache that
+is not float32.
+
+Either runs steps whose every row takes the 4-bit kernel (``RowPaths.all_packed``: generated tokens', e.g. decode
 steps) of a model whose every layer is a dense Llama-2/3 layer with q/k/v, o_proj, gate/up and down_proj all 4-bit
 (``pack_int4_linears``: the embedded default); other steps run the model's own forward, and any other model is not
 wrapped.
@@ -30,8 +41,10 @@ from torch import nn
 from hybridkv.model.architectures.norms import RMSNorm
 from hybridkv.model.architectures.position_encoding import PositionTables, rope_rolled
 from hybridkv.model.attention.base import AttentionBackend, OutputRows
+from hybridkv.model.attention.torch_paged import TorchPagedAttention
 from hybridkv.model.causal_lm import CausalLM
 from hybridkv.model.int4_cpu import Int4Columns, Int4Linear
+from hybridkv.model.q4_1_cpu import Q41Kernel
 
 
 @dataclass(slots=True)
@@ -106,19 +119,98 @@ def _layer_of(layer: nn.Module) -> _Layer | None:
                   tuple(gate_up.sizes))
 
 
+@dataclass(slots=True)
+class NativeDecode:
+    """A decode step of every layer and the final norm in one C call (``cpu_decode.c``, through our Q4_1 kernel's
+    module): the layers' weights as a table of data pointers made once, the cache's and the step's from the
+    attention backend (``TorchPagedAttention.decode_caches``, ``decode_rows``)."""
+
+    kernel: Q41Kernel  # its instruction set and threads are the step's
+    table: torch.Tensor  # int64 [layers, 10]: cpu_decode.c's LAYER_* fields
+    sizes: tuple[int, ...]  # hidden, q heads, KV heads, head_dim, intermediate
+    eps: float
+    scale: float
+    final_norm: torch.Tensor
+    tensors: list[torch.Tensor]  # every tensor ``table`` points into, kept alive with it
+
+    @classmethod
+    def of(cls, loop: CpuDecodeLayers, final_norm: RMSNorm) -> NativeDecode | None:
+        """The C step of ``loop``'s layers, or None where our Q4_1 kernel does not run them all, or their sizes or
+        norms differ from what the C step takes (float32 norms of one eps, blocks of 32 inputs)."""
+        layers = loop.layers
+        linears = [linear for layer in layers for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)]
+        kernel = linears[0].kernel
+        norms = [norm for layer in layers for norm in (layer.input_norm, layer.post_norm)] + [final_norm]
+        q_heads, kv_heads = layers[0].q_k_heads
+        sizes = (linears[0].in_features, q_heads, kv_heads, loop.head_dim, layers[0].gate_up_sizes[0])
+        if (kernel is None or any(linear.kernel is not kernel for linear in linears)
+                or [layer.layer_id for layer in layers] != list(range(len(layers)))
+                or len({norm.eps for norm in norms}) != 1 or len({layer.scale for layer in layers}) != 1
+                or any(t.dtype != torch.float32 for t in [n.weight for n in norms] + [l.bias for l in linears
+                                                                                    if l.bias is not None])
+                or any(size % 32 for size in (sizes[0], sizes[3], sizes[4]))):
+            return None
+        tensors = [_layer_tensors(layer) for layer in layers]
+        table = torch.tensor([[0 if t is None else t.data_ptr() for t in row] for row in tensors])
+        return cls(kernel, table, sizes, norms[0].eps, layers[0].scale, final_norm.weight,
+                   [t for row in tensors for t in row if t is not None])
+
+    def __call__(self, x: torch.Tensor, tables: PositionTables, attn: AttentionBackend) -> torch.Tensor | None:
+        """The final-normed hidden states [R, hidden] of the embedded tokens ``x``, one generated token a sequence,
+        their K/V stored in the cache; None where the C step does not run this step: another backend, a cache
+        that is not float32, a step that is not a decode step."""
+        if not isinstance(attn, TorchPagedAttention) or x.dtype != torch.float32:
+            return None
+        caches, step = attn.decode_caches(), attn.decode_rows()
+        if caches is None or step is None:
+            return None
+        rows, blocks = step
+        cos, sin = (t.contiguous() for t in tables.rolled)
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        code = self.kernel.ext.decode_step(
+            self.table.data_ptr(), caches.data_ptr(), rows.data_ptr(), blocks.data_ptr(), x.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), self.final_norm.data_ptr(), out.data_ptr(), len(self.table),
+            *self.sizes, x.shape[0], attn.block_size, self.eps, self.scale, self.kernel.threads, self.kernel.isa)
+        if code:
+            raise RuntimeError(f"the C decode step failed ({'out of memory' if code == -2 else 'bad arguments'})")
+        return out
+
+
+def _layer_tensors(layer: _Layer) -> list[torch.Tensor | None]:
+    """What ``NativeDecode.table`` points at for one layer, in cpu_decode.c's LAYER_* order (None: no bias)."""
+    return [layer.input_norm.weight, layer.post_norm.weight, *(t for linear in (layer.qkv, layer.o_proj,
+            layer.gate_up, layer.down_proj) for t in (linear.q4_1, linear.bias))]
+
+
 class CpuDecodeLlama(nn.Module):
     """A ``CausalLM``: a 4-bit Llama-2/3 (``llama.LlamaForCausalLM``, placed on the CPU) whose steps of generated
-    tokens only (``RowPaths.all_packed``) run ``CpuDecodeLayers``; others, the model's own forward. The model is its
-    one child: the same parameters and modules, their names prefixed with ``model.``."""
+    tokens only (``RowPaths.all_packed``) run the C step (``NativeDecode``) where it runs them, else
+    ``CpuDecodeLayers``; others, the model's own forward. The model is its one child: the same parameters and
+    modules, their names prefixed with ``model.``."""
 
     supports_cuda_graphs = False
     supports_step_halves = False
     max_graph_tokens = 0
+    native: NativeDecode | None
 
     def __init__(self, model: nn.Module, loop: CpuDecodeLayers) -> None:
         super().__init__()
         self.model, self.loop = model, loop
         self.cfg, self.tp, self.residual_branch_ends = model.cfg, model.tp, model.residual_branch_ends
+        self.native = NativeDecode.of(loop, model.norm)
+
+    @property
+    def decodes_apart(self) -> bool:
+        """A generated token's row takes the C step (``NativeDecode``), whose numbers are not the model's own
+        forward's: the runner runs a step's generated sequences apart from its prompt sequences."""
+        return self.native is not None
+
+    def _apply(self, fn, recurse: bool = True):
+        # the C step's table holds data pointers: made again for the tensors a move leaves
+        super()._apply(fn, recurse)
+        self.native = NativeDecode.of(self.loop, self.model.norm)
+        return self
 
     @classmethod
     def of(cls, model: nn.Module) -> CpuDecodeLlama | None:
@@ -140,9 +232,11 @@ class CpuDecodeLlama(nn.Module):
         model = self.model
         if not self.loop.runs(input_ids.shape[0]):
             return model(input_ids, positions, attn, outputs=outputs)
-        tables = model.position_tables(positions)
-        x, residual = self.loop(model.embed_tokens(input_ids), tables, attn)
-        hidden = model.norm.add_forward(x, residual)[0]
+        tables, x = model.position_tables(positions), model.embed_tokens(input_ids)
+        hidden = None if self.native is None else self.native(x, tables, attn)
+        if hidden is None:
+            x, residual = self.loop(x, tables, attn)
+            hidden = model.norm.add_forward(x, residual)[0]
         return hidden if outputs is None else hidden[outputs.rows]
 
     def compute_logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor | None:

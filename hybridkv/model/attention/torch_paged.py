@@ -95,6 +95,7 @@ class TorchPagedAttention:
         self._seq_generated: list[bool] = []
         # full layers on CPU: a prompt's rows by key segments (``_by_segments``), the same whatever is cached
         self._segments = self.cache.buffer.device.type == "cpu"
+        self._decode_caches: torch.Tensor | None = None  # ``decode_caches``, made on first use
 
     # ---- per step ----------------------------------------------------------------------------------
     def begin_step(self, seqs: list[StepSequence]) -> None:
@@ -128,6 +129,35 @@ class TorchPagedAttention:
     @step_state.setter
     def step_state(self, state: tuple) -> None:
         self._step, self._seq_query_lens, self._seq_context_lens, self._seq_generated = state
+
+    def decode_caches(self) -> torch.Tensor | None:
+        """For a C decode step (``hybridkv/model/cpu_decode.c``, its ``CACHE_*`` fields): int64 [layers, 6], layer
+        by layer id, its keys' and values' data pointers, the element strides of their [block, slot, head] dims
+        (``kv_cache.LayerCache``'s views: the layout stays theirs) and its layer group. None unless the cache is
+        float32 on the CPU. Made once (the cache is allocated once); the backend keeps the tensors it points into."""
+        if self._decode_caches is None and self.kv_dtype == torch.float32 and self.cache.buffer.device.type == "cpu":
+            layers = [self.cache.layers[i] for i in sorted(self.cache.layers)]
+            self._decode_caches = torch.tensor([[layer.keys.data_ptr(), layer.values.data_ptr(),
+                                                 *layer.keys.stride()[:3], layer.group_id] for layer in layers])
+        return self._decode_caches
+
+    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a C decode step (``cpu_decode.c``'s ``ROW_*`` fields), of the step ``begin_step`` set: int64 [groups,
+        rows, 5], per layer group and row, the block and offset its token's K/V go to, where its blocks start in
+        the second tensor, and the slots it reads of them (``_SeqRead``'s lo, count); and every row's blocks (ids,
+        in position order) end to end. None unless each sequence computes one generated token (a decode step).
+
+        E.g. one group, rows at context 17 and 3, block size 16, tables [5, 9] and [2]: [[[9, 1, 0, 0, 18], [2, 3, 2,
+        0, 4]]] and [5, 9, 2]."""
+        if not all(self._seq_generated) or any(n != 1 for n in self._seq_query_lens):
+            return None
+        rows, blocks, start = [], [], 0
+        for step in self._step:
+            for read, block, offset in zip(step.reads, step.write_blocks.tolist(), step.write_offsets.tolist()):
+                rows.append((block, offset, start, read.lo, read.count))
+                blocks.append(read.blocks)
+                start += len(read.blocks)
+        return torch.tensor(rows).view(len(self._step), -1, 5), torch.cat(blocks)
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         self.write(layer_id, k, v)
