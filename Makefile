@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test serve install clean
 
-# setup.py builds the Q4_1 CPU kernel and the CPU decode step (C) in place: a change to them installs again
+# setup.py builds the Q4_1 CPU kernel, the CPU decode step and prompt attention (C) in place: a change to them
+# installs again
 $(STAMP): pyproject.toml Makefile setup.py $(wildcard hybridkv/model/*.c hybridkv/model/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

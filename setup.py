@@ -1,7 +1,8 @@
-"""The one compiled part: the Q4_1 CPU kernel and the CPU decode step (``hybridkv/model/q4_1_cpu.c``,
-``cpu_decode.c``; plain C, no torch headers), built at
-``pip install`` as an optional extension module. Without a C compiler the install still succeeds and the 4-bit CPU
-layers run torch's int4 kernel (``hybridkv/model/q4_1_cpu.py`` says which one runs). The rest is in pyproject.toml."""
+"""The one compiled part: the Q4_1 CPU kernel, the CPU decode step and the CPU prompt attention
+(``hybridkv/model/q4_1_cpu.c``, ``cpu_decode.c``, ``prompt_attention_cpu.c``; plain C, no torch headers), built at
+``pip install`` as an optional extension module. Without a C compiler the install still succeeds: the 4-bit CPU
+layers run torch's int4 kernel (``hybridkv/model/q4_1_cpu.py`` says which one runs) and a prompt's attention torch's
+flash kernel. The rest is in pyproject.toml."""
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -11,7 +12,7 @@ from setuptools.command.build_ext import build_ext
 # functions of one file only, so the ABI note on passing them without AVX-512 concerns no caller
 FLAGS = ["-O3", "-ffp-contract=off", "-Wno-psabi"]
 OPENMP = ["-fopenmp"]
-SOURCES = ("q4_1_cpu", "cpu_decode")
+SOURCES = ("q4_1_cpu", "cpu_decode", "prompt_attention_cpu")
 HEADERS = ("q4_1_cpu", "cpu_decode_ops")
 
 

@@ -308,22 +308,71 @@ static void expand_tiles(const uint8_t *w, int64_t n, int64_t k, uint16_t *out, 
     }
 }
 
+#if defined(__x86_64__) || defined(_M_X64)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl")
+/* expand_tiles' values with AVX-512: a row-block's 16 weights made at once (the same multiply, add and rounding
+ * to bf16 as float_to_bf16, lane by lane), its 32 codes looked up by one vpermw */
+static void expand_tiles_avx512(const uint8_t *w, int64_t n, int64_t k, uint16_t *out, int64_t t0, int64_t t1) {
+    const int64_t nb = k / BLOCK;
+    const __m512 codes = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8); /* q - 8 */
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *tb = w + (t * nb + b) * TILE_BLOCK;
+            for (int j = 0; j < TILE && t * TILE + j < n; j++) {
+                uint16_t dh, mh;
+                memcpy(&dh, tb + 256 + 2 * j, 2);
+                memcpy(&mh, tb + 288 + 2 * j, 2);
+                const float d = half_to_float(dh), m = half_to_float(mh);
+                const float scale = bf16_to_float(float_to_bf16(d)), zero = bf16_to_float(float_to_bf16(m + 8.f * d));
+                const __m512i u = _mm512_castps_si512(
+                    _mm512_add_ps(_mm512_mul_ps(codes, _mm512_set1_ps(scale)), _mm512_set1_ps(zero)));
+                const __m512i rounded = _mm512_srli_epi32(
+                    _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+                const __m512i table = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(rounded));
+                uint32_t word[4]; /* bytes 4 c + i of the row: codes 4 c + i (low nibble) and 16 + 4 c + i (high) */
+                for (int c = 0; c < 4; c++) memcpy(word + c, tb + 64 * c + 4 * j, 4);
+                const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)word));
+                const __m512i index = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_and_si256(bytes, _mm256_set1_epi16(15))),
+                    _mm256_srli_epi16(bytes, 4), 1);
+                _mm512_storeu_si512(out + (t * TILE + j) * k + b * BLOCK, _mm512_permutexvar_epi16(index, table));
+            }
+        }
+}
+#pragma GCC pop_options
+#endif
+
+typedef void (*expand_fn)(const uint8_t *, int64_t, int64_t, uint16_t *, int64_t, int64_t);
+
+static expand_fn expander(void) {
+#if defined(__x86_64__) || defined(_M_X64)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl"))
+        return expand_tiles_avx512;
+#endif
+    return expand_tiles;
+}
+
 /* out [n][k] bf16 = (q - 8) * bf16(d) + bf16(m + 8 d), rounded once: the weight torch's int4 kernel's bf16 scales
  * and zeros give (hybridkv/model/int4_cpu.py's _expand), for a prompt row's bf16 GEMM. Returns 0, or -1. */
 int q41_expand_bf16(const uint8_t *w, int64_t n, int64_t k, uint16_t *out, int threads) {
     if (k <= 0 || k % BLOCK || n <= 0 || threads < 1) return -1;
     int64_t tiles = (n + TILE - 1) / TILE;
     if (threads > tiles) threads = (int)tiles;
+    const expand_fn expand = expander();
 #ifdef _OPENMP
     if (threads > 1) {
 #pragma omp parallel num_threads(threads)
         {
             int64_t id = omp_get_thread_num(), count = omp_get_num_threads();
-            expand_tiles(w, n, k, out, tiles * id / count, tiles * (id + 1) / count);
+            expand(w, n, k, out, tiles * id / count, tiles * (id + 1) / count);
         }
     } else
 #endif
-        expand_tiles(w, n, k, out, 0, tiles);
+        expand(w, n, k, out, 0, tiles);
     return 0;
 }
 
@@ -376,6 +425,11 @@ static PyObject *py_threaded(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(q41_threaded());
 }
 
+static PyObject *py_prompt_attention_supported(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    return PyBool_FromLong(q41_prompt_attention_supported());
+}
+
 static PyMethodDef methods[] = {
     {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL,
      "linear(w, n, k, x, bf16, rows, x_stride, y, y_stride, threads, isa) -> 0 | -1 (bad arguments) | -2 (memory); "
@@ -386,6 +440,11 @@ static PyMethodDef methods[] = {
      "decode_step(layers, caches, rows, blocks, x, cos, sin, final_norm, out, L, H, Hq, Hkv, D, I, R, block_size, "
      "eps, scale, threads, isa) -> 0 | -1 (bad arguments) | -2 (memory); a decode step of every layer "
      "(cpu_decode.c)"},
+    {"prompt_attention", (PyCFunction)(void (*)(void))q41_py_prompt_attention, METH_FASTCALL,
+     "prompt_attention(q, k, v, out, first, T, Hq, Hkv, D, Kn, pos0, key0, scale, threads) -> 0 | -1 (bad "
+     "arguments or no AVX-512 BF16) | -2 (memory); one sequence's prompt rows (prompt_attention_cpu.c)"},
+    {"prompt_attention_supported", py_prompt_attention_supported, METH_NOARGS,
+     "True where this build and CPU run prompt_attention (AVX-512 BF16)"},
     {"best_isa", py_best_isa, METH_NOARGS, "2: AVX-512 VNNI, 1: AVX2, 0: scalar C"},
     {"threaded", py_threaded, METH_NOARGS, "1: a call splits its tiles over threads (OpenMP)"},
     {NULL, NULL, 0, NULL}};

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from hybridkv.kv.layout import KVLayout
 from hybridkv.kv.specs import AttentionSpec
 from hybridkv.model.attention.base import BackendCapabilities, StepSequence
+from hybridkv.model.attention.prompt_attention_cpu import PromptAttentionKernel
 from hybridkv.model.attention.kv_cache import LayerCache, PagedKVCache
 
 
@@ -79,7 +80,7 @@ class TorchPagedAttention:
 
     def __init__(
         self, layout: KVLayout, num_blocks: int, kv_dtype: str, device: torch.device | str = "cpu",
-        query_tile: int = QUERY_TILE,
+        query_tile: int = QUERY_TILE, prompt_kernel: bool = True,
     ) -> None:
         if query_tile < 1:
             raise ValueError(f"query_tile must be >= 1, got {query_tile}")
@@ -95,6 +96,9 @@ class TorchPagedAttention:
         self._seq_generated: list[bool] = []
         # full layers on CPU: a prompt's rows by key segments (``_by_segments``), the same whatever is cached
         self._segments = self.cache.buffer.device.type == "cpu"
+        # a prompt's rows on CPU through our kernel where it runs (``prompt_attention_cpu``; prompt_kernel=False:
+        # torch's flash kernel by segments, as on CPUs without AVX-512)
+        self._prompt_kernel = PromptAttentionKernel.load() if prompt_kernel and self._segments else None
         self._decode_caches: torch.Tensor | None = None  # ``decode_caches``, made on first use
 
     # ---- per step ----------------------------------------------------------------------------------
@@ -196,7 +200,10 @@ class TorchPagedAttention:
                     scale: float) -> torch.Tensor:
         """One sequence's queries over the keys it reads, gathered block by block. A generated token's row (one a
         step) always takes ``_decode_sdpa``, a prompt's rows of a full layer on CPU ``_by_segments``: each row is
-        computed the same way cold, after a cache hit and beside any other sequences."""
+        computed the same way cold, after a cache hit and beside any other sequences. Where our CPU kernel runs, a
+        prompt's rows of any layer type take it instead (``PromptAttentionKernel``: each row's arithmetic its own)."""
+        if not generated and self._prompt_kernel is not None and self._prompt_kernel.takes(layer):
+            return self._prompt_kernel(layer, q, read.blocks, read.first - read.lo, read.first, context_len, scale)
         keys = layer.keys.index_select(0, read.blocks).flatten(0, 1)[read.lo : read.hi]
         values = layer.values.index_select(0, read.blocks).flatten(0, 1)[read.lo : read.hi]
         if layer.spec.keeps_every_token and self._segments and not generated:
