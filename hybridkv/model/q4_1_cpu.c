@@ -283,17 +283,23 @@ static float bf16_to_float(uint16_t b) {
     return f;
 }
 
+/* row j of a tile-block's scale and zero as torch's int4 kernel holds them: bf16(d) and bf16(m + 8 d) */
+static void scale_zero(const uint8_t *tb, int j, float *scale, float *zero) {
+    uint16_t dh, mh;
+    memcpy(&dh, tb + 256 + 2 * j, 2);
+    memcpy(&mh, tb + 288 + 2 * j, 2);
+    const float d = half_to_float(dh), m = half_to_float(mh);
+    *scale = bf16_to_float(float_to_bf16(d)), *zero = bf16_to_float(float_to_bf16(m + 8.f * d));
+}
+
 static void expand_tiles(const uint8_t *w, int64_t n, int64_t k, uint16_t *out, int64_t t0, int64_t t1) {
     int64_t nb = k / BLOCK;
     for (int64_t t = t0; t < t1; t++) {
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *tb = w + (t * nb + b) * TILE_BLOCK;
             for (int j = 0; j < TILE && t * TILE + j < n; j++) {
-                uint16_t dh, mh;
-                memcpy(&dh, tb + 256 + 2 * j, 2);
-                memcpy(&mh, tb + 288 + 2 * j, 2);
-                float d = half_to_float(dh), m = half_to_float(mh);
-                float scale = bf16_to_float(float_to_bf16(d)), zero = bf16_to_float(float_to_bf16(m + 8.f * d));
+                float scale, zero;
+                scale_zero(tb, j, &scale, &zero);
                 uint16_t value[16]; /* the block's 16 weights, one a code: each output is a lookup */
                 for (int q = 0; q < 16; q++) value[q] = float_to_bf16(((float)q - 8.f) * scale + zero);
                 uint16_t *row = out + (t * TILE + j) * k + b * BLOCK;
@@ -320,11 +326,8 @@ static void expand_tiles_avx512(const uint8_t *w, int64_t n, int64_t k, uint16_t
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *tb = w + (t * nb + b) * TILE_BLOCK;
             for (int j = 0; j < TILE && t * TILE + j < n; j++) {
-                uint16_t dh, mh;
-                memcpy(&dh, tb + 256 + 2 * j, 2);
-                memcpy(&mh, tb + 288 + 2 * j, 2);
-                const float d = half_to_float(dh), m = half_to_float(mh);
-                const float scale = bf16_to_float(float_to_bf16(d)), zero = bf16_to_float(float_to_bf16(m + 8.f * d));
+                float scale, zero;
+                scale_zero(tb, j, &scale, &zero);
                 const __m512i u = _mm512_castps_si512(
                     _mm512_add_ps(_mm512_mul_ps(codes, _mm512_set1_ps(scale)), _mm512_set1_ps(zero)));
                 const __m512i rounded = _mm512_srli_epi32(

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from hybridkv.kv.layout import KVLayout
 from hybridkv.kv.specs import AttentionSpec
 from hybridkv.model.attention.base import BackendCapabilities, StepSequence
-from hybridkv.model.attention.prompt_attention_cpu import PromptAttentionKernel
 from hybridkv.model.attention.kv_cache import LayerCache, PagedKVCache
+from hybridkv.model.attention.prompt_attention_cpu import PromptAttentionKernel
 
 
 # Queries per tile of a prefill: its mask is QUERY_TILE x keys bools, and SDPA's own blocks do the rest.
