@@ -32,7 +32,6 @@
 #define KEYS 64   /* a key block */
 #define ROWS 6    /* query rows whose scores and outputs stay in registers at once (6 x 4 accumulators) */
 #define TOKENS 32 /* query tokens of a unit of work (times the query heads of a KV head: its rows) */
-#define MAX_D 256
 
 typedef struct {
     const float *q;       /* [T][Hq][D], the query tokens at positions pos0 .. pos0 + T - 1 */
@@ -43,10 +42,11 @@ typedef struct {
     int64_t T, Hq, Hkv, D, pos0, key0, base, page_size, sb, ss, sh; /* keys: positions key0 .. pos0 + T - 1 */
     int64_t per, b0, nb, page_shift; /* query heads a KV head; key blocks; page_size = 2^page_shift */
     float scale;
-    float *qp, *kp; /* the packs above */
+    float *qp, *kp;      /* the packs above */
+    const float **vrows; /* [Hkv][nb * 64] each key position's V row in the cache (or zeros) */
 } prompt_attn;
 
-static const float zeros[MAX_D];
+static const float zeros[PROMPT_ATTENTION_MAX_D];
 
 /* the cache row of KV head g's key or value at position pos (zeros outside the sequence's keys) */
 static inline const float *key_row(const prompt_attn *a, const float *cache, int64_t g, int64_t pos) {
@@ -55,11 +55,14 @@ static inline const float *key_row(const prompt_attn *a, const float *cache, int
     return cache + a->pages[at >> a->page_shift] * a->sb + (at & (a->page_size - 1)) * a->ss + g * a->sh;
 }
 
+/* KV head g's key block b into its pack, and its V rows' addresses into vrows (every unit of rows reads both) */
 static void pack_keys(const prompt_attn *a, int64_t g, int64_t b) {
     const int64_t D = a->D;
     float *kp = a->kp + (g * a->nb + b - a->b0) * KEYS * D;
+    const float **vrows = a->vrows + (g * a->nb + b - a->b0) * KEYS;
     for (int64_t i = 0; i < KEYS; i++) {
         const float *k = key_row(a, a->k, g, b * KEYS + i);
+        vrows[i] = key_row(a, a->v, g, b * KEYS + i);
         for (int64_t d = 0; d < D; d++) kp[(i / 16 * D + d) * 16 + i % 16] = k[d];
     }
 }
@@ -180,8 +183,8 @@ static void unit(const prompt_attn *a, int64_t g, int64_t t0, int64_t t1, float 
     const float *q = a->qp + (g * a->T + t0) * per * D;
     const int64_t b_first = a->first[t0] / KEYS, b_last = (a->pos0 + t1 - 1) / KEYS;
     for (int64_t b = b_first; b <= b_last; b++) {
-        const float *kb = a->kp + (g * a->nb + b - a->b0) * KEYS * D, *v[KEYS];
-        for (int64_t i = 0; i < KEYS; i++) v[i] = key_row(a, a->v, g, b * KEYS + i);
+        const float *kb = a->kp + (g * a->nb + b - a->b0) * KEYS * D;
+        const float *const *v = a->vrows + (g * a->nb + b - a->b0) * KEYS;
         for (int64_t r0 = 0; r0 < n; r0 += ROWS) {
             const float *qr[ROWS];
             float *Or[ROWS];
@@ -234,7 +237,7 @@ int q41_prompt_attention_supported(void) {
 /* 0; -1 for bad sizes or a CPU without AVX-512; -2 when out of memory */
 static int prompt_attention(prompt_attn *a, int threads) {
     if (!q41_prompt_attention_supported() || threads < 1 || a->T < 1 || a->Hkv < 1 || a->Hq % a->Hkv ||
-        a->D % 64 || a->D > MAX_D || a->key0 < a->base || a->key0 > a->pos0 || a->first[0] < a->key0 ||
+        a->D % 64 || a->D > PROMPT_ATTENTION_MAX_D || a->key0 < a->base || a->key0 > a->pos0 || a->first[0] < a->key0 ||
         a->page_size < 1 || a->page_size & (a->page_size - 1))
         return -1;
 #ifdef HAVE_AVX512
@@ -242,8 +245,13 @@ static int prompt_attention(prompt_attn *a, int threads) {
     a->b0 = a->key0 / KEYS, a->nb = (a->pos0 + a->T - 1) / KEYS - a->b0 + 1;
     const size_t keys = (size_t)a->Hkv * a->nb * KEYS * a->D, floats = keys + (size_t)a->T * a->Hq * a->D;
     float *packs = aligned_alloc(64, (floats + 15) / 16 * 64);
-    if (!packs) return -2;
-    a->kp = packs, a->qp = packs + keys;
+    const float **vrows = malloc((size_t)a->Hkv * a->nb * KEYS * sizeof(float *));
+    if (!packs || !vrows) {
+        free(packs);
+        free(vrows);
+        return -2;
+    }
+    a->kp = packs, a->qp = packs + keys, a->vrows = vrows;
     const int64_t tiles = (a->T + TOKENS - 1) / TOKENS, units = a->Hkv * tiles, blocks = a->Hkv * a->nb;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -266,6 +274,7 @@ static int prompt_attention(prompt_attn *a, int threads) {
         free(scratch);
     }
     free(packs);
+    free(vrows);
     return failed ? -2 : 0;
 #else
     return -1;

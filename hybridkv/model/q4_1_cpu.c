@@ -456,4 +456,11 @@ static struct PyModuleDef module = {.m_base = PyModuleDef_HEAD_INIT, .m_name = "
                                     .m_doc = "Q4_1 linear rows on CPU (hybridkv/model/q4_1_cpu.py)", .m_size = -1,
                                     .m_methods = methods};
 
-PyMODINIT_FUNC PyInit__q4_1_cpu(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__q4_1_cpu(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "PROMPT_ATTENTION_MAX_HEAD_DIM", PROMPT_ATTENTION_MAX_D)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -38,7 +38,8 @@ void q41_run_tiles(tile_fn fn, const uint8_t *w, const acts *a, int64_t rows, in
 
 PyObject *q41_py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
-/* prompt_attention_cpu.c */
+/* prompt_attention_cpu.c: heads up to this wide (the module's PROMPT_ATTENTION_MAX_HEAD_DIM) */
+#define PROMPT_ATTENTION_MAX_D 256
 int q41_prompt_attention_supported(void);
 PyObject *q41_py_prompt_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 

@@ -112,7 +112,8 @@ def test_elsewhere_the_torch_path_answers():
     segments, bit for bit."""
     spec = FullAttentionSpec(HKV, 32, "float32")
     q, k, v = inputs(head_dim=32)
-    assert not PromptAttentionKernel.takes(backend(spec).cache.layers[0])
+    if KERNEL is not None:
+        assert not KERNEL.takes(backend(spec).cache.layers[0])
     assert torch.equal(run_chunks(backend(spec), q, k, v, [100]),
                        run_chunks(backend(spec, prompt_kernel=False), q, k, v, [100]))
     assert backend(SPECS["full"], prompt_kernel=False)._prompt_kernel is None

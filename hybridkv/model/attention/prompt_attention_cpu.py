@@ -21,9 +21,6 @@ import torch
 
 from hybridkv.model.attention.kv_cache import LayerCache
 
-MAX_HEAD_DIM = 256  # the C kernel's widest head
-
-
 @dataclass(slots=True)
 class PromptAttentionKernel:
     ext: ModuleType  # hybridkv.model._q4_1_cpu
@@ -37,13 +34,13 @@ class PromptAttentionKernel:
             return None
         return cls(ext) if ext.prompt_attention_supported() else None
 
-    @staticmethod
-    def takes(layer: LayerCache) -> bool:
-        """Whether ``layer``'s cache is one the kernel reads: float32 on the CPU, heads a multiple of 64 up to 256
-        wide."""
+    def takes(self, layer: LayerCache) -> bool:
+        """Whether ``layer``'s cache is one the kernel reads: float32 on the CPU, heads a multiple of 64 up to the
+        kernel's widest (256)."""
         keys, values = layer.keys, layer.values
         return (keys.dtype == torch.float32 and keys.device.type == "cpu" and keys.shape[-1] % 64 == 0
-                and keys.shape[-1] <= MAX_HEAD_DIM and keys.stride() == values.stride() and keys.stride(-1) == 1)
+                and keys.shape[-1] <= self.ext.PROMPT_ATTENTION_MAX_HEAD_DIM and keys.stride() == values.stride()
+                and keys.stride(-1) == 1)
 
     def __call__(self, layer: LayerCache, q: torch.Tensor, pages: torch.Tensor, base: int, key0: int,
                  context_len: int, scale: float) -> torch.Tensor:
