@@ -618,6 +618,70 @@ class ModelEngines:
                           quantization=self.quantization, **overrides)
 
 
+RANK_COLUMNS = ["weights", "KV dtype", "measure", "value", "note"]
+
+
+def rank_rows(args: argparse.Namespace, quantization: str, steps: dict, measured_by_dtype: dict) -> list[list[str]]:
+    """One TP-8 rank with weights in ``quantization``'s format: its rows for each of ``--kv-dtypes`` (capacity,
+    prefill, step model, decode, peak memory); the step model's points go into ``steps`` and the measured prefills
+    into ``measured_by_dtype``, by the label the plot draws."""
+    cfg = rank_config(8)
+    rank = ModelEngines(cfg, quantization, args.block_size)
+    rows = []
+    for kv_dtype in (args.kv_dtypes or "bfloat16,fp8_e4m3").split(","):
+        engine = rank.build(kv_dtype)
+        kv_bytes = engine.kv.pool.num_blocks * engine.layout.page_bytes
+        full = json.loads(CONFIG.read_text())
+        plan = plan_capacity(full, PlanInputs(tensor_parallel_size=8, kv_cache_dtype=engine.config.kv_cache_dtype,
+                                              block_size=args.block_size, kv_memory_bytes=kv_bytes,
+                                              max_num_batched_tokens=engine.config.max_num_batched_tokens,
+                                              quantization=quantization))
+        weights_gib = sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 2**30
+        capped = "engine capped by max_position_embeddings" if engine.max_model_len < plan.max_model_len else ""
+        rows += [[quantization, kv_dtype, "KV memory allocated", f"{kv_bytes / 2**30:.2f} GiB",
+                  f"weights {weights_gib:.2f} GiB"],
+                 [quantization, kv_dtype, "max_model_len plan / engine",
+                  f"{plan.max_model_len:,} / {engine.max_model_len:,}", capped]]
+        label = kv_dtype if quantization == "none" else f"{kv_dtype}, {quantization} weights"
+        measured = measured_by_dtype[label] = {}
+        if args.prefill_lengths:
+            prefill_seconds(engine, 20000, cfg["vocab_size"])  # compiles the kernels; not reported
+            for n in (int(x) for x in args.prefill_lengths.split(",") if x):
+                s = measured[n] = prefill_seconds(engine, n, cfg["vocab_size"])
+                rows.append([quantization, kv_dtype, f"prefill {n:,} tokens (cold)", f"{s:.1f} s",
+                             f"{n / s:,.0f} tok/s"])
+                print(rows[-1], flush=True)
+        fill_random(engine)
+        if args.step_contexts:
+            contexts = [int(x) for x in args.step_contexts.split(",") if x]
+            step_seconds(engine, 0, cfg["vocab_size"])  # compiles the kernels; not reported
+            seconds = []
+            for ctx in contexts:
+                times = [step_seconds(engine, ctx, cfg["vocab_size"]) for _ in range(2)]
+                seconds.append(min(times))
+                runs = ", ".join(f"{1000 * t:.0f}" for t in times)
+                rows.append([quantization, kv_dtype, f"{STEP_TOKENS:,}-token prefill step over {ctx:,} (random KV)",
+                             f"{1000 * min(times):.0f} ms", f"2 runs: {runs} ms"])
+                print(rows[-1], flush=True)
+            rows += [[quantization, *row] for row in step_model_rows(kv_dtype, contexts, seconds, measured)]
+            steps[label] = (contexts, seconds)
+        for ctx in (int(x) for x in args.decode_contexts.split(",") if x):
+            if ctx > engine.max_model_len:
+                rows.append([quantization, kv_dtype, f"decode step @ {ctx:,}", "does not fit", ""])
+                continue
+            ms = decode_ms(engine, ctx, cfg["vocab_size"])
+            rows.append([quantization, kv_dtype, f"decode step @ {ctx:,} (random KV)", f"{ms:.1f} ms", ""])
+            print(rows[-1], flush=True)
+        peak_gib = torch.cuda.max_memory_allocated() / 2**30
+        rows.append([quantization, kv_dtype, "peak GPU memory", f"{peak_gib:.1f} GiB", ""])
+        del engine
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    del rank
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -639,9 +703,15 @@ def main() -> None:
                     help="time one 16,384-token prefill step at each context (random KV), fit cost(context) and "
                          "predict vLLM's prompt lengths, e.g. 0,1048576,2097152,4194304,8388608,9800000")
     ap.add_argument("--plot", metavar="PATH", help="with --step-contexts: draw the step model of this run into a PNG")
-    ap.add_argument("--quantization", default="none", choices=("none", "fp8", "int4"),
-                    help="weights in this format: random ones the engine builds (load_format=dummy), on one rank too")
+    ap.add_argument("--quantization", default="none",
+                    help="weights in this format (none, fp8, int4): random ones the engine builds "
+                         "(load_format=dummy); one rank takes a list, e.g. fp8,none, and runs each in turn")
     args = ap.parse_args()
+    quantizations = args.quantization.split(",")
+    if unknown := set(quantizations) - {"none", "fp8", "int4"}:
+        ap.error(f"--quantization: {', '.join(sorted(unknown))} is not one of none, fp8, int4")
+    if len(quantizations) > 1 and (args.full_model or args.tensor_parallel_size > 1):
+        ap.error("--quantization takes a list for one rank only (not with --full-model or --tensor-parallel-size)")
     contexts = [int(x) for x in args.decode_contexts.split(",") if x]
     if args.full_model:
         rows = [row for kv_dtype in (args.kv_dtypes or "bfloat16").split(",")
@@ -655,56 +725,12 @@ def main() -> None:
         print_table(rows, f"Llama-4-Scout, tensor parallelism {args.tensor_parallel_size} vs 1, block {BLOCK_SIZE}",
                     args.step_tokens)
         return
-    cfg = rank_config(8)
-    rank = ModelEngines(cfg, args.quantization, args.block_size)
     rows = []
     steps: dict[str, tuple[list[int], list[float]]] = {}
     measured_by_dtype: dict[str, dict[int, float]] = {}
-    for kv_dtype in (args.kv_dtypes or "bfloat16,fp8_e4m3").split(","):
-        engine = rank.build(kv_dtype)
-        kv_bytes = engine.kv.pool.num_blocks * engine.layout.page_bytes
-        full = json.loads(CONFIG.read_text())
-        plan = plan_capacity(full, PlanInputs(tensor_parallel_size=8, kv_cache_dtype=engine.config.kv_cache_dtype,
-                                              block_size=args.block_size, kv_memory_bytes=kv_bytes,
-                                              max_num_batched_tokens=engine.config.max_num_batched_tokens,
-                                              quantization=args.quantization))
-        weights_gib = sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 2**30
-        rows.append([kv_dtype, "KV memory allocated", f"{kv_bytes / 2**30:.2f} GiB", f"weights {weights_gib:.2f} GiB"])
-        rows.append([kv_dtype, "max_model_len plan / engine", f"{plan.max_model_len:,} / {engine.max_model_len:,}",
-                     "engine capped by max_position_embeddings" if engine.max_model_len < plan.max_model_len else ""])
-        measured = measured_by_dtype[kv_dtype] = {}
-        if args.prefill_lengths:
-            prefill_seconds(engine, 20000, cfg["vocab_size"])  # compiles the kernels; not reported
-            for n in (int(x) for x in args.prefill_lengths.split(",") if x):
-                s = measured[n] = prefill_seconds(engine, n, cfg["vocab_size"])
-                rows.append([kv_dtype, f"prefill {n:,} tokens (cold)", f"{s:.1f} s", f"{n / s:,.0f} tok/s"])
-                print(rows[-1], flush=True)
-        fill_random(engine)
-        if args.step_contexts:
-            contexts = [int(x) for x in args.step_contexts.split(",") if x]
-            step_seconds(engine, 0, cfg["vocab_size"])  # compiles the kernels; not reported
-            seconds = []
-            for ctx in contexts:
-                times = [step_seconds(engine, ctx, cfg["vocab_size"]) for _ in range(2)]
-                seconds.append(min(times))
-                rows.append([kv_dtype, f"{STEP_TOKENS:,}-token prefill step over {ctx:,} (random KV)",
-                             f"{1000 * min(times):.0f} ms", f"2 runs: {', '.join(f'{1000 * t:.0f}' for t in times)} ms"])
-                print(rows[-1], flush=True)
-            rows += step_model_rows(kv_dtype, contexts, seconds, measured)
-            steps[kv_dtype] = (contexts, seconds)
-        for ctx in (int(x) for x in args.decode_contexts.split(",") if x):
-            if ctx > engine.max_model_len:
-                rows.append([kv_dtype, f"decode step @ {ctx:,}", "does not fit", ""])
-                continue
-            ms = decode_ms(engine, ctx, cfg["vocab_size"])
-            rows.append([kv_dtype, f"decode step @ {ctx:,} (random KV)", f"{ms:.1f} ms", ""])
-            print(rows[-1], flush=True)
-        rows.append([kv_dtype, "peak GPU memory", f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", ""])
-        del engine
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    weights = f", {args.quantization} weights" if args.quantization != "none" else ""
-    print_table(rows, f"Llama-4-Scout rank shapes at TP 8{weights}, block {args.block_size}")
+    for quantization in quantizations:
+        rows += rank_rows(args, quantization, steps, measured_by_dtype)
+    print_table(rows, f"Llama-4-Scout rank shapes at TP 8, block {args.block_size}", columns=RANK_COLUMNS)
     if args.plot and not steps:
         print("--plot: nothing drawn, the step model needs --step-contexts")
     elif args.plot:
@@ -714,10 +740,11 @@ def main() -> None:
         print(f"plot: {args.plot}")
 
 
-def print_table(rows: list[list[str]], title: str, step_tokens: int = STEP_TOKENS) -> None:
+def print_table(rows: list[list[str]], title: str, step_tokens: int = STEP_TOKENS,
+                columns: list[str] | None = None) -> None:
     print(f"\n{torch.cuda.get_device_name()} x {torch.cuda.device_count()}: {title} "
           f"(48 layers, 12 full + 36 chunked(8192), 16 experts), batch 1, steps of {step_tokens:,} tokens")
-    print(markdown_table(["KV dtype", "measure", "value", "note"], rows))
+    print(markdown_table(columns or ["KV dtype", "measure", "value", "note"], rows))
 
 
 if __name__ == "__main__":
