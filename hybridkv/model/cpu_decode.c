@@ -171,17 +171,11 @@ static int decode(decode_step *s, int threads, int isa) {
 PyObject *q41_py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     enum { POINTERS = 9, SIZES = 8, COUNT = POINTERS + SIZES + 4 };
-    if (nargs != COUNT) {
-        PyErr_SetString(PyExc_TypeError, "decode_step(layers, caches, rows, blocks, x, cos, sin, final_norm, out, L, "
-                                         "H, Hq, Hkv, D, I, R, block_size, eps, scale, threads, isa)");
-        return NULL;
-    }
     long long v[COUNT];
-    for (int i = 0; i < COUNT; i++) {
-        if (i == POINTERS + SIZES || i == POINTERS + SIZES + 1) continue; /* eps, scale: floats */
-        v[i] = PyLong_AsLongLong(args[i]);
-        if (v[i] == -1 && PyErr_Occurred()) return NULL;
-    }
+    if (q41_int_args(args, nargs, COUNT, 3ull << (POINTERS + SIZES), v,  /* eps, scale: floats */
+                     "decode_step(layers, caches, rows, blocks, x, cos, sin, final_norm, out, L, H, Hq, Hkv, D, I, "
+                     "R, block_size, eps, scale, threads, isa)"))
+        return NULL;
     const double eps = PyFloat_AsDouble(args[POINTERS + SIZES]), scale = PyFloat_AsDouble(args[POINTERS + SIZES + 1]);
     if (PyErr_Occurred()) return NULL;
     decode_step s = {

@@ -214,7 +214,8 @@ static void unit(const prompt_attn *a, int64_t g, int64_t t0, int64_t t1, float 
         const int64_t t = t0 + row / per, h = g * per + row % per;
         const __m512 total = _mm512_set1_ps(sum_lanes(l[row]));
         float *out = a->out + (t * a->Hq + h) * D;
-        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(out + d, _mm512_div_ps(_mm512_loadu_ps(O + row * D + d), total));
+        for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_ps(out + d, _mm512_div_ps(_mm512_loadu_ps(O + row * D + d), total));
     }
 }
 #pragma GCC pop_options
@@ -284,17 +285,11 @@ static int prompt_attention(prompt_attn *a, int threads) {
 PyObject *q41_py_prompt_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     enum { POINTERS = 6, SIZES = 11, COUNT = POINTERS + SIZES + 2 };
-    if (nargs != COUNT) {
-        PyErr_SetString(PyExc_TypeError, "prompt_attention(q, keys, values, pages, out, first, T, Hq, Hkv, D, pos0, "
-                                         "key0, base, page_size, sb, ss, sh, scale, threads)");
-        return NULL;
-    }
     long long v[COUNT];
-    for (int i = 0; i < COUNT; i++) {
-        if (i == POINTERS + SIZES) continue; /* scale: a float */
-        v[i] = PyLong_AsLongLong(args[i]);
-        if (v[i] == -1 && PyErr_Occurred()) return NULL;
-    }
+    if (q41_int_args(args, nargs, COUNT, 1ull << (POINTERS + SIZES), v,  /* scale: a float */
+                     "prompt_attention(q, keys, values, pages, out, first, T, Hq, Hkv, D, pos0, key0, base, "
+                     "page_size, sb, ss, sh, scale, threads)"))
+        return NULL;
     const double scale = PyFloat_AsDouble(args[POINTERS + SIZES]);
     if (PyErr_Occurred()) return NULL;
     prompt_attn a = {

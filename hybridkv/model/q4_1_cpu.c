@@ -380,13 +380,14 @@ int q41_expand_bf16(const uint8_t *w, int64_t n, int64_t k, uint16_t *out, int t
 }
 
 /* The module's functions: a call on a 16 x 32 weight takes 0.6 us (3.4 us through ctypes; 120 calls a token). */
-/* the call's ``count`` integer arguments into v; -1 (a Python error set, naming ``usage``) when they are not */
-static int int_args(PyObject *const *args, Py_ssize_t nargs, int count, long long *v, const char *usage) {
+int q41_int_args(PyObject *const *args, Py_ssize_t nargs, int count, uint64_t floats, long long *v,
+                 const char *usage) {
     if (nargs != count) {
         PyErr_SetString(PyExc_TypeError, usage);
         return -1;
     }
     for (int i = 0; i < count; i++) {
+        if (floats >> i & 1) continue;
         v[i] = PyLong_AsLongLong(args[i]);
         if (v[i] == -1 && PyErr_Occurred()) return -1;
     }
@@ -396,8 +397,8 @@ static int int_args(PyObject *const *args, Py_ssize_t nargs, int count, long lon
 static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     long long v[11];
-    if (int_args(args, nargs, 11, v, "linear(w, n, k, x, bf16, rows, x_stride, y, y_stride, threads, isa): "
-                                     "11 integers"))
+    if (q41_int_args(args, nargs, 11, 0, v, "linear(w, n, k, x, bf16, rows, x_stride, y, y_stride, threads, isa): "
+                                            "11 integers"))
         return NULL;
     int code;
     Py_BEGIN_ALLOW_THREADS
@@ -410,7 +411,7 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
 static PyObject *py_expand_bf16(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     long long v[5];
-    if (int_args(args, nargs, 5, v, "expand_bf16(w, n, k, out, threads): 5 integers")) return NULL;
+    if (q41_int_args(args, nargs, 5, 0, v, "expand_bf16(w, n, k, out, threads): 5 integers")) return NULL;
     int code;
     Py_BEGIN_ALLOW_THREADS
     code = q41_expand_bf16((const uint8_t *)(uintptr_t)v[0], v[1], v[2], (uint16_t *)(uintptr_t)v[3], (int)v[4]);

@@ -36,6 +36,11 @@ quantize_fn q41_quantizer_of(int isa);
 void q41_run_tiles(tile_fn fn, const uint8_t *w, const acts *a, int64_t rows, int64_t n, const float *bias, float *y,
                    int64_t y_stride, int64_t t0, int64_t t1);
 
+/* the call's ``count`` arguments into v, as integers but those whose bit is set in ``floats`` (the caller reads
+   them); -1 (a Python error set, naming ``usage``) when there are not ``count`` or one is not an integer */
+int q41_int_args(PyObject *const *args, Py_ssize_t nargs, int count, uint64_t floats, long long *v,
+                 const char *usage);
+
 PyObject *q41_py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* prompt_attention_cpu.c: heads up to this wide (the module's PROMPT_ATTENTION_MAX_HEAD_DIM) */
