@@ -46,7 +46,9 @@ TOL = 1e-2  # relative error of the output's norm against the float32 reference 
 # --sweep's candidates: the GEMV (no dots) up to 8 rows, a dot per nibble up to 16, the reshaped tile to 64
 GEMV_SWEEP = [Int4Tile(1, 64, 128, 8, 4, 1, False, gemv=True), Int4Tile(1, 64, 128, 4, 4, 1, False, gemv=True),
               Int4Tile(1, 128, 128, 4, 8, 1, False, gemv=True), Int4Tile(1, 32, 128, 8, 2, 1, False, gemv=True),
-              Int4Tile(1, 64, 128, 4, 4, 3, False, gemv=True), Int4Tile(1, 64, 128, 8, 4, 1, True, gemv=True)]
+              Int4Tile(1, 64, 128, 4, 4, 3, False, gemv=True), Int4Tile(1, 64, 128, 8, 4, 1, True, gemv=True),
+              Int4Tile(1, 128, 128, 4, 4, 1, False, gemv=True), Int4Tile(1, 128, 128, 8, 4, 1, False, gemv=True),
+              Int4Tile(1, 256, 128, 4, 8, 1, False, gemv=True)]
 NIBBLE_SWEEP = [Int4Tile(16, 128, 128, 2, 8, 3, False, True), Int4Tile(16, 64, 128, 4, 4, 4, False, True)]
 RESHAPE_SWEEP = [Int4Tile(16, 64, 128, 4, 4, 4, False), Int4Tile(16, 128, 128, 2, 8, 3, False),
                  Int4Tile(16, 64, 64, 4, 4, 4, False), Int4Tile(16, 64, 128, 4, 4, 4, True),
@@ -184,9 +186,9 @@ def sweep_rows(name: str, wt: Weights, n: int, k: int, rows: list[int]) -> list[
         want = F.linear(x, wt.w)
         times = []
         for t in sweep_tiles(m):
-            if rel_err(launch_int4_gemm(x, *wt.int4[0], None, GROUP, None, t), want) > TOL:
+            if rel_err(launch_int4_gemm(x, *wt.int4[0], None, GROUP, None, tile=t), want) > TOL:
                 raise SystemExit(f"{name} M={m}: tile {t} is wrong")
-            times.append((graph_us(lambda i: launch_int4_gemm(x, *wt.int4[i], None, GROUP, None, t), wt.n4), t))
+            times.append((graph_us(lambda i: launch_int4_gemm(x, *wt.int4[i], None, GROUP, None, tile=t), wt.n4), t))
         best_t, best = min(times, key=lambda p: p[0])
         out.append([name, m, " / ".join(f"{tile_name(t)}: {us:.1f}" for us, t in times), f"{best_t:.1f}",
                     tile_name(best)])

@@ -129,11 +129,13 @@ def quantize_fp8_per_token(x: torch.Tensor, input_scale: torch.Tensor | None = N
 
 
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-              group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+              group_size: int, bias: torch.Tensor | None = None, arrived: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, dequantize_int4(packed, scale, zero, group_size), bias)`` without materializing the weight:
     x [..., K] bf16 or fp16 (float32 too, for checks), the weight as in the module docstring, bias [N] in x's
     dtype. Float32 accumulation; the result in x's dtype. Up to 64 rows the weight is read once across the GPU
-    (split along N and K; up to 4 rows without tensor cores); more rows run tensor-core tiles. CUDA-graph capturable: no host sync."""
+    (split along N and K, one launch; up to 4 rows without tensor cores); more rows run tensor-core tiles.
+    ``arrived``: the split sums' counters, ``quant_triton.int4_gemm_counters(N)`` kept by the caller (None: made
+    for the call). CUDA-graph capturable: no host sync."""
     from hybridkv.kernels.quant_triton import launch_int4_gemm  # GPU only
 
     k = check_int4(packed, scale, zero, group_size)
@@ -148,7 +150,7 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: 
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = launch_int4_gemm(x2, packed, scale, zero, k // scale.shape[1], bias)
+    y = launch_int4_gemm(x2, packed, scale, zero, k // scale.shape[1], bias, arrived)
     return y.view(*x.shape[:-1], n)
 
 

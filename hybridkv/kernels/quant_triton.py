@@ -9,9 +9,11 @@ group's scale multiplies either the tile's product (decode: a few rows, fewer mu
 weights (prefill: each weight then equals ``dequantize_int4``'s, and the accumulator chains through the dots).
 
 Decode-sized inputs (<= ``DECODE_ROWS`` rows) are bound by reading the weight, 0.5 byte a value: the columns are
-split into tiles and K into enough splits for several programs per SM; each split stores a float32 partial and a
-second launch sums the splits in split order (the same bits every call), adds the bias and rounds. E.g. 8192 x
-8192 on 132 SMs: 128 column tiles of 64 x 5 splits of 1,664 = 640 programs reading 53 KB each.
+split into tiles and K into as many splits as keep the grid within the tile's programs per SM (one wave); each
+split stores a float32 partial, and the last program of a tile to finish (an arrival counter, left zero) sums the
+splits in split order (the same bits every call), adds the bias and rounds: one launch, with programmatic
+dependent launch (``launch.py``). E.g. 8192 x 8192 at batch 1 on 132 SMs, GEMV tiles of 64 columns, 8 programs an
+SM: 128 column tiles x 8 splits of 1,024 = 1,024 programs reading 32 KB each.
 
 INT4 GEMV (a few rows: ``int4_tile``): no tensor cores, whose dots would pad the rows to 16. A program reads its
 words ``[columns, K tile / 8]`` 16 bytes a thread and leaves nibble i in place, at bits 4j of the word's low
@@ -33,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.kernels.launch import pdl, pdl_start
+
 
 # rows up to which a call takes the decode tiles (the weight read once, split along N and K)
 DECODE_ROWS = 64
@@ -42,6 +46,9 @@ GEMV_ROWS = 16
 MAGIC = tl.constexpr(8388616.0)
 # float32 2^23: (nibble << 4j) | 0x4B000000 is 2^23 + nibble * 16^j
 MAGIC_23 = tl.constexpr(8388608.0)
+# its bits, passed to the GEMV as an argument: a register operand, so each nibble's mask is the instruction's
+# immediate (two constants would cost a move a weight)
+MAGIC_BITS = 0x4B000000
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +57,9 @@ class Int4Tile:
     that many), warps, pipeline stages, whether the group scale multiplies the weights (else the product), whether
     each nibble gets its own dot (``NIBBLE_DOTS`` in the kernel; K tiles of 128 or more only), and whether the
     program is ``int4_gemv_kernel`` (no dots: every row of x in one program, ``block_m`` unused; up to
-    ``GEMV_ROWS`` rows). A GEMV tile's columns stay below its threads (32 a warp): a [columns] load of as many
-    elements as threads or more is laid out on its own and moved into the weights' layout every K tile."""
+    ``GEMV_ROWS`` rows). A GEMV tile of as many columns as threads (32 a warp) or more reads its scales in the
+    words' shape (``WIDE_TILE``): a [columns, 1] load would be laid out on its own, and the sums moved through
+    shared memory into it every K tile."""
 
     block_m: int
     block_n: int
@@ -83,12 +91,14 @@ def int4_tile(rows: int) -> Int4Tile:
 
 @triton.jit
 def int4_gemm_kernel(
-    x_ptr, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, rows, n, k, k_per_split, group,
+    x_ptr, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, arrived_ptr, rows, n, k, k_per_split, group,
     stride_xm, stride_pn, stride_sn, stride_zn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, ZERO: tl.constexpr, BIAS: tl.constexpr, SCALE_WEIGHTS: tl.constexpr,
-    PRECISION: tl.constexpr, NIBBLE_DOTS: tl.constexpr = False,
+    PRECISION: tl.constexpr, NIBBLE_DOTS: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    if PDL:
+        pdl_start()
     # tiles in groups of GROUP_M row tiles per column tile: those programs share the column tile's weights in L2
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -142,24 +152,35 @@ def int4_gemm_kernel(
             else:
                 acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), input_precision=PRECISION) * s[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
-    if SPLIT:  # a partial of the K-split, summed by sum_splits_kernel
-        tl.store(part_ptr + (split * rows + ms[:, None]) * n + ns[None, :], acc, mask=ok)
-    else:
-        if BIAS:
-            acc += tl.load(b_ptr + ns, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + ms[:, None] * stride_om + ns[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+    if SPLIT:  # the last split of the tile to finish sums them all
+        parts = part_ptr + ms[:, None] * n + ns[None, :]
+        tl.store(parts + split * rows * n, acc, mask=ok)
+        # release our partial, acquire the others' (acq_rel): the last to arrive sees every split's stores
+        if tl.atomic_add(arrived_ptr + pid, 1) != tl.num_programs(1) - 1:
+            return
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for other in range(tl.num_programs(1)):  # in split order: the same bits every call
+            acc += tl.load(parts + other * rows * n, mask=ok, other=0.0, cache_modifier=".cg")
+        tl.store(arrived_ptr + pid, 0)
+    if BIAS:
+        acc += tl.load(b_ptr + ns, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + ms[:, None] * stride_om + ns[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def int4_gemv_kernel(
-    x_ptr, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, rows, n, k, tiles_per_split, group,
+    x_ptr, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, arrived_ptr, rows, n, k, tiles_per_split, magic,
     stride_xm, stride_pn, stride_sn, stride_zn, stride_om,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-    ZERO: tl.constexpr, BIAS: tl.constexpr, SCALE_WEIGHTS: tl.constexpr, STAGES: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_TILES: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, ZERO: tl.constexpr, BIAS: tl.constexpr, SCALE_WEIGHTS: tl.constexpr, STAGES: tl.constexpr,
+    X_WIDE: tl.constexpr = False, X_DTYPE: tl.constexpr = tl.bfloat16, WIDE_TILE: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     # program (column tile, K-split); a tuple of ROWS accumulators [BLOCK_N, WORDS], one a row of x: element (c, j)
     # sums the row's products with word j (of each K tile) of column c. Every tensor keeps the weights' layout
     # (16-byte loads along the words): nothing moves through shared memory
+    if PDL:
+        pdl_start()
     tile_n = tl.program_id(0)
     split = tl.program_id(1)
     WORDS: tl.constexpr = BLOCK_K // 8
@@ -175,61 +196,84 @@ def int4_gemv_kernel(
         k_ok = (js < j_hi) | EVEN_K
         p = tl.load(words + js[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
         hi = p >> 16  # nibbles 4..7 in bits 0..15
-        g = (j_lo + t * WORDS) * 8 // group  # the tile lies in one group
-        # [BLOCK_N, 1] loads: in the weights' layout (a [BLOCK_N] one would take another, then a conversion)
-        s = tl.load(s_ptr + ns[:, None] * stride_sn + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        g = (split * tiles_per_split + t) // GROUP_TILES  # the tile lies in one group (of GROUP_TILES tiles)
+        # [BLOCK_N, 1] loads: in the weights' layout (a [BLOCK_N] one would take another, then a conversion); from
+        # BLOCK_N = threads on Triton lays those out on their own too, so they are read as the words' shape
+        s_at = s_ptr + ns[:, None] * stride_sn + g
+        z_at = z_ptr + ns[:, None] * stride_zn + g
+        if WIDE_TILE:
+            s_at = tl.broadcast_to(s_at, (BLOCK_N, WORDS))
+            z_at = tl.broadcast_to(z_at, (BLOCK_N, WORDS))
+        s = tl.load(s_at, mask=n_ok[:, None], other=0.0).to(tl.float32)
         if ZERO:
-            z = tl.load(z_ptr + ns[:, None] * stride_zn + g, mask=n_ok[:, None], other=0).to(tl.float32)
+            z = tl.load(z_at, mask=n_ok[:, None], other=0).to(tl.float32)
         else:
             z = 0.0
         part = (tl.zeros((BLOCK_N, WORDS), dtype=tl.float32),) * ROWS
+        x_lo, x_hi = (), ()
+        if X_WIDE:  # x[8 j + 4 b .. + 3] of a row in one 8-byte load: 2 loads a word of weights, not 8
+            for m in tl.static_range(ROWS):
+                x_lo += (tl.load(x_ptr + m * stride_xm + 2 * js, mask=k_ok, other=0),)
+                x_hi += (tl.load(x_ptr + m * stride_xm + 2 * js + 1, mask=k_ok, other=0),)
         for i in tl.static_range(8):
             # nibble i of a word left in place, at bits 4 j of its half: (half & mask) | 0x4B000000 is the float
             # 2^23 + nibble * 16^j, so subtracting 2^23 + (8 + zero) * 16^j leaves (q - zero) * 16^j exactly, and
             # x * 16^-j (exact) makes the product (q - zero) * x: no shift a nibble
             j = i % 4
             half = p if i < 4 else hi
-            w = ((half & (0xF << (4 * j))) | 0x4B000000).to(tl.float32, bitcast=True)
+            w = ((half & (0xF << (4 * j))) | magic).to(tl.float32, bitcast=True)
             w -= MAGIC_23 + (8.0 + z) * (1 << (4 * j))
             if SCALE_WEIGHTS:  # one multiply a weight, not one a row and word
                 w *= s
             new = ()
             for m in tl.static_range(ROWS):
-                xi = tl.load(x_ptr + m * stride_xm + 8 * js + i, mask=k_ok, other=0.0)
+                if X_WIDE:
+                    xq = x_lo[m] if i < 4 else x_hi[m]
+                    xi = ((xq >> (16 * j)) & 0xFFFF).to(tl.int16).to(X_DTYPE, bitcast=True)
+                else:
+                    xi = tl.load(x_ptr + m * stride_xm + 8 * js + i, mask=k_ok, other=0.0)
                 new += (part[m] + w * (xi.to(tl.float32) * (1.0 / (1 << (4 * j))))[None, :],)
             part = new
         new = ()
         for m in tl.static_range(ROWS):
             new += (part[m] + acc[m] if SCALE_WEIGHTS else acc[m] + part[m] * s,)
         acc = new
+    outs = ()
     for m in tl.static_range(ROWS):
-        out = tl.sum(acc[m], axis=1)
-        if SPLIT:  # a partial of the K-split, summed by sum_splits_kernel
-            tl.store(part_ptr + (split * rows + m) * n + ns, out, mask=n_ok)
-        else:
-            if BIAS:
-                out += tl.load(b_ptr + ns, mask=n_ok, other=0.0).to(tl.float32)
-            tl.store(out_ptr + m * stride_om + ns, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+        outs += (tl.sum(acc[m], axis=1),)
+    if SPLIT:  # the last split of the column tile to finish sums them all
+        for m in tl.static_range(ROWS):
+            tl.store(part_ptr + (split * rows + m) * n + ns, outs[m], mask=n_ok)
+        # release our partials, acquire the others' (acq_rel): the last to arrive sees every split's stores
+        if tl.atomic_add(arrived_ptr + tile_n, 1) != tl.num_programs(1) - 1:
+            return
+        sums = ()
+        for m in tl.static_range(ROWS):
+            out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for other in range(tl.num_programs(1)):  # in split order: the same bits every call
+                out += tl.load(part_ptr + (other * rows + m) * n + ns, mask=n_ok, other=0.0, cache_modifier=".cg")
+            sums += (out,)
+        outs = sums
+        tl.store(arrived_ptr + tile_n, 0)
+    for m in tl.static_range(ROWS):
+        out = outs[m]
+        if BIAS:
+            out += tl.load(b_ptr + ns, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + ns, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-@triton.jit
-def sum_splits_kernel(part_ptr, b_ptr, out_ptr, rows, n, splits, stride_om, BLOCK: tl.constexpr,
-                      BIAS: tl.constexpr):
-    """out[m, c] = sum over s of part[s, m, c] in split order (+ bias[c]), rounded to the output's dtype."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < rows * n
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(splits):
-        acc += tl.load(part_ptr + s * rows * n + i, mask=ok, other=0.0)
-    c = i % n
-    if BIAS:
-        acc += tl.load(b_ptr + c, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + (i // n) * stride_om + c, acc.to(out_ptr.dtype.element_ty), mask=ok)
+def int4_gemm_counters(n: int, device: torch.device) -> torch.Tensor:
+    """The arrival counters ``launch_int4_gemm`` needs for an output of ``n`` columns (zeros, left zero after each
+    call): one a tile of a decode-sized call (<= DECODE_ROWS rows, tiles of 16 rows and 16 columns or more)."""
+    return torch.zeros(triton.cdiv(DECODE_ROWS, 16) * triton.cdiv(n, 16), dtype=torch.int32, device=device)
 
 
 def launch_int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                     group: int, bias: torch.Tensor | None, tile: Int4Tile | None = None) -> torch.Tensor:
-    """``quant_gemm.int4_gemm`` on checked inputs: x [M, K] with contiguous rows, ``group`` columns a scale."""
+                     group: int, bias: torch.Tensor | None, arrived: torch.Tensor | None = None,
+                     tile: Int4Tile | None = None) -> torch.Tensor:
+    """``quant_gemm.int4_gemm`` on checked inputs: x [M, K] with contiguous rows, ``group`` columns a scale,
+    ``arrived`` from ``int4_gemm_counters(N)`` (None: made for this call). K is split only while every tile has a
+    counter: a split's program stores its float32 partial, and the tile's last to finish sums them."""
     rows, k = x.shape
     n = packed.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
@@ -242,46 +286,43 @@ def launch_int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     if t.gemv and rows > GEMV_ROWS:
         raise ValueError(f"the int4 GEMV tile takes up to {GEMV_ROWS} rows (one accumulator a row), got {rows}")
     tiles = triton.cdiv(n, t.block_n) * (1 if t.gemv else triton.cdiv(rows, t.block_m))
+    if arrived is None:
+        arrived = int4_gemm_counters(n, x.device)
     # (an H200's count where there is no GPU: Triton's CPU interpreter)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
-    splits = max(1, min(triton.cdiv(t.per_sm * sms, tiles), triton.cdiv(k, block_k), 32))
+    # at most per_sm programs an SM: one more than fit there would run as a second, nearly empty wave
+    splits = max(1, min(t.per_sm * sms // tiles, triton.cdiv(k, block_k), 32))
+    if tiles > arrived.numel():  # (a prefill's many tiles fill the GPU unsplit)
+        splits = 1
     k_tiles = triton.cdiv(triton.cdiv(k, splits), block_k)  # K tiles a split
     splits = triton.cdiv(k, k_tiles * block_k)
     part = torch.empty((splits, rows, n), dtype=torch.float32, device=x.device) if splits > 1 else out
-    args = (x, packed, scale, zero if zero is not None else scale, bias if bias is not None else scale, out, part)
-    strides = (x.stride(0), packed.stride(0), scale.stride(0), zero.stride(0) if zero is not None else 0,
+    on = pdl(x)
+    # bf16/fp16 x read 4 values an 8-byte load (the GEMV reads it in the weights' layout, a value per nibble)
+    wide = (t.gemv and x.dtype != torch.float32 and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0)
+    xs = x.view(torch.int64) if wide else x
+    args = (xs, packed, scale, zero if zero is not None else scale, bias if bias is not None else scale, out, part,
+            arrived)
+    strides = (xs.stride(0), packed.stride(0), scale.stride(0), zero.stride(0) if zero is not None else 0,
                out.stride(0))
     if t.gemv:
         int4_gemv_kernel[(tiles, splits)](
-            *args, rows, n, k, k_tiles, group, *strides, ROWS=rows, BLOCK_N=t.block_n, BLOCK_K=block_k,
-            SPLIT=splits > 1, EVEN_K=k % block_k == 0, ZERO=zero is not None, BIAS=bias is not None,
-            SCALE_WEIGHTS=t.scale_weights, STAGES=t.stages, num_warps=t.warps,
+            *args, rows, n, k, k_tiles, MAGIC_BITS, *strides, ROWS=rows, BLOCK_N=t.block_n, BLOCK_K=block_k,
+            GROUP_TILES=triton.cdiv(group, block_k), SPLIT=splits > 1, EVEN_K=k % block_k == 0, ZERO=zero is not None,
+            BIAS=bias is not None, SCALE_WEIGHTS=t.scale_weights, STAGES=t.stages, X_WIDE=wide,
+            WIDE_TILE=t.block_n >= 32 * t.warps,
+            X_DTYPE=tl.float16 if x.dtype == torch.float16 else tl.bfloat16, PDL=on, num_warps=t.warps,
+            launch_pdl=on,
         )
     else:
-        launch_int4_dots(args, strides, (rows, n, k, k_tiles * block_k, group), block_k, (tiles, splits), t,
-                         zero is not None, bias is not None)
-    if splits > 1:
-        block = 1024
-        sum_splits_kernel[(triton.cdiv(rows * n, block),)](
-            part, bias if bias is not None else part, out, rows, n, splits, out.stride(0),
-            BLOCK=block, BIAS=bias is not None, num_warps=4,
+        int4_gemm_kernel[(tiles, splits)](
+            *args, rows, n, k, k_tiles * block_k, group, *strides,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block_k, GROUP_M=8, SPLIT=splits > 1,
+            EVEN_K=k % block_k == 0, ZERO=zero is not None, BIAS=bias is not None, SCALE_WEIGHTS=t.scale_weights,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", NIBBLE_DOTS=t.nibble_dots and block_k >= 128,
+            PDL=on, num_warps=t.warps, num_stages=t.stages, launch_pdl=on,
         )
     return out
-
-
-def launch_int4_dots(args: tuple, strides: tuple, sizes: tuple, block_k: int, grid: tuple[int, int], t: Int4Tile,
-                     zero: bool, bias: bool) -> None:
-    """``int4_gemm_kernel`` on ``launch_int4_gemm``'s operands: ``args`` the tensors, ``strides`` theirs,
-    ``sizes`` (rows, n, k, K a split, group), ``grid`` (tiles, splits)."""
-    x, k, splits = args[0], sizes[2], grid[1]
-    int4_gemm_kernel[grid](
-        *args, *sizes, *strides,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block_k, GROUP_M=8, SPLIT=splits > 1, EVEN_K=k % block_k == 0,
-        ZERO=zero, BIAS=bias, SCALE_WEIGHTS=t.scale_weights,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        NIBBLE_DOTS=t.nibble_dots and block_k >= 128,
-        num_warps=t.warps, num_stages=t.stages,
-    )
 
 
 @triton.jit

@@ -119,7 +119,7 @@ def test_int4_gemv_tile(rows, group_size, k, zero_points, bias, scale_weights):
     x = torch.randn(rows, k, generator=gen).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
     tile = Int4Tile(1, 32, 128, 4, 2, 1, scale_weights, gemv=True)
-    got = launch_int4_gemm(x.to(DEVICE), *weight, group_size or k, b.to(DEVICE) if bias else None, tile)
+    got = launch_int4_gemm(x.to(DEVICE), *weight, group_size or k, b.to(DEVICE) if bias else None, tile=tile)
     want = x.float() @ w.T + (b.float() if bias else 0)
     assert_close_to(got, want, exact_float32=INTERPRET)
 

@@ -201,22 +201,24 @@ def test_prefill_moe_kernels():
 ])
 def test_int4_gemm(block_m, block_k, split, nibble_dots, scale_weights, even_k, warps, stages):
     """The INT4 GEMM's tiles: tensor-core dots (wgmma where Triton takes it: the prefill tiles), nothing spilled
-    to local memory; with EVEN_K the packed weights are copied 8 or 16 bytes at a time."""
+    to local memory; with EVEN_K the packed weights are copied 8 or 16 bytes at a time. Launched with PDL, it
+    waits before its first store; split along K, the last split to arrive (an atomic) sums the partials."""
     from hybridkv.kernels import quant_triton
 
     ptx = compile_for_hopper(
         quant_triton.int4_gemm_kernel,
         dict(BLOCK_M=block_m, BLOCK_N=128 if block_m == 128 else 64, BLOCK_K=block_k, GROUP_M=8, SPLIT=split,
              EVEN_K=even_k, ZERO=True, BIAS=True, SCALE_WEIGHTS=scale_weights, PRECISION="tf32",
-             NIBBLE_DOTS=nibble_dots),
-        {"p_ptr": I32, "z_ptr": "*i8", "part_ptr": F32}, num_warps=warps, num_stages=stages,
+             NIBBLE_DOTS=nibble_dots, PDL=True),
+        {"p_ptr": I32, "z_ptr": "*i8", "part_ptr": F32, "arrived_ptr": I32}, num_warps=warps, num_stages=stages,
         divisible=("x_ptr", "p_ptr", "stride_xm", "stride_pn", "k", "k_per_split"))
     assert re.search(r"mma\.sync|wgmma\.mma_async", ptx) and ".local" not in ptx
+    assert waits_before_its_first_store(ptx)
+    assert bool(re.search(r"atom\.global\.(gpu\.)?acq_rel", ptx)) == split
     if block_m == 128:
         assert "wgmma.mma_async" in ptx
     if even_k:
         assert re.search(r"cp\.async\.c[ag]\.shared\.global \[[^]]+\], \[[^]]+\], 0x(8|10)", ptx)
-    compile_for_hopper(quant_triton.sum_splits_kernel, dict(BLOCK=1024, BIAS=True), {"part_ptr": F32, "splits": "i32"})
 
 
 @pytest.mark.parametrize("rows,block_n,warps,zero,scale_weights,even_k", [
@@ -224,24 +226,40 @@ def test_int4_gemm(block_m, block_k, split, nibble_dots, scale_weights, even_k, 
     (1, 128, 8, True, False, True),   # zero points
     (4, 64, 4, False, True, True),    # the scale on the weights
     (2, 32, 2, True, False, False),   # K not a multiple of the tile
+    (1, 128, 4, True, False, True),   # as many columns as threads: the scales read in the words' shape
 ])
 def test_int4_gemv(rows, block_n, warps, zero, scale_weights, even_k):
     """The INT4 GEMV: no dots, the packed weights 16 bytes a thread (EVEN_K), nothing spilled; in its K loop no
-    layout conversion (the scales and x read in the weights' layout: no round trip through shared memory)."""
+    layout conversion (the scales and x read in the weights' layout: no round trip through shared memory). bf16 x
+    read 4 values a load (``X_WIDE``) takes a quarter of x's loads; launched with PDL, it waits before its
+    first store, and the last split to arrive sums the partials."""
     from hybridkv.kernels import quant_triton
 
-    args = (quant_triton.int4_gemv_kernel,
-            dict(ROWS=rows, BLOCK_N=block_n, BLOCK_K=128, SPLIT=True, EVEN_K=even_k, ZERO=zero, BIAS=True,
-                 SCALE_WEIGHTS=scale_weights, STAGES=1),
-            {"p_ptr": I32, "z_ptr": "*i8", "part_ptr": F32}, warps, 1,
-            ("x_ptr", "p_ptr", "stride_xm", "stride_pn", "k"))
-    ptx = compile_for_hopper(*args)
-    assert not re.search(r"mma|wgmma", ptx) and ".local" not in ptx
-    if even_k:  # (else the mask along K is not known to be whole across four words)
-        assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)
-    ttgir = compile_for_hopper(*args, stage="ttgir")
-    loop = ttgir[ttgir.index("scf.for"):ttgir.index("scf.yield")]
-    assert "convert_layout" not in loop and "local_alloc" not in loop
+    def compiled(wide: bool, stage: str = "ptx") -> str:
+        return compile_for_hopper(
+            quant_triton.int4_gemv_kernel,
+            dict(ROWS=rows, BLOCK_N=block_n, BLOCK_K=128, GROUP_TILES=1, SPLIT=True, EVEN_K=even_k, ZERO=zero,
+                 BIAS=True, SCALE_WEIGHTS=scale_weights, STAGES=1, X_WIDE=wide, WIDE_TILE=block_n >= 32 * warps,
+                 PDL=True),
+            {"p_ptr": I32, "z_ptr": "*i8", "part_ptr": F32, "arrived_ptr": I32, "x_ptr": I64 if wide else "*bf16"},
+            warps, 1, ("x_ptr", "p_ptr", "stride_xm", "stride_pn", "k"), stage)
+
+    def loop_loads(ptx: str) -> int:
+        body = ptx[ptx.index("$L__BB0_2"):]
+        return len(re.findall(r"ld\.global", body[:body.index("bra")]))
+
+    ptx, wide = compiled(False), compiled(True)
+    for code in (ptx, wide):
+        assert not re.search(r"mma|wgmma", code) and ".local" not in code
+        assert waits_before_its_first_store(code) and re.search(r"atom\.global\.(gpu\.)?acq_rel", code)
+        if even_k:  # (else the mask along K is not known to be whole across four words)
+            assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", code)
+    # a thread's 4 words of a K tile take 32 values of a row of x: 8 loads of 4 instead of 32 of one
+    assert loop_loads(ptx) - loop_loads(wide) == 24 * rows
+    for x_wide in (False, True):
+        ttgir = compiled(x_wide, "ttgir")
+        loop = ttgir[ttgir.index("scf.for"):ttgir.index("scf.yield")]
+        assert "convert_layout" not in loop and "local_alloc" not in loop
 
 
 @pytest.mark.parametrize("one_tile,static", [(True, False), (False, False), (True, True)])

@@ -142,28 +142,37 @@ def quantized_gemm_native(linear: nn.Module, x: torch.Tensor, bias: torch.Tensor
     return F.linear(x, tensors.dequantized(x.dtype), bias)
 
 
-def quantized_gemm_cuda(linear: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def quantized_gemm_cuda(linear: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                        arrived: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernels: ``fp8_linear``, or ``int4_gemm`` with the linear's arrival counters ``arrived``."""
     from hybridkv.kernels.quant_gemm import fp8_linear, int4_gemm  # triton is only needed on GPU
 
     t = quantized_tensors(linear)
     if t.is_fp8:
         return fp8_linear(x, t.weight, t.scale, t.input_scale, bias)
-    return int4_gemm(x, t.weight, t.scale, t.zero, linear.weight_format.group_size, bias)
+    return int4_gemm(x, t.weight, t.scale, t.zero, linear.weight_format.group_size, bias, arrived)
 
 
 class QuantizedGemm:
     """A quantized linear's GEMM ``(x, weight, bias) -> y`` (the signature of every linear's, ``parallel.gemm_for``):
     ``weight`` is the owner's own, read with its scales from the owner, so a fused group's GEMM reads the joined
-    tensors."""
+    tensors. On CUDA it holds the INT4 kernel's arrival counters (made at the first call)."""
 
     def __init__(self, owner: nn.Module, device: torch.device) -> None:
         # a proxy: the owner holds this GEMM, and a strong reference back would be a cycle keeping a dropped
         # model's quantized weights until the cycle collector runs (device_ops.py)
         self.owner = weakref.proxy(owner)
-        self.run = quantized_gemm_cuda if device.type == "cuda" else quantized_gemm_native
+        self.cuda = device.type == "cuda"
+        self.arrived: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.run(self.owner, x, bias)
+        if not self.cuda:
+            return quantized_gemm_native(self.owner, x, bias)
+        if self.arrived is None and self.owner.weight_format.bits == 4:
+            from hybridkv.kernels.quant_triton import int4_gemm_counters  # GPU only
+
+            self.arrived = int4_gemm_counters(weight.shape[0], x.device)
+        return quantized_gemm_cuda(self.owner, x, bias, self.arrived)
 
 
 @torch.no_grad()
