@@ -17,22 +17,17 @@ for ``combine_splits_kernel``):
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import importlib.util
-import os
 import re
-import shutil
-import subprocess
-import tempfile
 from collections import OrderedDict
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from hybridkv.kernels import cuda_build
+from hybridkv.kernels.cuda_build import CUBIN_CACHE, check
+
 SOURCE = Path(__file__).with_name("hopper_attention.cu")
-CUBIN_CACHE = Path.home() / ".cache" / "hybridkv" / "cubins"  # compiled kernels, by a hash of source and options
 THREADS = 384  # a producer warpgroup and two consumers
 ROWS = 128  # query rows per CTA: 64 per consumer
 BLOCK_N = 128  # keys per tile
@@ -125,72 +120,6 @@ def inflight_register_writes(sass: str) -> list[str]:
     return found
 
 
-def cuobjdump() -> str | None:
-    """The disassembler (``inflight_register_writes`` reads its output): the CUDA toolkit's, or the one Triton
-    bundles; None where neither is installed."""
-    bundled = None
-    if importlib.util.find_spec("triton") is not None:
-        import triton
-
-        bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    return shutil.which("cuobjdump") or (str(bundled) if bundled is not None and bundled.exists() else None)
-
-
-def disassemble(cubin: Path) -> dict[str, str]:
-    """Each kernel's machine code in ``cubin``, by name (``cuobjdump -sass``)."""
-    sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    return dict(part.split("\n", 1) for part in sass.split("Function : ")[1:])
-
-
-def unavailable(device: torch.device) -> str | None:
-    """Why the kernel cannot run on ``device`` (None: it can)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return "not a CUDA device"
-    if torch.cuda.get_device_capability(device) != (9, 0):
-        return f"{torch.cuda.get_device_name(device)} is not Hopper (sm_90)"
-    if importlib.util.find_spec("cuda.bindings") is None:
-        return "cuda-bindings is not installed (pip install 'hybridkv[gpu]')"
-    return None
-
-
-def _check(result, what: str):
-    """cuda-bindings calls return (error, values...): raise on an error, return the values."""
-    err, *values = result
-    if int(err) != 0:
-        raise RuntimeError(f"{what} failed: {err!r}")
-    return values[0] if len(values) == 1 else values
-
-
-def cached_cubin(cache_dir: Path | None, key_parts: list[bytes], build: Callable[[], bytes]) -> bytes:
-    """``build()``'s machine code, kept in ``cache_dir`` under a hash of ``key_parts`` (source, compiler options and
-    version), so that the next backend or process loads it instead of compiling: NVRTC takes seconds a build, paid at
-    every engine start and by every backend a GPU test makes. None: no cache. A directory that cannot be read or
-    written only costs the compile."""
-    if cache_dir is None:
-        return build()
-    digest = hashlib.sha256(b"\0".join(key_parts)).hexdigest()[:32]
-    path = cache_dir / f"{SOURCE.stem}-{digest}.cubin"
-    try:
-        return path.read_bytes()
-    except OSError:
-        pass
-    cubin = build()
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        # written whole, then renamed: a process reading it (TP workers compile at once) never sees half a file
-        fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(cubin)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    except OSError:
-        pass
-    return cubin
-
-
 def compile_options(stages: int = STAGES, defines: dict[str, int] | None = None, fp8_stages: int = FP8_STAGES,
                     fp8_block_n: int = FP8_BLOCK_N) -> list[str]:
     """The compiler's options for the .cu file, NVRTC's and nvcc's alike: sm_90a (wgmma and setmaxnreg need the
@@ -205,28 +134,8 @@ def compile_cubin(stages: int = STAGES, source: str | None = None, defines: dict
                   fp8_block_n: int = FP8_BLOCK_N) -> bytes:
     """NVRTC: the .cu source (or ``source``, a variant of it) to sm_90a machine code, or the same build from
     ``cache_dir``. ``defines`` set the source's compile-time switches (OVERLAP, PINGPONG: benchmarks time them)."""
-    from cuda.bindings import nvrtc
-
-    text = SOURCE.read_bytes() if source is None else source.encode()
-    opts = [o.encode() for o in compile_options(stages, defines, fp8_stages, fp8_block_n)]
-    version = f"nvrtc {_check(nvrtc.nvrtcVersion(), 'nvrtcVersion')}".encode()
-    return cached_cubin(cache_dir, [text, *opts, version], lambda: _nvrtc_compile(nvrtc, text, opts))
-
-
-def _nvrtc_compile(nvrtc, text: bytes, opts: list[bytes]) -> bytes:
-    prog = _check(nvrtc.nvrtcCreateProgram(text, b"hopper_attention.cu", 0, [], []),
-                  "nvrtcCreateProgram")
-    err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-    if int(err) != 0:
-        size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, log)
-        raise RuntimeError(f"NVRTC could not compile {SOURCE.name}:\n{log.decode(errors='replace')}")
-    size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-    cubin = b" " * size
-    _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-    nvrtc.nvrtcDestroyProgram(prog)
-    return cubin
+    return cuda_build.compile_cubin(SOURCE, compile_options(stages, defines, fp8_stages, fp8_block_n), source,
+                                    cache_dir)
 
 
 class HopperPrefill:
@@ -245,27 +154,22 @@ class HopperPrefill:
         with torch.cuda.device(device):  # the module belongs to the device's primary context: make it current
             torch.empty(1, device=device)
             self._ensure_context()
-            self.module = _check(driver.cuModuleLoadData(ctypes.addressof(self._image)), "cuModuleLoadData")
+            self.module = check(driver.cuModuleLoadData(ctypes.addressof(self._image)), "cuModuleLoadData")
             # per kernel: its function and dynamic shared memory
             self.kernels = {}
             for fp8, name, n in ((False, b"paged_prefill_hopper", stages), (True, b"paged_prefill_hopper_fp8",
                                                                                fp8_stages)):
-                function = _check(driver.cuModuleGetFunction(self.module, name), "cuModuleGetFunction")
+                function = check(driver.cuModuleGetFunction(self.module, name), "cuModuleGetFunction")
                 smem = shared_bytes(n, fp8, fp8_block_n)
                 attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-                _check(driver.cuFuncSetAttribute(function, attr, smem), "cuFuncSetAttribute")
+                check(driver.cuFuncSetAttribute(function, attr, smem), "cuFuncSetAttribute")
                 self.kernels[fp8] = (function, smem)
         self._maps: OrderedDict[tuple, object] = OrderedDict()  # per tensor base and box: TMA map
         self._no_map = driver.CUtensorMap()
         self.launches = 0  # so far: how tests and benchmarks tell this kernel's work from the Triton fallback's
 
     def _ensure_context(self) -> None:
-        """A thread that has not touched CUDA through torch has no current context: give it the primary one."""
-        ctx = _check(self.driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
-        if int(ctx) == 0:
-            dev = _check(self.driver.cuDeviceGet(self.device.index or 0), "cuDeviceGet")
-            ctx = _check(self.driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-            _check(self.driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        cuda_build.ensure_context(self.driver, self.device)
 
     def tensor_map(self, tensor: torch.Tensor, row_elems: int, box: tuple[int, int], swizzle_bytes: int = 128):
         """The TMA tensor map of ``tensor`` seen as ``[rows, row_elems]`` from its first element (a layer's token
@@ -282,7 +186,7 @@ class HopperPrefill:
                      else d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16)
             swizzle = {128: d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
                        64: d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B}[swizzle_bytes]
-            self._maps[key] = _check(d.cuTensorMapEncodeTiled(
+            self._maps[key] = check(d.cuTensorMapEncodeTiled(
                 dtype, 2, tensor.data_ptr(),
                 [d.cuuint64_t(row_elems), d.cuuint64_t(tensor.numel() // row_elems)],
                 [d.cuuint64_t(row_elems * tensor.element_size())],
@@ -323,5 +227,5 @@ class HopperPrefill:
         function, smem = self.kernels[fp8]
         self.launches += 1
         self._ensure_context()
-        _check(self.driver.cuLaunchKernel(function, *grid, THREADS, 1, 1, smem, stream, ctypes.addressof(argv), 0),
+        check(self.driver.cuLaunchKernel(function, *grid, THREADS, 1, 1, smem, stream, ctypes.addressof(argv), 0),
                "cuLaunchKernel")

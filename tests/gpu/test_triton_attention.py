@@ -22,7 +22,7 @@ if not (torch.cuda.is_available() or INTERPRET):
     pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from hybridkv.kernels import hopper_attention  # noqa: E402
+from hybridkv.kernels import cuda_build, hopper_attention  # noqa: E402
 from hybridkv.model.attention.kernel_configs import HOPPER_PREFILL, KernelConfig, KernelOptions  # noqa: E402
 from hybridkv.model.attention.triton_paged import TritonPagedAttention  # noqa: E402
 
@@ -303,7 +303,7 @@ def test_fp8_compute_is_prefill_only_and_needs_an_fp8_cache():
     assert [len(g.segments) for g in tri.step_state.groups] == [0, 0, 0]
 
 
-HOPPER_CUDA = HOPPER and hopper_attention.unavailable(torch.device("cuda")) is None
+HOPPER_CUDA = HOPPER and cuda_build.hopper_unavailable(torch.device("cuda")) is None
 
 
 def wide_specs(kv_dtype):
@@ -397,7 +397,7 @@ def test_hopper_cuda_prefill_leaves_what_it_does_not_cover_to_triton():
     assert off.hopper is None and off.builder.configs.prefill == HOPPER_PREFILL
 
 
-@pytest.mark.skipif(not HOPPER_CUDA or hopper_attention.cuobjdump() is None,
+@pytest.mark.skipif(not HOPPER_CUDA or cuda_build.cuobjdump() is None,
                     reason="the CUDA prefill kernel (Hopper, cuda-bindings) and cuobjdump")
 @pytest.mark.parametrize("fp8_tile", [(192, 4), (128, 5)])
 def test_hopper_cuda_builds_leave_p_alone_while_p_v_dots_read_it(tmp_path, fp8_tile):
@@ -407,7 +407,7 @@ def test_hopper_cuda_builds_leave_p_alone_while_p_v_dots_read_it(tmp_path, fp8_t
     block_n, stages = fp8_tile
     cubin = tmp_path / "kernel.cubin"
     cubin.write_bytes(hopper_attention.compile_cubin(fp8_block_n=block_n, fp8_stages=stages, cache_dir=None))
-    functions = hopper_attention.disassemble(cubin)
+    functions = cuda_build.disassemble(cubin)
     assert sorted(functions) == ["paged_prefill_hopper", "paged_prefill_hopper_fp8"]
     for name, code in functions.items():
         # each kernel's P V dots take P from registers (else the check below would have nothing to look at)

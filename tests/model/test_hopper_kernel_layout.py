@@ -9,7 +9,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from hybridkv.kernels import hopper_attention
+from hybridkv.kernels import cuda_build, hopper_attention
 from hybridkv.model.attention.triton_metadata import query_tiles
 
 
@@ -71,16 +71,16 @@ def test_compiled_kernels_are_cached_by_source_and_options(tmp_path):
         return run
 
     cache = tmp_path / "cubins"
-    assert hopper_attention.cached_cubin(cache, [b"source", b"-DSTAGES=3"], build("a")) == b"cubin of a"
-    assert hopper_attention.cached_cubin(cache, [b"source", b"-DSTAGES=3"], build("b")) == b"cubin of a"
-    assert hopper_attention.cached_cubin(cache, [b"source", b"-DSTAGES=4"], build("c")) == b"cubin of c"
+    assert cuda_build.cached_cubin(cache, [b"source", b"-DSTAGES=3"], build("a")) == b"cubin of a"
+    assert cuda_build.cached_cubin(cache, [b"source", b"-DSTAGES=3"], build("b")) == b"cubin of a"
+    assert cuda_build.cached_cubin(cache, [b"source", b"-DSTAGES=4"], build("c")) == b"cubin of c"
     assert builds == ["a", "c"]
     assert sorted(p.suffix for p in cache.iterdir()) == [".cubin", ".cubin"]  # no temporary file left behind
     # no cache, or one that cannot be written (a file stands where the directory would be): it only costs the build
-    assert hopper_attention.cached_cubin(None, [b"source", b"-DSTAGES=3"], build("d")) == b"cubin of d"
+    assert cuda_build.cached_cubin(None, [b"source", b"-DSTAGES=3"], build("d")) == b"cubin of d"
     blocked = tmp_path / "file"
     blocked.write_text("")
-    assert hopper_attention.cached_cubin(blocked / "cubins", [b"x"], build("e")) == b"cubin of e"
+    assert cuda_build.cached_cubin(blocked / "cubins", [b"x"], build("e")) == b"cubin of e"
     assert builds == ["a", "c", "d", "e"]
 
 
@@ -173,7 +173,7 @@ def test_register_writes_while_a_p_v_dot_reads_its_a_are_found():
 NVCC = shutil.which("nvcc")
 
 
-@pytest.mark.skipif(NVCC is None or hopper_attention.cuobjdump() is None, reason="needs nvcc and cuobjdump")
+@pytest.mark.skipif(NVCC is None or cuda_build.cuobjdump() is None, reason="needs nvcc and cuobjdump")
 @pytest.mark.parametrize("fp8_tile", [(hopper_attention.FP8_BLOCK_N, hopper_attention.FP8_STAGES), (128, 5)])
 def test_kernels_build_for_hopper_without_spills_and_leave_p_alone(tmp_path, fp8_tile):
     # Without a GPU: nvcc builds the .cu file with the loader's options. ptxas must keep every value of both kernels
@@ -187,7 +187,7 @@ def test_kernels_build_for_hopper_without_spills_and_leave_p_alone(tmp_path, fp8
                             str(hopper_attention.SOURCE)], capture_output=True, text=True, check=True)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", build.stdout + build.stderr)
     assert spills == [("0", "0"), ("0", "0")], build.stdout + build.stderr
-    functions = hopper_attention.disassemble(cubin)
+    functions = cuda_build.disassemble(cubin)
     assert sorted(functions) == ["paged_prefill_hopper", "paged_prefill_hopper_fp8"]
     for name, code in functions.items():
         assert hopper_attention._RS_DOT.search(code), name

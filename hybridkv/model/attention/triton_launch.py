@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridkv.kernels import hopper_attention  # torch only: its CUDA imports wait for a Hopper GPU
+from hybridkv.kernels import cuda_build, hopper_attention  # torch only: their CUDA imports wait for a Hopper GPU
 from hybridkv.kv.specs import AttentionSpec
 from hybridkv.model.attention.kernel_configs import KernelConfig
 from hybridkv.model.attention.triton_step import KeyRange, KVSource, LayerCall
@@ -140,7 +140,7 @@ def load_hopper_kernel(device: torch.device):
     cannot be built here. Called from the backend's constructor: the warning points at its caller."""
     import warnings
 
-    reason = hopper_attention.unavailable(device)
+    reason = cuda_build.hopper_unavailable(device)
     if reason is None:
         try:
             return hopper_attention.HopperPrefill(device)
