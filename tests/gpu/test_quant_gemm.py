@@ -124,13 +124,20 @@ def test_int4_gemv_tile(rows, group_size, k, zero_points, bias, scale_weights):
     assert_close_to(got, want, exact_float32=INTERPRET)
 
 
-def test_int4_gemm_same_bits_every_call():
-    """The K-splits are summed in a fixed order: one input, the same output bits."""
+@pytest.mark.parametrize("rows", [2, 9])  # the GEMV, the dot tiles
+def test_int4_gemm_same_bits_every_call(rows):
+    """The K-splits are summed in a fixed order by each tile's last program: one input, the same output bits, with
+    the caller's arrival counters kept across calls (as a linear keeps them) and left at zero by each."""
+    from hybridkv.kernels.quant_triton import int4_gemm_counters
+
     dtype = torch.float32 if INTERPRET else torch.bfloat16
-    weight, _ = random_int4(128, 1024, 128, True, dtype, seed=3)
-    x = torch.randn(2, 1024).to(dtype).to(DEVICE)
-    first = int4_gemm(x, *weight, 128)
-    assert torch.equal(int4_gemm(x, *weight, 128), first)
+    weight, w = random_int4(128, 1024, 128, True, dtype, seed=3)
+    x = torch.randn(rows, 1024).to(dtype).to(DEVICE)
+    arrived = int4_gemm_counters(128, DEVICE)
+    first = int4_gemm(x, *weight, 128, arrived=arrived)
+    assert not arrived.any()
+    assert_close_to(first, x.float().cpu() @ w.T, exact_float32=INTERPRET)
+    assert torch.equal(int4_gemm(x, *weight, 128, arrived=arrived), first)
 
 
 def test_int4_gemm_refuses_bad_inputs():

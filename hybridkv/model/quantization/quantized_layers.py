@@ -163,12 +163,14 @@ class QuantizedGemm:
         # model's quantized weights until the cycle collector runs (device_ops.py)
         self.owner = weakref.proxy(owner)
         self.cuda = device.type == "cuda"
+        # INT4 kernels split K with counters; FP8's go to _scaled_mm (decided once, not per call)
+        self.int4 = is_quantized(owner) and owner.weight_format.bits == 4
         self.arrived: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not self.cuda:
             return quantized_gemm_native(self.owner, x, bias)
-        if self.arrived is None and self.owner.weight_format.bits == 4:
+        if self.arrived is None and self.int4:
             from hybridkv.kernels.quant_triton import int4_gemm_counters  # GPU only
 
             self.arrived = int4_gemm_counters(weight.shape[0], x.device)
