@@ -47,6 +47,11 @@ def kv_cache_bytes(config: EngineConfig, hf_config: dict, layout: KVLayout, hidd
     free, total = torch.cuda.mem_get_info(torch.device(config.device))
     reserve = step_reserve_bytes(config, hidden_size, vocab_size)
     budget = int(total * config.gpu_memory_utilization) - (total - free) - reserve
+    # what the planner can only estimate (``planner.RUNTIME_BYTES``): memory in use that torch did not allocate
+    outside = (total - free) - torch.cuda.memory_reserved(torch.device(config.device))
+    log.info("GPU memory: %.2f GiB total, %.2f GiB in use (%.2f GiB outside torch: CUDA context, collectives), "
+             "step reserve %.2f GiB, KV cache %.2f GiB", total / 2**30, (total - free) / 2**30, outside / 2**30,
+             reserve / 2**30, budget / 2**30)
     if budget <= 0:
         raise ValueError(
             f"gpu_memory_utilization {config.gpu_memory_utilization} leaves no room for the KV cache: "
