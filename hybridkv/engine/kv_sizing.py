@@ -16,6 +16,7 @@ from hybridkv.kv.capacity import cpu_default_kv_bytes, longest_fitting
 from hybridkv.kv.capacity import step_reserve_bytes as _step_reserve_formula
 from hybridkv.kv.layer_specs import text_config
 from hybridkv.kv.layout import KVLayout
+from hybridkv.kv.planner import planned_kv_bytes, planned_weight_bytes
 from hybridkv.model.architectures.collectives import CopyEngineSums
 from hybridkv.model.attention.factory import paged_attention_capabilities
 
@@ -36,7 +37,10 @@ def step_reserve_bytes(config: EngineConfig, hidden_size: int, vocab_size: int) 
 def kv_cache_bytes(config: EngineConfig, hf_config: dict, layout: KVLayout, hidden_size: int, vocab_size: int) -> int:
     """The KV cache's bytes per rank: ``kv_cache_memory_bytes``; unset, on the CPU room for a few requests of
     ``max_model_len`` (``capacity.cpu_default_kv_bytes``), and on a GPU what ``gpu_memory_utilization`` leaves
-    after what is in use (the weights loaded) and the step reserve."""
+    after the step reserve and what is in use (the weights loaded, the CUDA context), at most what ``hybridkv plan``
+    gives from the card's memory (``planner.planned_kv_bytes``: its weights estimate and ``RUNTIME_BYTES`` in place
+    of what is measured in use). So ``hybridkv plan --gpu-memory-gib`` with the card's total finds the engine's
+    ``max_model_len``, unless less is free than the plan assumes (another process, a larger context)."""
     if config.kv_cache_memory_bytes:
         return config.kv_cache_memory_bytes
     if not config.device.startswith("cuda"):
@@ -46,16 +50,21 @@ def kv_cache_bytes(config: EngineConfig, hf_config: dict, layout: KVLayout, hidd
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(torch.device(config.device))
     reserve = step_reserve_bytes(config, hidden_size, vocab_size)
-    budget = int(total * config.gpu_memory_utilization) - (total - free) - reserve
+    measured = int(total * config.gpu_memory_utilization) - (total - free) - reserve
+    weights = planned_weight_bytes(hf_config, config.quantization, config.tensor_parallel_size)
+    planned = planned_kv_bytes(total, config.gpu_memory_utilization, weights, reserve)
+    budget = min(measured, planned)
     # what the planner can only estimate (``planner.RUNTIME_BYTES``): memory in use that torch did not allocate
     outside = (total - free) - torch.cuda.memory_reserved(torch.device(config.device))
-    log.info("GPU memory: %.2f GiB total, %.2f GiB in use (%.2f GiB outside torch: CUDA context, collectives), "
-             "step reserve %.2f GiB, KV cache %.2f GiB", total / 2**30, (total - free) / 2**30, outside / 2**30,
-             reserve / 2**30, budget / 2**30)
+    log.info("GPU memory: %.3f GiB total, %.2f GiB in use (%.2f GiB outside torch: CUDA context, collectives), "
+             "step reserve %.2f GiB; KV cache %.2f GiB (%s; the plan's estimate %.2f GiB, free after the reserve "
+             "%.2f GiB)", total / 2**30, (total - free) / 2**30, outside / 2**30, reserve / 2**30, budget / 2**30,
+             "the plan's" if planned <= measured else "what is free", planned / 2**30, measured / 2**30)
     if budget <= 0:
         raise ValueError(
             f"gpu_memory_utilization {config.gpu_memory_utilization} leaves no room for the KV cache: "
-            f"{(total - free) / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB"
+            f"{(total - free) / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB (the plan estimates "
+            f"{weights / 2**30:.1f} GiB of weights and a {reserve / 2**30:.1f} GiB step reserve)"
         )
     return budget
 

@@ -403,11 +403,27 @@ def estimate_memory(
         max_num_batched_tokens, max_num_seqs, int(cfg["hidden_size"]), int(cfg.get("vocab_size", 0)), segment_bytes,
         collective_bytes,
     )
-    budget = int((gpu_memory_bytes or 0) * utilization)
-    kv = max(0, budget - weights - RUNTIME_BYTES - reserve)
+    kv = planned_kv_bytes(gpu_memory_bytes or 0, utilization, weights, reserve)
     dtype = checkpoint_dtype(hf_config)
     return MemoryEstimate(gpu_memory_bytes or 0, utilization, weights, breakdown, format_name(fmt, dtype),
                           format_detail(fmt, dtype), RUNTIME_BYTES, reserve, kv)
+
+
+def planned_kv_bytes(gpu_memory_bytes: int, utilization: float, weights: int, reserve: int) -> int:
+    """The plan's KV memory on one rank: ``gpu_memory * utilization - weights - RUNTIME_BYTES - reserve``, at least
+    0. The engine on a GPU takes no more than this either (``engine/kv_sizing.py``), so the plan and the engine
+    agree from the same card's memory.
+
+    >>> planned_kv_bytes(80 * GIB, 0.9, 54 * GIB, 4 * GIB) / GIB
+    13.0
+    """
+    return max(0, int(gpu_memory_bytes * utilization) - weights - RUNTIME_BYTES - reserve)
+
+
+def planned_weight_bytes(hf_config: dict[str, Any], quantization: str | None, tensor_parallel_size: int) -> int:
+    """One rank's weight bytes as the plan counts them (``estimate_weights`` in the format the engine serves)."""
+    fmt = fitted_format(hf_config, quantization, tensor_parallel_size)
+    return sum(estimate_weights(hf_config, tensor_parallel_size, fmt).values())
 
 
 def format_name(fmt: WeightFormat, model_dtype: str) -> str:

@@ -104,3 +104,49 @@ def test_real_engine_equals_the_plan(loaded, kv_dtype, case):
     assert engine.max_model_len == engine_default_len(plan)
     bound_by_cache = plan.max_model_len < plan.max_position_embeddings
     assert bound_by_cache == (case == 0)  # both regimes are covered
+
+
+# ---- a GPU's budget: the engine takes the plan's estimate, or less when less is free ---------------------------
+def fake_card(monkeypatch, total: int, in_use: int, torch_reserved: int) -> None:
+    """torch's view of a GPU with ``total`` bytes, ``in_use`` of them taken (``torch_reserved`` by torch)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - in_use, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: torch_reserved)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+
+@pytest.mark.parametrize("quantization,tp,gib", [("int4", 1, 139.8), ("int4", 2, 139.8), ("fp8", 1, 139.8),
+                                                 ("int4", 1, 79.18)])
+def test_gpu_engine_takes_the_plans_kv_memory(monkeypatch, quantization, tp, gib):
+    """Full-size Scout on a card of ``gib``: with the weights loaded and a CUDA context smaller than the plan's
+    ``RUNTIME_BYTES``, the engine sizes its cache with what ``hybridkv plan --gpu-memory-gib`` estimates, so both
+    give one ``max_model_len``; when less is free (another process), the engine takes what is free."""
+    import argparse
+
+    from hybridkv.commands.plan import _plan_inputs
+    from hybridkv.engine.kv_sizing import kv_cache_bytes
+    from hybridkv.kv.planner import RUNTIME_BYTES, planned_weight_bytes
+
+    hf_config = json.loads(SCOUT.read_text())
+    total = int(gib * GIB)
+    config = EngineConfig(device="cuda", quantization=quantization, kv_cache_dtype="fp8_e4m3",
+                          tensor_parallel_size=tp, max_num_batched_tokens=8192)
+    args = argparse.Namespace(tensor_parallel_size=tp, kv_cache_dtype="fp8_e4m3", block_size=16, kv_memory_gib=None,
+                              gpu_memory_gib=gib, gpu_memory_utilization=0.9, max_model_len=None,
+                              max_num_batched_tokens=8192, max_num_seqs=256, quantization=quantization)
+    plan = plan_capacity(hf_config, _plan_inputs(args, hf_config))
+    weights = planned_weight_bytes(hf_config, quantization, tp)
+    layout = rank_layout(hf_config, tp, "fp8_e4m3", 16)
+    cfg = hf_config["text_config"] if "text_config" in hf_config else hf_config
+
+    fake_card(monkeypatch, total, weights + RUNTIME_BYTES // 2, weights)
+    kv = kv_cache_bytes(config, hf_config, layout, cfg["hidden_size"], cfg["vocab_size"])
+    assert kv == plan.memory.kv_memory_bytes == plan.kv_memory_bytes
+    num_blocks, max_model_len, _ = size_kv_cache(config, hf_config, layout, kv)
+    assert (num_blocks, max_model_len) == (plan.num_blocks, engine_default_len(plan))
+
+    # 3 GiB more in use than the plan assumes: the engine takes only what is free
+    fake_card(monkeypatch, total, weights + RUNTIME_BYTES + 3 * GIB, weights)
+    less = kv_cache_bytes(config, hf_config, layout, cfg["hidden_size"], cfg["vocab_size"])
+    assert less == plan.kv_memory_bytes - 3 * GIB
